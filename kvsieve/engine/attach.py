@@ -1,0 +1,178 @@
+"""``kvsieve.attach``: run a HF model with a policy pruning its KV cache.
+
+Two modes:
+
+* ``prefill``: the first forward on a fresh cache (the prompt) runs untouched; at its end every
+  full-attention layer is pruned to the budget. Later forwards (question, generated tokens) use
+  the smaller cache, with the original positions.
+* ``decode``: the input is consumed in chunks of ``chunk_size`` tokens and after every chunk, and
+  every generated token, the cache is evicted back to the budget. The cache never holds more
+  than ``budget + chunk_size`` entries, which bounds peak memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Literal
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from kvsieve.engine.attention import ATTENTION_NAME
+from kvsieve.engine.cache import install, sieve_layers
+from kvsieve.engine.compress import CompressionReport, compress_cache
+from kvsieve.policies.base import Policy
+from kvsieve.selection import Budget
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "Session", "attach"]
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
+
+
+@dataclass
+class Session:
+    """What ``attach`` yields: the live cache and what compression did."""
+
+    policy: Policy
+    budget: Budget
+    mode: Literal["prefill", "decode"]
+    chunk_size: int
+    protected_tail: int
+    cache: DynamicCache | None = None
+    report: CompressionReport | None = None
+    peak_tokens: int = 0  # most entries any layer attended over in one forward
+    budget_tokens: int | None = None  # decode mode: the resolved token budget
+
+    def layer(self, idx: int):
+        return None if self.cache is None else self.cache.layers[idx]
+
+    def observe(self, key_len: int) -> None:
+        self.peak_tokens = max(self.peak_tokens, key_len)
+
+    @property
+    def kept_tokens(self) -> list[int]:
+        return [] if self.cache is None else [layer.physical_length for _, layer in sieve_layers(self.cache)]
+
+
+def _model_type(model) -> str:
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    return getattr(config, "model_type", type(model).__name__)
+
+
+def _attention_modules(model):
+    return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj") and hasattr(m, "k_proj")]
+
+
+@contextlib.contextmanager
+def attach(
+    model,
+    policy: Policy,
+    ratio: float | None = None,
+    kept: int | None = None,
+    mode: Literal["prefill", "decode"] = "prefill",
+    chunk_size: int = 512,
+    protected_tail: int = 0,
+) -> Iterator[Session]:
+    """Context manager under which ``model(...)`` and ``model.generate(...)`` run compressed.
+
+    Args:
+        policy: a :class:`~kvsieve.policies.base.Policy` (see ``kvsieve.policies.get``).
+        ratio / kept: the budget, a compression ratio in [0, 1) or a kept-token count per layer.
+        mode: ``"prefill"`` (compress once at the end of the prompt) or ``"decode"`` (hold the
+            cache under the budget while consuming the prompt in chunks and while generating).
+        chunk_size: decode mode only, tokens consumed between evictions.
+        protected_tail: prefill mode, trailing prompt tokens kept on top of the budget (the
+            question, in question-aware mode).
+    """
+    if not isinstance(policy, Policy):
+        raise TypeError(f"policy must be a kvsieve Policy (see kvsieve.policies.get), got {type(policy).__name__}")
+    model_type = _model_type(model)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if mode not in ("prefill", "decode"):
+        raise ValueError(f"mode {mode!r} is not one of 'prefill', 'decode'")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if isinstance(protected_tail, bool) or not isinstance(protected_tail, int) or protected_tail < 0:
+        raise ValueError(f"protected_tail must be an int >= 0, got {protected_tail!r}")
+    budget = Budget(ratio=ratio, kept=kept) if policy.compresses else Budget(ratio=0.0)
+    session = Session(policy, budget, mode, chunk_size, protected_tail)
+    modules = _attention_modules(model)
+    configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in modules)] if c is not None}
+    saved_impl = {key: c._attn_implementation for key, c in configs.items()}
+    original_forward = model.forward
+    try:
+        for config in configs.values():
+            config._attn_implementation = ATTENTION_NAME
+        for module in modules:
+            module._kvsieve_session = session
+        model.forward = _compressing_forward(model, original_forward, session)
+        yield session
+    finally:
+        model.__dict__.pop("forward", None)
+        for module in modules:
+            module.__dict__.pop("_kvsieve_session", None)
+        for key, config in configs.items():
+            config._attn_implementation = saved_impl[key]
+
+
+def _compressing_forward(model, forward, session: Session):
+    def wrapped(*args, **kwargs):
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        inputs = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+        if inputs is None:
+            raise ValueError("attach() needs input_ids or inputs_embeds")
+        mask = kwargs.get("attention_mask")
+        if mask is not None and mask.dim() == 2 and not bool(mask.all()):
+            raise ValueError("padded batches are not supported under kvsieve.attach: pass equal-length, unpadded inputs")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is None and kwargs.get("use_cache", True) is not False:
+            cache = DynamicCache(config=model.config)
+            kwargs["cache"] = cache
+        if cache is None:
+            return forward(*args, **kwargs)
+        install(cache, window=session.policy.window, track_attention=session.policy.needs_accumulated_attention)
+        session.cache = cache
+        layers = sieve_layers(cache)
+        fresh = all(layer.seen == 0 for _, layer in layers)
+        q_len = inputs.shape[1]
+        if fresh:
+            session.report = CompressionReport()
+        if session.mode == "prefill":
+            if fresh and q_len <= session.protected_tail:
+                raise ValueError(f"the prompt ({q_len} tokens) is not longer than protected_tail={session.protected_tail}")
+            output = forward(*args, **kwargs)
+            if fresh and session.policy.compresses:
+                compress_cache(cache, session.policy, session.budget, session.protected_tail, session.report)
+            return output
+        if fresh:
+            session.budget_tokens = session.budget.resolve(q_len)
+        return _forward_in_chunks(forward, args, kwargs, input_ids is not None, q_len, session, layers)
+
+    return wrapped
+
+
+def _forward_in_chunks(forward, args, kwargs, by_ids: bool, q_len: int, session: Session, layers) -> object:
+    key = "input_ids" if by_ids else "inputs_embeds"
+    full = kwargs.pop(key) if key in kwargs else args[0]
+    args = args[1:] if key not in kwargs and args else args
+    kwargs.pop("attention_mask", None)  # checked unpadded above; masks are rebuilt per layer
+    positions = kwargs.pop("position_ids", None)
+    outputs, logits = None, []
+    for start in range(0, q_len, session.chunk_size):
+        stop = min(q_len, start + session.chunk_size)
+        chunk_kwargs = dict(kwargs, **{key: full[:, start:stop]})
+        if positions is not None:
+            chunk_kwargs["position_ids"] = positions[:, start:stop]
+        outputs = forward(*args, **chunk_kwargs)
+        if getattr(outputs, "logits", None) is not None:
+            logits.append(outputs.logits)
+        if session.policy.compresses and any(layer.physical_length > session.budget_tokens for _, layer in layers):
+            report = CompressionReport(seconds=session.report.seconds, events=session.report.events)
+            session.report = compress_cache(session.cache, session.policy, Budget(kept=session.budget_tokens), 0, report)
+    if len(logits) > 1:
+        outputs.logits = torch.cat(logits, dim=1)
+    return outputs
+
+

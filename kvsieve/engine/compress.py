@@ -1,0 +1,119 @@
+"""Apply a policy to a cache: Signals per layer -> scores -> Selection -> physical gather."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from kvsieve.engine.cache import SieveLayer, sieve_layers
+from kvsieve.policies.base import Policy
+from kvsieve.selection import Budget
+from kvsieve.signals import Signals
+
+__all__ = ["LayerReport", "CompressionReport", "layer_signals", "compress_cache"]
+
+
+@dataclass
+class LayerReport:
+    layer: int
+    tokens_before: int
+    tokens_after: int  # entries per head actually held (the widest head under adaptive budgets)
+    bytes_before: int
+    bytes_after: int
+    valid_tokens_after: float  # mean entries per head that attention can see (< tokens_after when masked)
+
+
+@dataclass
+class CompressionReport:
+    layers: list[LayerReport] = field(default_factory=list)
+    seconds: float = 0.0
+    events: int = 0  # how many times the cache was compressed (1 in prefill mode)
+
+    @property
+    def bytes_before(self) -> int:
+        return sum(r.bytes_before for r in self.layers)
+
+    @property
+    def bytes_after(self) -> int:
+        return sum(r.bytes_after for r in self.layers)
+
+    @property
+    def tokens_after(self) -> list[int]:
+        return [r.tokens_after for r in self.layers]
+
+    def summary(self) -> str:
+        if not self.layers:
+            return "no compression"
+        before, after = self.bytes_before, self.bytes_after
+        return (
+            f"cache {before / 2**20:.2f} MiB -> {after / 2**20:.2f} MiB ({100 * (1 - after / max(before, 1)):.1f}% saved), "
+            f"tokens per layer {self.layers[0].tokens_before} -> {min(self.tokens_after)}..{max(self.tokens_after)}, "
+            f"{1000 * self.seconds:.1f} ms"
+        )
+
+
+def layer_signals(layer: SieveLayer, layer_idx: int, num_layers: int, protected_tail: int = 0) -> Signals:
+    if layer.recent_queries is None:
+        raise RuntimeError(f"layer {layer_idx} has no captured queries: run the model under kvsieve.attach()")
+    return Signals(
+        keys=layer.keys,
+        values=layer.values,
+        window_queries=layer.recent_queries,
+        positions=layer.positions,
+        layer_idx=layer_idx,
+        num_layers=num_layers,
+        scaling=layer.scaling,
+        attention_received=layer.attention_received,
+        protected_tail=protected_tail,
+    )
+
+
+def _checked_scores(policy: Policy, signals: Signals) -> torch.Tensor:
+    scores = policy.score(signals)
+    expected = (signals.batch_size, signals.num_kv_heads, signals.seq_len)
+    if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != expected:
+        shape = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
+        raise ValueError(f"policy {policy.name!r} returned scores of shape {shape}, expected {expected}")
+    if not scores.is_floating_point():
+        scores = scores.float()
+    return scores
+
+
+@torch.no_grad()
+def compress_cache(
+    cache: DynamicCache,
+    policy: Policy,
+    budget: Budget,
+    protected_tail: int = 0,
+    report: CompressionReport | None = None,
+) -> CompressionReport:
+    """Prune every full-attention layer of ``cache`` in place to the policy's choice.
+
+    The budget applies to the entries before the protected tail (the context); the tail (e.g. the
+    question in question-aware mode) is kept on top of it.
+    """
+    report = report if report is not None else CompressionReport()
+    start = time.perf_counter()
+    layers = sieve_layers(cache)
+    num_layers = len(cache.layers)
+    for idx, layer in layers:
+        n = layer.physical_length
+        context = n - protected_tail
+        kept = budget.resolve(context)
+        kept_layer = policy.selection.layer_kept(kept, context, idx, num_layers) + protected_tail
+        before = layer.nbytes()
+        if kept_layer < n:
+            signals = layer_signals(layer, idx, num_layers, protected_tail)
+            if signals.window_size > n - protected_tail and protected_tail == 0:
+                raise ValueError(f"window {signals.window_size} is larger than the context ({n} tokens)")
+            scores = _checked_scores(policy, signals)
+            indices, valid = policy.selection.kept_indices(scores, kept_layer, protected_tail)
+            layer.prune(indices, valid)
+        valid_mean = float(layer.valid.float().sum(-1).mean()) if layer.valid is not None else float(layer.physical_length)
+        report.layers.append(LayerReport(idx, n, layer.physical_length, before, layer.nbytes(), valid_mean))
+    report.seconds += time.perf_counter() - start
+    report.events += 1
+    return report

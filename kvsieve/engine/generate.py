@@ -1,0 +1,143 @@
+"""One request end to end: chat template, compressed prefill, greedy answer."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvsieve.engine.attach import attach
+from kvsieve.engine.cache import cache_bytes
+from kvsieve.engine.compress import CompressionReport
+from kvsieve.policies import get as get_policy
+from kvsieve.policies.base import Policy
+
+__all__ = ["Prompt", "Generation", "build_prompt", "greedy_decode", "generate"]
+
+
+@dataclass
+class Prompt:
+    """Token ids of a request, split so the question can be kept out of compression."""
+
+    context_ids: torch.Tensor  # (1, n): chat-template header + context
+    question_ids: torch.Tensor  # (1, m): question + template tail + answer prefix
+
+
+def build_prompt(tokenizer, context: str, question: str, answer_prefix: str = "") -> Prompt:
+    """Apply the chat template to ``context + question`` and split it where the context ends."""
+    if not context:
+        raise ValueError("the context is empty")
+    separator = "\n\n"
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": context + separator + question}]
+        full = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        full = context + separator + question + "\n"
+    split = full.index(context) + len(context)
+    context_text, question_text = full[:split], full[split:] + answer_prefix
+
+    def ids(text: str) -> torch.Tensor:
+        return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]], dtype=torch.long)
+
+    return Prompt(ids(context_text), ids(question_text))
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+@torch.no_grad()
+def greedy_decode(model, tokenizer, cache, logits: torch.Tensor, max_new_tokens: int, stop: tuple[str, ...] = ()) -> list[int]:
+    """Greedy tokens after ``logits`` (b=1, vocab), stopping at EOS, a stop string or the limit."""
+    eos = _eos_ids(model, tokenizer)
+    tokens: list[int] = []
+    for step in range(max_new_tokens):
+        token = int(logits.argmax(dim=-1)[0])
+        if token in eos:
+            break
+        tokens.append(token)
+        if stop and any(s in tokenizer.decode(tokens) for s in stop):
+            break
+        if step + 1 == max_new_tokens:
+            break
+        logits = model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True).logits[:, -1]
+    return tokens
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    context_tokens: int
+    kept_tokens: list[int]  # per compressed layer, after the prompt (before decoding)
+    cache_bytes_full: int
+    cache_bytes_kept: int
+    prefill_seconds: float
+    decode_seconds: float
+    report: CompressionReport | None
+
+
+@torch.no_grad()
+def generate(
+    model,
+    tokenizer,
+    context: str,
+    question: str,
+    policy: Policy | str = "full",
+    ratio: float | None = None,
+    kept: int | None = None,
+    question_aware: bool = False,
+    answer_prefix: str = "",
+    max_new_tokens: int = 32,
+    stop: tuple[str, ...] = (),
+    mode: str = "prefill",
+    chunk_size: int = 512,
+) -> Generation:
+    """Answer ``question`` about ``context`` with the cache compressed by ``policy``.
+
+    Query-agnostic by default: the context is prefilled and compressed before the question is
+    seen. ``question_aware=True`` prefills context and question together (the question is the
+    observation window and is always kept).
+    """
+    policy = get_policy(policy) if isinstance(policy, str) else policy
+    if ratio is None and kept is None:
+        ratio = 0.0
+    prompt = build_prompt(tokenizer, context, question, answer_prefix)
+    n_ctx = prompt.context_ids.shape[1]
+    start = time.perf_counter()
+    protected = prompt.question_ids.shape[1] if question_aware and mode == "prefill" else 0
+    with attach(model, policy, ratio=ratio, kept=kept, mode=mode, chunk_size=chunk_size, protected_tail=protected) as session:
+        if question_aware:
+            ids = torch.cat([prompt.context_ids, prompt.question_ids], dim=1)
+            out = model(input_ids=ids, use_cache=True)
+        else:
+            out = model(input_ids=prompt.context_ids, use_cache=True)
+        cache = out.past_key_values if hasattr(out, "past_key_values") else out.cache
+        kept_tokens = session.kept_tokens
+        bytes_kept = cache_bytes(cache)
+        bytes_full = session.report.bytes_before if session.report and session.report.layers else bytes_kept
+        if not question_aware:
+            out = model(input_ids=prompt.question_ids, cache=cache, use_cache=True)
+        prefill_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        tokens = greedy_decode(model, tokenizer, cache, out.logits[:, -1], max_new_tokens, stop)
+        decode_seconds = time.perf_counter() - start
+    return Generation(
+        text=tokenizer.decode(tokens, skip_special_tokens=True),
+        token_ids=tokens,
+        context_tokens=n_ctx,
+        kept_tokens=kept_tokens,
+        cache_bytes_full=bytes_full,
+        cache_bytes_kept=bytes_kept,
+        prefill_seconds=prefill_seconds,
+        decode_seconds=decode_seconds,
+        report=session.report,
+    )

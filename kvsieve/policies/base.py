@@ -1,0 +1,49 @@
+"""The one interface every eviction policy implements: hand-made, evolved or learned.
+
+A policy maps the :class:`~kvsieve.signals.Signals` of one layer to scores shaped
+(batch, kv_heads, seq); higher means keep. Which entries are then kept (top-k per head, chunks,
+protected tokens, per-layer or per-head budgets) is decided by its :class:`~kvsieve.selection.Selection`,
+so a policy is only a scorer plus a default selection.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from kvsieve.selection import Selection
+from kvsieve.signals import Signals
+
+__all__ = ["Policy"]
+
+
+class Policy:
+    """Base class. Subclasses set ``name`` and implement :meth:`score`.
+
+    Class attributes:
+        name: registry name.
+        needs_accumulated_attention: ask the engine to accumulate ``Signals.attention_received``
+            (costs about one extra attention pass during prefill).
+        compresses: ``False`` only for the full-cache policy.
+    """
+
+    name: ClassVar[str] = "base"
+    needs_accumulated_attention: ClassVar[bool] = False
+    compresses: ClassVar[bool] = True
+
+    def __init__(self, selection: Selection | None = None, window: int = 64) -> None:
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive int, got {window!r}")
+        self.window = window
+        self.selection = selection if selection is not None else self.default_selection()
+
+    def default_selection(self) -> Selection:
+        return Selection()
+
+    def score(self, signals: Signals) -> torch.Tensor:
+        """Return (batch, kv_heads, seq) scores; higher is kept first."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(window={self.window}, selection={self.selection})"

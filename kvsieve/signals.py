@@ -1,0 +1,115 @@
+"""What a policy may see about one attention layer, computed lazily and at most once.
+
+A policy never touches the model: it gets a :class:`Signals` for one layer and returns one score
+per cached entry and KV head. Everything here is derived from the layer's cache and the queries
+the engine captured while the layer ran.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+__all__ = ["Signals"]
+
+
+@dataclass(eq=False)
+class Signals:
+    """Per-layer inputs of a policy.
+
+    Shapes: ``b`` batch, ``h`` KV heads, ``g`` query heads per KV head, ``n`` cached entries,
+    ``w`` observation window, ``d`` head dim.
+
+    Attributes:
+        keys: (b, h, n, d) cached keys, rotary embedding applied.
+        values: (b, h, n, d) cached values.
+        window_queries: (b, h*g, w, d) queries of the last ``w`` tokens the layer processed.
+        positions: (b, h, n) original token position of each cached entry.
+        layer_idx, num_layers: where this layer sits in the model.
+        scaling: softmax scale the model uses (usually ``d ** -0.5``).
+        attention_received: (b, h, n) attention each entry received from every query the layer
+            processed so far (summed over queries and grouped query heads), when the engine was asked
+            to accumulate it (policies with ``needs_accumulated_attention``), else ``None``.
+        protected_tail: number of trailing entries the engine will keep whatever the scores say
+            (e.g. the question in question-aware mode).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    window_queries: torch.Tensor
+    positions: torch.Tensor
+    layer_idx: int
+    num_layers: int
+    scaling: float
+    attention_received: torch.Tensor | None = None
+    protected_tail: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = self.keys.shape[-2]
+        if n == 0:
+            raise ValueError("Signals got an empty cache: the context has no tokens")
+        if self.window_queries.shape[-2] > n:
+            raise ValueError(
+                f"observation window of {self.window_queries.shape[-2]} queries is larger than the {n} cached entries;"
+                " use a window <= the context length"
+            )
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def seq_len(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def window_size(self) -> int:
+        return self.window_queries.shape[-2]
+
+    @property
+    def num_groups(self) -> int:
+        return self.window_queries.shape[1] // self.num_kv_heads
+
+    @cached_property
+    def window_attention(self) -> torch.Tensor:
+        """(b, h*g, w, n) softmax attention of the window queries over the cache, in float32.
+
+        The window's own keys are the last ``w`` entries; a window query does not see later
+        window entries (causal), exactly as in the forward pass.
+        """
+        b, hq, w, d = self.window_queries.shape
+        keys = self.keys.repeat_interleave(self.num_groups, dim=1).float()
+        logits = torch.matmul(self.window_queries.float(), keys.transpose(-1, -2)) * self.scaling
+        future = torch.triu(torch.ones(w, w, dtype=torch.bool, device=logits.device), diagonal=1)
+        logits[..., -w:].masked_fill_(future, float("-inf"))
+        return torch.softmax(logits, dim=-1)
+
+    @cached_property
+    def window_attention_kv(self) -> torch.Tensor:
+        """(b, h, w, n) window attention averaged over the query heads that share a KV head."""
+        b, hq, w, n = self.window_attention.shape
+        return self.window_attention.view(b, self.num_kv_heads, self.num_groups, w, n).mean(dim=2)
+
+    @cached_property
+    def key_norms(self) -> torch.Tensor:
+        """(b, h, n) L2 norm of each key."""
+        return self.keys.float().norm(dim=-1)
+
+    @cached_property
+    def value_norms(self) -> torch.Tensor:
+        """(b, h, n) L2 norm of each value."""
+        return self.values.float().norm(dim=-1)
+
+    @cached_property
+    def relative_positions(self) -> torch.Tensor:
+        """(b, h, n) position of each entry scaled to [0, 1] (0 = first token seen, 1 = last)."""
+        pos = self.positions.float()
+        last = pos.amax(dim=-1, keepdim=True).clamp_min(1.0)
+        return pos / last
