@@ -97,7 +97,8 @@ class Selection:
         top = kept / self.pyramid_beta
         bottom = 2 * kept - top
         budget = bottom + (top - bottom) * layer_idx / (num_layers - 1)
-        return int(min(seq_len, max(1, round(budget))))
+        # never below the protected entries (the window); this can lift the mean slightly above kept
+        return int(min(seq_len, max(1, self.sink + self.recent, round(budget))))
 
     def kept_indices(
         self, scores: torch.Tensor, kept: int, protected_tail: int = 0

@@ -142,6 +142,10 @@ def _compressing_forward(model, forward, session: Session):
         if session.mode == "prefill":
             if fresh and q_len <= session.protected_tail:
                 raise ValueError(f"the prompt ({q_len} tokens) is not longer than protected_tail={session.protected_tail}")
+            if fresh and session.policy.compresses and q_len < session.policy.window:
+                raise ValueError(
+                    f"window {session.policy.window} is larger than the context ({q_len} tokens); use a smaller window"
+                )
             output = forward(*args, **kwargs)
             if fresh and session.policy.compresses:
                 compress_cache(cache, session.policy, session.budget, session.protected_tail, session.report)

@@ -105,10 +105,8 @@ def compress_cache(
         kept = budget.resolve(context)
         kept_layer = policy.selection.layer_kept(kept, context, idx, num_layers) + protected_tail
         before = layer.nbytes()
-        if kept_layer < n:
+        if kept < context and kept_layer < n:  # ratio 0 keeps everything, whatever the layer schedule
             signals = layer_signals(layer, idx, num_layers, protected_tail)
-            if signals.window_size > n - protected_tail and protected_tail == 0:
-                raise ValueError(f"window {signals.window_size} is larger than the context ({n} tokens)")
             scores = _checked_scores(policy, signals)
             indices, valid = policy.selection.kept_indices(scores, kept_layer, protected_tail)
             layer.prune(indices, valid)

@@ -17,12 +17,12 @@ class H2O(Policy):
     name = "h2o"
     needs_accumulated_attention = True
 
-    def __init__(self, recent: int = 64, **kwargs) -> None:
-        self.recent = recent
+    def __init__(self, recent: int | None = None, **kwargs) -> None:
+        self.recent = recent  # None: as many recent tokens as the observation window
         super().__init__(**kwargs)
 
     def default_selection(self) -> Selection:
-        return Selection(recent=self.recent)
+        return Selection(recent=self.window if self.recent is None else self.recent)
 
     def score(self, signals: Signals) -> torch.Tensor:
         if signals.attention_received is None:

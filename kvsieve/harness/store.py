@@ -1,0 +1,309 @@
+"""The one results store every command reads and writes: a SQLite file with one row per evaluated cell.
+
+A *cell* is one (model, task, context length, sample, policy, compression ratio, question-awareness)
+combination. Cells are committed one at a time, so a run killed at any moment loses at most the cell it
+was computing; a rerun asks :meth:`ResultsStore.missing` for the cells still to do.
+
+The file uses WAL journaling, so readers (reports, dashboards) never block the writer and vice versa.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SCHEMA_VERSION", "CellKey", "CellResult", "ResultsStore", "SchemaVersionError"]
+
+SCHEMA_VERSION = 1
+RATIO_DECIMALS = 6
+
+KEY_COLUMNS = ("model", "task", "length", "sample_id", "policy", "ratio", "question_aware")
+
+_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS schema_version (
+    version INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS cells (
+    id INTEGER PRIMARY KEY,
+    model TEXT NOT NULL,
+    task TEXT NOT NULL,
+    length INTEGER NOT NULL,
+    sample_id TEXT NOT NULL,
+    policy TEXT NOT NULL,
+    ratio REAL NOT NULL,
+    question_aware INTEGER NOT NULL,
+    prediction TEXT NOT NULL,
+    score REAL NOT NULL,
+    answers TEXT NOT NULL,
+    kept_tokens INTEGER NOT NULL,
+    cache_bytes INTEGER NOT NULL,
+    cache_bytes_full INTEGER NOT NULL,
+    prefill_seconds REAL NOT NULL,
+    decode_seconds REAL NOT NULL,
+    config TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    UNIQUE ({", ".join(KEY_COLUMNS)})
+);
+CREATE INDEX IF NOT EXISTS cells_policy ON cells (policy, ratio);
+"""
+
+_VALUE_COLUMNS = ("prediction", "score", "answers", "kept_tokens", "cache_bytes", "cache_bytes_full",
+                  "prefill_seconds", "decode_seconds", "config", "created_at")
+_INSERT = (f"INSERT OR IGNORE INTO cells ({', '.join(KEY_COLUMNS + _VALUE_COLUMNS)}) "
+           f"VALUES ({', '.join('?' * (len(KEY_COLUMNS) + len(_VALUE_COLUMNS)))})")
+_MATCH_KEY = " AND ".join(f"c.{col} = k.{col}" for col in KEY_COLUMNS)
+
+
+class SchemaVersionError(ValueError):
+    """The store was written by a newer (or unknown) version of kvsieve."""
+
+
+@dataclass(frozen=True)
+class CellKey:
+    """Identifies one evaluated cell. Hashable, so it can live in sets and dict keys.
+
+    ``policy`` is a canonical policy spec string such as ``snapkv`` or ``snapkv(window=32)``;
+    ``ratio`` is the compression ratio (fraction of the cache removed; ``0`` for the full cache) and is
+    compared after rounding to 6 decimals.
+    """
+
+    model: str
+    task: str
+    length: int
+    sample_id: str
+    policy: str
+    ratio: float
+    question_aware: bool
+
+    def as_row(self) -> tuple:
+        """The key as stored: ratio rounded, booleans as integers."""
+        return (str(self.model), str(self.task), int(self.length), str(self.sample_id), str(self.policy),
+                round(float(self.ratio), RATIO_DECIMALS), int(bool(self.question_aware)))
+
+
+@dataclass
+class CellResult:
+    """The outcome of one cell. ``config`` is the exact run configuration (must be JSON serialisable;
+    tuples come back as lists)."""
+
+    key: CellKey
+    prediction: str
+    score: float
+    answers: list[str]
+    kept_tokens: int
+    cache_bytes: int
+    cache_bytes_full: int
+    prefill_seconds: float
+    decode_seconds: float
+    config: dict
+
+
+def _result_row(result: CellResult) -> tuple:
+    try:
+        config = json.dumps(result.config, sort_keys=True)
+        answers = json.dumps([str(a) for a in result.answers])
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"config of cell {result.key} is not JSON serialisable: {exc}") from exc
+    return result.key.as_row() + (
+        str(result.prediction), float(result.score), answers, int(result.kept_tokens), int(result.cache_bytes),
+        int(result.cache_bytes_full), float(result.prefill_seconds), float(result.decode_seconds), config,
+        time.time(),
+    )
+
+
+def _from_row(row: sqlite3.Row) -> CellResult:
+    key = CellKey(model=row["model"], task=row["task"], length=row["length"], sample_id=row["sample_id"],
+                  policy=row["policy"], ratio=row["ratio"], question_aware=bool(row["question_aware"]))
+    return CellResult(key=key, prediction=row["prediction"], score=row["score"], answers=json.loads(row["answers"]),
+                      kept_tokens=row["kept_tokens"], cache_bytes=row["cache_bytes"],
+                      cache_bytes_full=row["cache_bytes_full"], prefill_seconds=row["prefill_seconds"],
+                      decode_seconds=row["decode_seconds"], config=json.loads(row["config"]))
+
+
+def _normalise_filter(column: str, value: Any) -> Any:
+    if column == "ratio":
+        return round(float(value), RATIO_DECIMALS)
+    if column == "question_aware":
+        return int(bool(value))
+    if column == "length":
+        return int(value)
+    return str(value)
+
+
+class ResultsStore:
+    """A SQLite results store at ``path`` (created, with its parent folders, if absent).
+
+    Raises ``ValueError`` naming the path if the file is not a SQLite database or not a results store,
+    and :class:`SchemaVersionError` (a ``ValueError``) if it was written with a newer schema version.
+    One instance holds one connection; use one instance per thread / process.
+    """
+
+    def __init__(self, path: str | Path, timeout: float = 60.0):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._conn: sqlite3.Connection | None = None
+        try:
+            conn = sqlite3.connect(self.path, timeout=timeout, isolation_level=None)
+        except sqlite3.Error as exc:
+            raise ValueError(f"cannot open results store {self.path}: {exc}") from exc
+        conn.row_factory = sqlite3.Row
+        try:
+            self._init(conn)
+        except BaseException as exc:
+            conn.close()
+            if isinstance(exc, sqlite3.OperationalError):  # locked, unreadable, ...: not a format problem
+                raise sqlite3.OperationalError(f"results store {self.path}: {exc}") from exc
+            if isinstance(exc, sqlite3.DatabaseError):  # not a database, malformed image
+                raise ValueError(f"{self.path} is not a valid kvsieve results store (SQLite error: {exc})") from exc
+            raise
+        self._conn = conn
+
+    def _init(self, conn: sqlite3.Connection) -> None:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if tables and "schema_version" not in tables:
+                raise ValueError(f"{self.path} is a SQLite database but not a kvsieve results store "
+                                 f"(tables: {', '.join(sorted(tables))})")
+            if "schema_version" in tables:
+                row = conn.execute("SELECT MAX(version) FROM schema_version").fetchone()
+                version = row[0]
+                if version is not None and version > SCHEMA_VERSION:
+                    raise SchemaVersionError(
+                        f"results store {self.path} has schema version {version}, but this kvsieve only "
+                        f"understands versions <= {SCHEMA_VERSION}; upgrade kvsieve to read it")
+                if version is not None and version < 1:
+                    raise SchemaVersionError(f"results store {self.path} has unknown schema version {version}")
+            # executescript() would commit the open transaction, so run the statements one by one
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    conn.execute(statement)
+            if conn.execute("SELECT COUNT(*) FROM schema_version").fetchone()[0] == 0:
+                conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    # -- connection management -------------------------------------------------------------------------
+
+    @property
+    def conn(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise ValueError(f"results store {self.path} is closed")
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def __enter__(self) -> ResultsStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._conn is None else "open"
+        return f"ResultsStore({str(self.path)!r}, {state})"
+
+    @property
+    def schema_version(self) -> int:
+        return self.conn.execute("SELECT MAX(version) FROM schema_version").fetchone()[0]
+
+    # -- writing ------------------------------------------------------------------------------------------
+
+    def add(self, result: CellResult) -> bool:
+        """Insert one cell and commit. Returns ``False`` (and changes nothing) if the key is already stored."""
+        cursor = self.conn.execute(_INSERT, _result_row(result))
+        return cursor.rowcount == 1
+
+    def add_many(self, results: Iterable[CellResult]) -> int:
+        """Insert many cells in one transaction; keys already stored are skipped. Returns the number inserted."""
+        rows = [_result_row(r) for r in results]
+        conn = self.conn
+        before = conn.total_changes
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            conn.executemany(_INSERT, rows)
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        return conn.total_changes - before
+
+    # -- reading ------------------------------------------------------------------------------------------
+
+    def has(self, key: CellKey) -> bool:
+        where = " AND ".join(f"{col} = ?" for col in KEY_COLUMNS)
+        return self.conn.execute(f"SELECT 1 FROM cells WHERE {where} LIMIT 1", key.as_row()).fetchone() is not None
+
+    def missing(self, keys: Iterable[CellKey]) -> list[CellKey]:
+        """The keys not yet stored, in input order (a key repeated in the input is returned once)."""
+        unique: dict[CellKey, None] = dict.fromkeys(keys)
+        if not unique:
+            return []
+        ordered = list(unique)
+        conn = self.conn
+        conn.execute("BEGIN")
+        try:
+            conn.execute("DROP TABLE IF EXISTS temp.wanted")
+            conn.execute(f"CREATE TEMP TABLE wanted (idx INTEGER PRIMARY KEY, {', '.join(KEY_COLUMNS)})")
+            conn.executemany(f"INSERT INTO temp.wanted VALUES (?, {', '.join('?' * len(KEY_COLUMNS))})",
+                             ((i,) + key.as_row() for i, key in enumerate(ordered)))
+            found = conn.execute(
+                f"SELECT k.idx FROM temp.wanted AS k WHERE NOT EXISTS "
+                f"(SELECT 1 FROM cells AS c WHERE {_MATCH_KEY}) ORDER BY k.idx").fetchall()
+            conn.execute("DROP TABLE temp.wanted")
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        return [ordered[row[0]] for row in found]
+
+    def _where(self, filters: dict[str, Any]) -> tuple[str, list]:
+        clauses, params = [], []
+        for column, value in filters.items():
+            if column not in KEY_COLUMNS:
+                raise TypeError(f"unknown filter {column!r}; filters must be key columns: {', '.join(KEY_COLUMNS)}")
+            if isinstance(value, (list, tuple, set, frozenset)):
+                values = [_normalise_filter(column, v) for v in value]
+                if not values:
+                    clauses.append("0")
+                    continue
+                clauses.append(f"{column} IN ({', '.join('?' * len(values))})")
+                params.extend(values)
+            else:
+                clauses.append(f"{column} = ?")
+                params.append(_normalise_filter(column, value))
+        return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
+
+    def rows(self, **filters: Any) -> list[CellResult]:
+        """Stored cells in insertion order. Each filter is equality on a key column
+        (``model=``, ``task=``, ``length=``, ``sample_id=``, ``policy=``, ``ratio=``, ``question_aware=``);
+        a list / tuple / set value matches any of its elements."""
+        where, params = self._where(filters)
+        return [_from_row(r) for r in self.conn.execute(f"SELECT * FROM cells{where} ORDER BY id", params)]
+
+    def keys(self, **filters: Any) -> list[CellKey]:
+        """Stored keys in insertion order, with the same filters as :meth:`rows`."""
+        where, params = self._where(filters)
+        sql = f"SELECT {', '.join(KEY_COLUMNS)} FROM cells{where} ORDER BY id"
+        return [CellKey(model=r[0], task=r[1], length=r[2], sample_id=r[3], policy=r[4], ratio=r[5],
+                        question_aware=bool(r[6])) for r in self.conn.execute(sql, params)]
+
+    def count(self, **filters: Any) -> int:
+        """Number of stored cells (optionally filtered like :meth:`rows`)."""
+        where, params = self._where(filters)
+        return self.conn.execute(f"SELECT COUNT(*) FROM cells{where}", params).fetchone()[0]

@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny randomly initialised models of every supported architecture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+torch.set_flush_denormal(True)
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None, bos_token_id=0)
+
+
+def tiny_config(arch: str):
+    if arch == "llama":
+        return LlamaConfig(**COMMON)
+    if arch == "qwen2":
+        return Qwen2Config(**COMMON)
+    if arch == "qwen3":
+        return Qwen3Config(**COMMON, head_dim=16)
+    if arch == "mistral":
+        return MistralConfig(**COMMON, sliding_window=None)
+    if arch == "gemma3":
+        return Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=8,
+                                layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    raise ValueError(arch)
+
+
+def tiny_model(arch: str = "llama", seed: int = 0):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch), attn_implementation="sdpa")
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def llama():
+    return tiny_model("llama")
+
+
+@pytest.fixture
+def prompt_ids():
+    return torch.randint(1, 128, (1, 96), generator=torch.Generator().manual_seed(1))

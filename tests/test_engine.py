@@ -1,0 +1,192 @@
+"""Cache surgery on tiny random models: budgets, bytes, positions, hooks, decode-time eviction."""
+
+import pytest
+import torch
+from conftest import tiny_model
+from transformers.cache_utils import DynamicCache
+
+import kvsieve
+from kvsieve.engine.cache import SieveLayer, sieve_layers
+from kvsieve.engine.compress import layer_signals
+from kvsieve.policies import get, names
+
+COMPRESSING = [n for n in names() if n != "full"]
+
+
+@torch.no_grad()
+def prefill(model, ids, policy, **kwargs):
+    with kvsieve.attach(model, policy, **kwargs) as session:
+        out = model(input_ids=ids, use_cache=True)
+    return out.past_key_values, session
+
+
+@pytest.mark.parametrize("name", COMPRESSING)
+@torch.no_grad()
+def test_kept_entries_are_the_top_scores_and_protected(llama, prompt_ids, name):
+    policy = get(name, window=16)
+    full_cache, _ = prefill(llama, prompt_ids, policy, ratio=0.0)
+    cache, session = prefill(llama, prompt_ids, policy, ratio=0.5)
+    num_layers = len(cache.layers)
+    for idx, layer in sieve_layers(cache):
+        reference = full_cache.layers[idx]
+        signals = layer_signals(reference, idx, num_layers)
+        scores = policy.score(signals)
+        kept_layer = policy.selection.layer_kept(48, 96, idx, num_layers)
+        expected, valid = policy.selection.kept_indices(scores, kept_layer)
+        assert torch.equal(layer.positions, expected), name
+        sel = policy.selection
+        for head in range(scores.shape[1]):
+            kept = expected[0, head] if valid is None else expected[0, head][valid[0, head]]
+            kept_set = set(kept.tolist())
+            protected = set(range(sel.sink)) | set(range(96 - sel.recent, 96))
+            assert protected <= kept_set
+            if sel.chunk_size == 1:
+                free_kept = [scores[0, head, i] for i in kept_set - protected]
+                dropped = [scores[0, head, i] for i in set(range(96)) - kept_set]
+                if free_kept and dropped:
+                    assert min(free_kept) >= max(dropped)
+        # the kept keys are the reference keys at those positions: a physical gather
+        gathered = reference.keys.gather(2, layer.positions[..., None].expand(-1, -1, -1, layer.keys.shape[-1]))
+        assert torch.equal(layer.keys, gathered)
+
+
+@pytest.mark.parametrize("name", ["snapkv", "knorm", "streaming_llm", "chunkkv", "h2o"])
+def test_cache_length_and_bytes_equal_the_budget(llama, prompt_ids, name):
+    cache, session = prefill(llama, prompt_ids, get(name, window=16), ratio=0.75)
+    for _, layer in sieve_layers(cache):
+        assert layer.keys.shape[-2] == 24 and layer.values.shape[-2] == 24
+        per_token = 2 * layer.keys.shape[1] * layer.keys.shape[-1] * layer.keys.element_size()
+        assert layer.nbytes() == 24 * per_token
+    report = session.report
+    assert report.bytes_after * 4 == report.bytes_before
+    cache, _ = prefill(llama, prompt_ids, get(name, window=16), kept=30)
+    assert all(layer.physical_length == 30 for _, layer in sieve_layers(cache))
+
+
+def test_pyramid_layers_have_different_lengths_and_still_decode(llama, prompt_ids):
+    with kvsieve.attach(llama, get("pyramidkv", window=16), ratio=0.5) as session:
+        out = llama.generate(prompt_ids, max_new_tokens=5, do_sample=False)
+    lengths = session.report.tokens_after
+    assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1]
+    assert out.shape[1] == 96 + 5
+
+
+def test_adakv_masks_padding_and_reports_padded_bytes(llama, prompt_ids):
+    cache, session = prefill(llama, prompt_ids, get("adakv", window=16), ratio=0.5)
+    for report, (_, layer) in zip(session.report.layers, sieve_layers(cache)):
+        assert report.bytes_after == layer.nbytes()
+        if layer.valid is not None:
+            assert layer.valid.sum(-1).float().mean() == pytest.approx(48, abs=0.5)
+            assert report.tokens_after >= 48
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])
+def test_ratio_zero_gives_identical_greedy_output(arch, prompt_ids):
+    model = tiny_model(arch)
+    reference = model.generate(prompt_ids, max_new_tokens=10, do_sample=False)
+    with kvsieve.attach(model, get("snapkv", window=16), ratio=0.0):
+        compressed = model.generate(prompt_ids, max_new_tokens=10, do_sample=False)
+    assert torch.equal(reference, compressed)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_pruned_cache_equals_masked_full_cache(arch, prompt_ids):
+    """Physical pruning gives the logits of the full cache with the evicted entries masked out."""
+    model = tiny_model(arch)
+    policy = get("random", seed=3, window=8)
+    pruned, _ = prefill(model, prompt_ids, policy, ratio=0.6)
+    masked, _ = prefill(model, prompt_ids, policy, ratio=0.0)
+    for idx, layer in sieve_layers(pruned):
+        keep = torch.zeros_like(masked.layers[idx].positions, dtype=torch.bool)
+        keep.scatter_(2, layer.positions, True)
+        masked.layers[idx].valid = keep
+    nxt = torch.tensor([[5, 7, 9]])
+    with kvsieve.attach(model, policy, ratio=0.6):
+        a = model(input_ids=nxt, cache=pruned, use_cache=True).logits
+        b = model(input_ids=nxt, cache=masked, use_cache=True).logits
+    assert pruned.get_seq_length() == 99
+    torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+def test_hooks_are_removed_even_on_error(llama, prompt_ids):
+    impl = llama.config._attn_implementation
+    with pytest.raises(RuntimeError, match="boom"):
+        with kvsieve.attach(llama, get("snapkv", window=16), ratio=0.5):
+            llama(input_ids=prompt_ids, use_cache=True)
+            raise RuntimeError("boom")
+    assert "forward" not in llama.__dict__
+    assert llama.config._attn_implementation == impl
+    assert not any(hasattr(m, "_kvsieve_session") for m in llama.modules())
+    out = llama(input_ids=prompt_ids, use_cache=True)
+    assert not any(isinstance(layer, SieveLayer) for layer in out.past_key_values.layers)
+
+
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "streaming_llm", "tova"])
+def test_decode_time_eviction_stays_under_budget_plus_chunk(llama, prompt_ids, name):
+    with kvsieve.attach(llama, get(name, window=8), kept=32, mode="decode", chunk_size=16) as session:
+        out = llama.generate(prompt_ids, max_new_tokens=12, do_sample=False)
+        assert session.peak_tokens <= 32 + 16
+        assert all(n <= 32 for n in session.kept_tokens)
+    assert out.shape[1] == 96 + 12
+    assert session.report.events >= 96 // 16
+
+
+def test_decode_mode_logits_cover_every_position(llama, prompt_ids):
+    with kvsieve.attach(llama, get("knorm"), kept=40, mode="decode", chunk_size=32):
+        out = llama(input_ids=prompt_ids, use_cache=True)
+    assert out.logits.shape[1] == 96
+
+
+def test_unsupported_architecture_is_rejected():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50))
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
+        with kvsieve.attach(model, get("snapkv"), ratio=0.5):
+            pass
+
+
+def test_bad_inputs(llama, prompt_ids):
+    with pytest.raises(TypeError, match="kvsieve Policy"):
+        with kvsieve.attach(llama, "snapkv", ratio=0.5):
+            pass
+    with pytest.raises(ValueError, match="outside"):
+        with kvsieve.attach(llama, get("snapkv"), ratio=1.5):
+            pass
+    with pytest.raises(ValueError, match="padded"):
+        with kvsieve.attach(llama, get("snapkv", window=16), ratio=0.5):
+            mask = torch.ones_like(prompt_ids)
+            mask[0, :4] = 0
+            llama(input_ids=prompt_ids, attention_mask=mask)
+    with pytest.raises(ValueError, match="window 64 is larger than the context"):
+        prefill(llama, prompt_ids[:, :20], get("snapkv", window=64), ratio=0.1)
+    with pytest.raises(ValueError, match="above the context length 96"):
+        prefill(llama, prompt_ids, get("knorm"), kept=200)
+    with pytest.raises(ValueError, match="mode"):
+        with kvsieve.attach(llama, get("knorm"), ratio=0.5, mode="stream"):
+            pass
+    with pytest.raises(ValueError, match="unknown policy 'snapkvv'"):
+        get("snapkvv")
+    with pytest.raises(ValueError, match="bad parameters"):
+        get("snapkv", windw=3)
+
+
+def test_policy_returning_a_bad_shape_is_rejected(llama, prompt_ids):
+    from kvsieve.policies.base import Policy
+
+    class Broken(Policy):
+        name = "broken"
+
+        def score(self, signals):
+            return torch.zeros(signals.seq_len)
+
+    with pytest.raises(ValueError, match="returned scores of shape"):
+        prefill(llama, prompt_ids, Broken(window=8), ratio=0.5)
+
+
+def test_fresh_cache_is_required(llama, prompt_ids):
+    cache = DynamicCache(config=llama.config)
+    llama(input_ids=prompt_ids, cache=cache, use_cache=True)
+    with pytest.raises(ValueError, match="fresh cache"):
+        with kvsieve.attach(llama, get("knorm"), ratio=0.5):
+            llama(input_ids=prompt_ids[:, :3], cache=cache, use_cache=True)
