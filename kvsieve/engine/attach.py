@@ -13,8 +13,9 @@ Two modes:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Literal
+from typing import Literal
 
 import torch
 from transformers.cache_utils import DynamicCache
@@ -125,7 +126,9 @@ def _compressing_forward(model, forward, session: Session):
             raise ValueError("attach() needs input_ids or inputs_embeds")
         mask = kwargs.get("attention_mask")
         if mask is not None and mask.dim() == 2 and not bool(mask.all()):
-            raise ValueError("padded batches are not supported under kvsieve.attach: pass equal-length, unpadded inputs")
+            raise ValueError(
+                "padded batches are not supported under kvsieve.attach: pass equal-length, unpadded inputs"
+            )
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if cache is None and kwargs.get("use_cache", True) is not False:
             cache = DynamicCache(config=model.config)
@@ -141,7 +144,9 @@ def _compressing_forward(model, forward, session: Session):
             session.report = CompressionReport()
         if session.mode == "prefill":
             if fresh and q_len <= session.protected_tail:
-                raise ValueError(f"the prompt ({q_len} tokens) is not longer than protected_tail={session.protected_tail}")
+                raise ValueError(
+                    f"the prompt ({q_len} tokens) is not longer than protected_tail={session.protected_tail}"
+                )
             if fresh and session.policy.compresses and q_len < session.policy.window:
                 raise ValueError(
                     f"window {session.policy.window} is larger than the context ({q_len} tokens); use a smaller window"
@@ -174,7 +179,8 @@ def _forward_in_chunks(forward, args, kwargs, by_ids: bool, q_len: int, session:
             logits.append(outputs.logits)
         if session.policy.compresses and any(layer.physical_length > session.budget_tokens for _, layer in layers):
             report = CompressionReport(seconds=session.report.seconds, events=session.report.events)
-            session.report = compress_cache(session.cache, session.policy, Budget(kept=session.budget_tokens), 0, report)
+            budget = Budget(kept=session.budget_tokens)
+            session.report = compress_cache(session.cache, session.policy, budget, 0, report)
     if len(logits) > 1:
         outputs.logits = torch.cat(logits, dim=1)
     return outputs

@@ -49,7 +49,8 @@ class CompressionReport:
             return "no compression"
         before, after = self.bytes_before, self.bytes_after
         return (
-            f"cache {before / 2**20:.2f} MiB -> {after / 2**20:.2f} MiB ({100 * (1 - after / max(before, 1)):.1f}% saved), "
+            f"cache {before / 2**20:.2f} MiB -> {after / 2**20:.2f} MiB "
+            f"({100 * (1 - after / max(before, 1)):.1f}% saved), "
             f"tokens per layer {self.layers[0].tokens_before} -> {min(self.tokens_after)}..{max(self.tokens_after)}, "
             f"{1000 * self.seconds:.1f} ms"
         )
@@ -110,7 +111,8 @@ def compress_cache(
             scores = _checked_scores(policy, signals)
             indices, valid = policy.selection.kept_indices(scores, kept_layer, protected_tail)
             layer.prune(indices, valid)
-        valid_mean = float(layer.valid.float().sum(-1).mean()) if layer.valid is not None else float(layer.physical_length)
+        valid = layer.valid
+        valid_mean = float(valid.float().sum(-1).mean()) if valid is not None else float(layer.physical_length)
         report.layers.append(LayerReport(idx, n, layer.physical_length, before, layer.nbytes(), valid_mean))
     report.seconds += time.perf_counter() - start
     report.events += 1

@@ -55,7 +55,9 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 
 @torch.no_grad()
-def greedy_decode(model, tokenizer, cache, logits: torch.Tensor, max_new_tokens: int, stop: tuple[str, ...] = ()) -> list[int]:
+def greedy_decode(
+    model, tokenizer, cache, logits: torch.Tensor, max_new_tokens: int, stop: tuple[str, ...] = ()
+) -> list[int]:
     """Greedy tokens after ``logits`` (b=1, vocab), stopping at EOS, a stop string or the limit."""
     eos = _eos_ids(model, tokenizer)
     tokens: list[int] = []
@@ -114,7 +116,8 @@ def generate(
     n_ctx = prompt.context_ids.shape[1]
     start = time.perf_counter()
     protected = prompt.question_ids.shape[1] if question_aware and mode == "prefill" else 0
-    with attach(model, policy, ratio=ratio, kept=kept, mode=mode, chunk_size=chunk_size, protected_tail=protected) as session:
+    options = dict(ratio=ratio, kept=kept, mode=mode, chunk_size=chunk_size, protected_tail=protected)
+    with attach(model, policy, **options) as session:
         if question_aware:
             ids = torch.cat([prompt.context_ids, prompt.question_ids], dim=1)
             out = model(input_ids=ids, use_cache=True)

@@ -1,0 +1,66 @@
+"""End to end on the real bundled SmolLM2-135M: a 1k-token needle in a haystack."""
+
+import random
+
+import pytest
+
+from kvsieve.engine.generate import generate
+
+pytestmark = pytest.mark.model
+
+NOUNS = "river garden teacher window mountain letter engine village market candle harbor forest doctor bridge".split()
+VERBS = "visits paints follows repairs describes watches carries finds builds opens".split()
+ADJECTIVES = "quiet old bright narrow golden busy distant gentle heavy famous".split()
+NEEDLE = "One of the special magic numbers for purple-lake is: 4819273."
+QUESTION = "What is the special magic number for purple-lake mentioned in the provided text?"
+PREFIX = "The special magic number for purple-lake mentioned in the provided text is"
+
+
+def haystack_with_needle(sentences: int, depth: float, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    text = [
+        f"The {rng.choice(ADJECTIVES)} {rng.choice(NOUNS)} {rng.choice(VERBS)} the {rng.choice(NOUNS)} "
+        f"near the {rng.choice(ADJECTIVES)} {rng.choice(NOUNS)}."
+        for _ in range(sentences)
+    ]
+    text.insert(int(depth * sentences), NEEDLE)
+    return " ".join(text)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from kvsieve.models import load
+
+    return load("smollm2-135m")
+
+
+@pytest.mark.parametrize("depth", [0.25, 0.75])
+def test_needle_found_with_full_cache_and_question_aware_compression(smollm2, depth):
+    model, tokenizer = smollm2
+    context = haystack_with_needle(80, depth)
+    full = generate(model, tokenizer, context, QUESTION, "full", answer_prefix=PREFIX, max_new_tokens=10)
+    assert 900 <= full.context_tokens <= 1200
+    assert "4819273" in full.text
+    chunked = generate(model, tokenizer, context, QUESTION, "chunkkv", ratio=0.5, question_aware=True,
+                       answer_prefix=PREFIX, max_new_tokens=10)
+    assert "4819273" in chunked.text
+    assert chunked.cache_bytes_kept < 0.55 * chunked.cache_bytes_full
+
+
+def test_query_agnostic_prefill_then_question_keeps_positions(smollm2):
+    model, tokenizer = smollm2
+    context = haystack_with_needle(80, 0.5)
+    # streaming_llm keeps the sinks and the most recent half: the needle (at the middle) survives
+    out = generate(model, tokenizer, context, QUESTION, "streaming_llm", ratio=0.4, answer_prefix=PREFIX,
+                   max_new_tokens=10)
+    assert "4819273" in out.text
+    assert max(out.kept_tokens) == round(out.context_tokens * 0.6)
+
+
+def test_decode_time_eviction_on_a_real_model(smollm2):
+    model, tokenizer = smollm2
+    context = haystack_with_needle(80, 0.9)
+    out = generate(model, tokenizer, context, QUESTION, "streaming_llm", kept=512, mode="decode", chunk_size=128,
+                   answer_prefix=PREFIX, max_new_tokens=10)
+    assert max(out.kept_tokens) <= 512
+    assert "4819273" in out.text

@@ -1,0 +1,142 @@
+"""Score tables and plots from a tiny synthetic result list with hand-computed means."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvsieve.harness.report import (
+    display_policy,
+    format_table,
+    is_reference,
+    plot_scores,
+    plot_task_panels,
+    score_table,
+)
+from kvsieve.harness.store import CellKey, CellResult, ResultsStore
+
+
+def cell(task: str, policy: str, ratio: float, score: float, sample: str = "s0", qa: bool = False) -> CellResult:
+    return CellResult(key=CellKey("m", task, 1024, sample, policy, ratio, qa), prediction="p", score=score,
+                      answers=["a"], kept_tokens=10, cache_bytes=10, cache_bytes_full=20, prefill_seconds=0.0,
+                      decode_seconds=0.0, config={})
+
+
+@pytest.fixture
+def results() -> list[CellResult]:
+    return [
+        # full cache, only at ratio 0
+        cell("qa", "full", 0.0, 1.0, "s0"), cell("qa", "full", 0.0, 0.5, "s1"),   # qa: 0.75
+        cell("sum", "full", 0.0, 0.25, "s0"), cell("sum", "full", 0.0, 0.75, "s1"),  # sum: 0.5
+        # snapkv at 0.5: qa (1 + 0) / 2 = 0.5, sum 0.25
+        cell("qa", "snapkv", 0.5, 1.0, "s0"), cell("qa", "snapkv", 0.5, 0.0, "s1"),
+        cell("sum", "snapkv", 0.5, 0.25, "s0"),
+        # knorm at 0.5: qa only (sum missing) -> 0.2
+        cell("qa", "knorm", 0.5, 0.2, "s0"),
+        # question-aware snapkv at 0.5: qa 0.9, sum (0.5 + 0.7) / 2 = 0.6
+        cell("qa", "snapkv", 0.5, 0.9, "s0", qa=True),
+        cell("sum", "snapkv", 0.5, 0.5, "s0", qa=True), cell("sum", "snapkv", 0.5, 0.7, "s1", qa=True),
+        # oracle at 0.5: qa 1.0, sum 0.8
+        cell("qa", "oracle_attention", 0.5, 1.0), cell("sum", "oracle_attention", 0.5, 0.8),
+        # snapkv at 0.8: qa 0.1, sum 0.3
+        cell("qa", "snapkv", 0.8, 0.1), cell("sum", "snapkv", 0.8, 0.3),
+    ]
+
+
+def test_display_names():
+    assert display_policy("snapkv", True) == "snapkv+qa"
+    assert display_policy("snapkv", False) == "snapkv"
+    assert is_reference("snapkv+qa") and is_reference("oracle_attention") and is_reference("oracle")
+    assert not is_reference("snapkv") and not is_reference("full")
+
+
+def test_score_table_means(results):
+    table = score_table(results)
+    assert sorted(table) == [0.0, 0.5, 0.8]
+    assert table[0.0] == {"qa": {"full": (0.75, 2)}, "sum": {"full": (0.5, 2)}}
+    assert table[0.5]["qa"] == {"snapkv": (0.5, 2), "knorm": (0.2, 1), "snapkv+qa": (0.9, 1),
+                                "oracle_attention": (1.0, 1)}
+    assert table[0.5]["sum"]["snapkv"] == (0.25, 1)
+    assert table[0.5]["sum"]["snapkv+qa"] == pytest.approx((0.6, 2))
+    assert "knorm" not in table[0.5]["sum"]
+    assert table[0.8] == {"qa": {"snapkv": (0.1, 1)}, "sum": {"snapkv": (0.3, 1)}}
+    assert score_table([]) == {}
+
+
+def test_score_table_rounds_ratios():
+    table = score_table([cell("qa", "a", 0.1 + 0.2, 1.0), cell("qa", "a", 0.3, 0.0, sample="s1")])
+    assert table == {0.3: {"qa": {"a": (0.5, 2)}}}
+
+
+def test_format_table_text(results):
+    text = format_table(score_table(results), 0.5)
+    lines = text.splitlines()
+    # columns: full first, then ordinary policies, then reference policies; rows: tasks then average
+    assert lines[0].split() == ["task", "full", "knorm", "snapkv", "oracle_attention", "snapkv+qa"]
+    assert lines[2].split() == ["qa", "0.750", "0.200", "0.500", "1.000", "0.900"]
+    assert lines[3].split() == ["sum", "0.500", "-", "0.250", "0.800", "0.600"]
+    # average of per-task means: full (0.75 + 0.5) / 2, knorm incomplete, snapkv (0.5 + 0.25) / 2, ...
+    assert lines[-1].split() == ["average", "0.625", "-", "0.375", "0.900", "0.750"]
+    assert len({len(line) for line in lines[:2]}) == 1  # aligned header and rule
+
+
+def test_format_table_full_column_in_every_ratio(results):
+    table = score_table(results)
+    lines = format_table(table, 0.8).splitlines()
+    assert lines[0].split() == ["task", "full", "snapkv"]
+    assert lines[2].split() == ["qa", "0.750", "0.100"]
+    assert lines[-1].split() == ["average", "0.625", "0.200"]
+    assert format_table(table, 0).splitlines()[0].split() == ["task", "full"]
+    with pytest.raises(KeyError, match="0.3"):
+        format_table(table, 0.3)
+    with pytest.raises(ValueError, match="fmt"):
+        format_table(table, 0.5, fmt="html")
+
+
+def test_format_table_markdown(results):
+    md = format_table(score_table(results), 0.5, fmt="markdown")
+    assert md == (
+        "| task | full | knorm | snapkv | oracle_attention | snapkv+qa |\n"
+        "|---|---:|---:|---:|---:|---:|\n"
+        "| qa | 0.750 | 0.200 | 0.500 | 1.000 | 0.900 |\n"
+        "| sum | 0.500 | - | 0.250 | 0.800 | 0.600 |\n"
+        "| average | 0.625 | - | 0.375 | 0.900 | 0.750 |\n"
+    )
+    assert "| average | 0.62 | - | 0.38 |" in format_table(score_table(results), 0.5, fmt="markdown", digits=2)
+
+
+def test_table_from_store_rows(tmp_path, results):
+    with ResultsStore(tmp_path / "r.db") as store:
+        store.add_many(results)
+        table = score_table(store.rows())
+        assert table == score_table(results)
+        assert score_table(store.rows(task="qa"))[0.5]["qa"]["snapkv+qa"] == (0.9, 1)
+
+
+def test_plots_written(tmp_path, results):
+    out = plot_scores(results, tmp_path / "plots" / "scores.png")
+    assert out.exists() and out.stat().st_size > 1000
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    panels = plot_task_panels(results, tmp_path / "plots" / "tasks.png")
+    assert panels.exists() and panels.stat().st_size > 1000
+    assert panels.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    many = [cell(f"t{i}", "snapkv", r, r) for i in range(5) for r in (0.25, 0.5)]
+    assert plot_task_panels(many, tmp_path / "many.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="no results"):
+        plot_scores([], tmp_path / "empty.png")
+
+
+def test_plot_line_styles(results):
+    from kvsieve.harness import report
+
+    table, tasks, colors = report._prepare(results)
+    fig = report._figure((4, 3))
+    ax = fig.add_subplot(1, 1, 1)
+    report._draw(ax, table, tasks, colors)
+    styles = {line.get_label(): line.get_linestyle() for line in ax.get_lines()}
+    # knorm is incomplete (no sum task) so it has no average point; full is a horizontal reference line
+    assert styles == {"snapkv": "-", "oracle_attention": "--", "snapkv+qa": "--", "full": "--"}
+    full_line = next(line for line in ax.get_lines() if line.get_label() == "full")
+    assert list(full_line.get_ydata()) == [0.625, 0.625]
+    snapkv = next(line for line in ax.get_lines() if line.get_label() == "snapkv")
+    assert list(snapkv.get_xdata()) == [0.5, 0.8]
+    assert list(snapkv.get_ydata()) == pytest.approx([0.375, 0.2])
