@@ -181,7 +181,7 @@ def _forward_in_chunks(forward, args, kwargs, by_ids: bool, q_len: int, session:
             report = CompressionReport(seconds=session.report.seconds, events=session.report.events)
             budget = Budget(kept=session.budget_tokens)
             session.report = compress_cache(session.cache, session.policy, budget, 0, report)
-    if len(logits) > 1:
+    if len(logits) > 1 and not kwargs.get("logits_to_keep"):  # all positions asked for: stitch the chunks
         outputs.logits = torch.cat(logits, dim=1)
     return outputs
 

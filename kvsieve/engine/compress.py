@@ -56,13 +56,17 @@ class CompressionReport:
         )
 
 
-def layer_signals(layer: SieveLayer, layer_idx: int, num_layers: int, protected_tail: int = 0) -> Signals:
+def layer_signals(
+    layer: SieveLayer, layer_idx: int, num_layers: int, protected_tail: int = 0, window: int | None = None
+) -> Signals:
+    """Signals of one layer; ``window`` narrows the captured queries to the policy's own window."""
     if layer.recent_queries is None:
         raise RuntimeError(f"layer {layer_idx} has no captured queries: run the model under kvsieve.attach()")
+    queries = layer.recent_queries if window is None else layer.recent_queries[..., -window:, :]
     return Signals(
         keys=layer.keys,
         values=layer.values,
-        window_queries=layer.recent_queries,
+        window_queries=queries,
         positions=layer.positions,
         layer_idx=layer_idx,
         num_layers=num_layers,
@@ -107,7 +111,7 @@ def compress_cache(
         kept_layer = policy.selection.layer_kept(kept, context, idx, num_layers) + protected_tail
         before = layer.nbytes()
         if kept < context and kept_layer < n:  # ratio 0 keeps everything, whatever the layer schedule
-            signals = layer_signals(layer, idx, num_layers, protected_tail)
+            signals = layer_signals(layer, idx, num_layers, protected_tail, policy.window)
             scores = _checked_scores(policy, signals)
             indices, valid = policy.selection.kept_indices(scores, kept_layer, protected_tail)
             layer.prune(indices, valid)

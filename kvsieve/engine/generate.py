@@ -22,6 +22,19 @@ class Prompt:
 
     context_ids: torch.Tensor  # (1, n): chat-template header + context
     question_ids: torch.Tensor  # (1, m): question + template tail + answer prefix
+    context_text: str = ""  # the text behind context_ids
+    context_offset: int = 0  # where the raw context starts inside context_text
+
+    def token_positions(self, tokenizer, spans: list[tuple[int, int]]) -> list[int]:
+        """Positions in ``context_ids`` of the tokens overlapping character ``spans`` of the raw context."""
+        encoded = tokenizer(self.context_text, add_special_tokens=False, return_offsets_mapping=True)
+        shifted = [(a + self.context_offset, b + self.context_offset) for a, b in spans]
+        return [i for i, (a, b) in enumerate(encoded["offset_mapping"]) if any(a < e and b > s for s, e in shifted)]
+
+    def header_length(self, tokenizer) -> int:
+        """Tokens of the chat template and instruction before the raw context starts."""
+        encoded = tokenizer(self.context_text, add_special_tokens=False, return_offsets_mapping=True)
+        return sum(1 for a, _ in encoded["offset_mapping"] if a < self.context_offset)
 
 
 def build_prompt(tokenizer, context: str, question: str, answer_prefix: str = "") -> Prompt:
@@ -40,7 +53,7 @@ def build_prompt(tokenizer, context: str, question: str, answer_prefix: str = ""
     def ids(text: str) -> torch.Tensor:
         return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]], dtype=torch.long)
 
-    return Prompt(ids(context_text), ids(question_text))
+    return Prompt(ids(context_text), ids(question_text), context_text, split - len(context))
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
@@ -57,20 +70,31 @@ def _eos_ids(model, tokenizer) -> set[int]:
 @torch.no_grad()
 def greedy_decode(
     model, tokenizer, cache, logits: torch.Tensor, max_new_tokens: int, stop: tuple[str, ...] = ()
-) -> list[int]:
-    """Greedy tokens after ``logits`` (b=1, vocab), stopping at EOS, a stop string or the limit."""
+) -> list[list[int]]:
+    """Greedy tokens for each row after ``logits`` (b, vocab); a row ends at EOS, a stop string or the limit.
+
+    Rows of a batch share the cache's batch dimension; finished rows keep decoding (cheaper than
+    reshaping the cache) but their extra tokens are dropped.
+    """
     eos = _eos_ids(model, tokenizer)
-    tokens: list[int] = []
+    rows = logits.shape[0]
+    tokens: list[list[int]] = [[] for _ in range(rows)]
+    done = [False] * rows
     for step in range(max_new_tokens):
-        token = int(logits.argmax(dim=-1)[0])
-        if token in eos:
+        chosen = logits.argmax(dim=-1)
+        for row in range(rows):
+            if done[row]:
+                continue
+            token = int(chosen[row])
+            if token in eos:
+                done[row] = True
+                continue
+            tokens[row].append(token)
+            if stop and any(s in tokenizer.decode(tokens[row]) for s in stop):
+                done[row] = True
+        if all(done) or step + 1 == max_new_tokens:
             break
-        tokens.append(token)
-        if stop and any(s in tokenizer.decode(tokens) for s in stop):
-            break
-        if step + 1 == max_new_tokens:
-            break
-        logits = model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True).logits[:, -1]
+        logits = model(input_ids=chosen[:, None], cache=cache, use_cache=True).logits[:, -1]
     return tokens
 
 
@@ -120,18 +144,18 @@ def generate(
     with attach(model, policy, **options) as session:
         if question_aware:
             ids = torch.cat([prompt.context_ids, prompt.question_ids], dim=1)
-            out = model(input_ids=ids, use_cache=True)
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
         else:
-            out = model(input_ids=prompt.context_ids, use_cache=True)
+            out = model(input_ids=prompt.context_ids, use_cache=True, logits_to_keep=1)
         cache = out.past_key_values if hasattr(out, "past_key_values") else out.cache
         kept_tokens = session.kept_tokens
         bytes_kept = cache_bytes(cache)
         bytes_full = session.report.bytes_before if session.report and session.report.layers else bytes_kept
         if not question_aware:
-            out = model(input_ids=prompt.question_ids, cache=cache, use_cache=True)
+            out = model(input_ids=prompt.question_ids, cache=cache, use_cache=True, logits_to_keep=1)
         prefill_seconds = time.perf_counter() - start
         start = time.perf_counter()
-        tokens = greedy_decode(model, tokenizer, cache, out.logits[:, -1], max_new_tokens, stop)
+        tokens = greedy_decode(model, tokenizer, cache, out.logits[:, -1], max_new_tokens, stop)[0]
         decode_seconds = time.perf_counter() - start
     return Generation(
         text=tokenizer.decode(tokens, skip_special_tokens=True),

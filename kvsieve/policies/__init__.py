@@ -9,13 +9,17 @@ from kvsieve.policies.expected_attention import ExpectedAttention
 from kvsieve.policies.full import FullCache
 from kvsieve.policies.h2o import H2O
 from kvsieve.policies.knorm import KNorm
+from kvsieve.policies.oracle import Oracle
 from kvsieve.policies.pyramidkv import PyramidKV
 from kvsieve.policies.random import RandomPolicy
 from kvsieve.policies.snapkv import SnapKV
 from kvsieve.policies.streaming_llm import StreamingLLM
 from kvsieve.policies.tova import TOVA
 
-__all__ = ["Policy", "get", "names", "register"]
+__all__ = ["Policy", "get", "names", "register", "from_spec", "REFERENCE"]
+
+# Reference lines for reports, never offered as policies for real use.
+REFERENCE = ("oracle",)
 
 _REGISTRY: dict[str, type[Policy]] = {}
 
@@ -29,19 +33,46 @@ def register(cls: type[Policy]) -> type[Policy]:
 
 
 for _cls in (FullCache, RandomPolicy, StreamingLLM, KNorm, SnapKV, TOVA, H2O, ExpectedAttention, PyramidKV, AdaKV,
-             ChunkKV):
+             ChunkKV, Oracle):
     register(_cls)
 
 
-def names() -> list[str]:
-    return sorted(_REGISTRY)
+def names(include_reference: bool = False) -> list[str]:
+    """Registered policy names; reference lines (``oracle``) only when asked."""
+    return sorted(n for n in _REGISTRY if include_reference or n not in REFERENCE)
 
 
 def get(name: str, **params) -> Policy:
     """Build the policy registered as ``name``; unknown names and parameters raise ValueError."""
     if name not in _REGISTRY:
-        raise ValueError(f"unknown policy {name!r}; available: {', '.join(names())}")
+        raise ValueError(f"unknown policy {name!r}; available: {', '.join(names(include_reference=True))}")
     try:
         return _REGISTRY[name](**params)
     except TypeError as err:
         raise ValueError(f"bad parameters for policy {name!r}: {err}") from err
+
+
+def from_spec(spec: str) -> Policy:
+    """Build a policy from ``name`` or ``name(key=value, ...)``, e.g. ``snapkv(window=32)``."""
+    name, params = parse_spec(spec)
+    return get(name, **params)
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """Split ``name(key=value, ...)`` into the name and literal parameters."""
+    import ast
+
+    spec = spec.strip()
+    if "(" not in spec:
+        return spec, {}
+    if not spec.endswith(")"):
+        raise ValueError(f"bad policy spec {spec!r}: expected name or name(key=value, ...)")
+    name, args = spec[:-1].split("(", 1)
+    try:
+        call = ast.parse(f"f({args})", mode="eval").body
+        params = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
+    except (SyntaxError, ValueError) as err:
+        raise ValueError(f"bad policy spec {spec!r}: {err}") from err
+    if call.args or None in params:
+        raise ValueError(f"bad policy spec {spec!r}: parameters must be key=value literals")
+    return name.strip(), params

@@ -13,7 +13,7 @@ across processes and Python builds, unlike ``hash()``).
 from __future__ import annotations
 
 import random
-from functools import lru_cache
+from functools import cache
 from importlib.resources import files
 
 __all__ = [
@@ -41,7 +41,7 @@ NOISE_SENTENCES: tuple[str, ...] = (
 )
 
 
-@lru_cache(maxsize=None)
+@cache
 def _profanities() -> frozenset[str]:
     return frozenset(_read_asset("profanitylist.txt"))
 
@@ -56,12 +56,12 @@ def all_words() -> frozenset[str]:
     return _all_words()
 
 
-@lru_cache(maxsize=None)
+@cache
 def _all_words() -> frozenset[str]:
     return frozenset(nouns() + adjectives() + verbs())
 
 
-@lru_cache(maxsize=None)
+@cache
 def _words(name: str) -> tuple[str, ...]:
     bad = _profanities()
     words = {w for w in _read_asset(name) if w.isascii() and w.isalpha() and w.islower() and 3 <= len(w) <= 12}
@@ -78,9 +78,10 @@ def adjectives() -> tuple[str, ...]:
     return _words("adjectivelist.txt")
 
 
+@cache
 def verbs() -> tuple[str, ...]:
-    """wonderwords verbs (base form), filtered like :func:`nouns`."""
-    return _words("verblist.txt")
+    """wonderwords verbs, filtered like :func:`nouns`, without the few past-tense forms in the list."""
+    return tuple(w for w in _words("verblist.txt") if not (w.endswith("ed") and not w.endswith("eed") and len(w) > 4))
 
 
 def with_article(word: str) -> str:

@@ -228,10 +228,13 @@ def _niah(task: str, seed: int) -> _Spec:
     make_value = _number if value_type == "numbers" else _uuid
     singular = value_type[:-1]
 
+    def clashes(k: str, others: Iterable[str]) -> bool:  # 'purple-lake' vs 'purple-lakeshore'
+        return any(k in o or o in k for o in others)
+
     keys: list[str] = []
     while len(keys) < n_keys:
         k = make_key(rng)
-        if k not in keys:
+        if not clashes(k, keys):
             keys.append(k)
     values: list[list[str]] = []
     seen_values: set[str] = set()
@@ -252,6 +255,7 @@ def _niah(task: str, seed: int) -> _Spec:
     answers = [v for vs in values[:n_queries] for v in vs]
 
     if hay == "noise":
+
         def units(n: int) -> list[str]:
             return hs.noise_units(n)
     elif hay == "essay":
@@ -263,7 +267,7 @@ def _niah(task: str, seed: int) -> _Spec:
         def distractor(r: random.Random) -> str:
             while True:
                 k, v = make_key(r), make_value(r)
-                if k not in used_keys and v not in seen_values:
+                if k not in used_keys and v not in seen_values and not clashes(k, keys):
                     used_keys.add(k)
                     return _needle(value_type, k, v)
 
@@ -304,7 +308,8 @@ def _vt(task: str, seed: int) -> _Spec:
         name = "".join(rng.choices(string.ascii_uppercase, k=5))
         if name not in names and name.lower() not in hs.NOISE.lower():
             names.append(name)
-    statements = [f"VAR {names[0]} = {value}."] + [f"VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, n_hops + 1)]
+    statements = [f"VAR {names[0]} = {value}."]
+    statements += [f"VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, n_hops + 1)]
     depths = sorted(rng.random() for _ in statements)  # sorted: the chain reads in order
     items = [(d, s, True) for d, s in zip(depths, statements, strict=True)]
     head = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
@@ -418,7 +423,9 @@ def _fwe(task: str, seed: int) -> _Spec:
         random.Random(f"kvsieve-ruler:{task}:{seed}:shuffle:{n}").shuffle(words)
         return _Built(head + " ".join(words))
 
-    question = "Do not provide any explanation. What are the three most frequently appeared words in the above coded text?"
+    question = (
+        "Do not provide any explanation. What are the three most frequently appeared words in the above coded text?"
+    )
     prefix = "According to the coded text above, the three most frequently appeared words are:"
     return _Spec(question, prefix, vocab[:3], 50, "string_match_all", build)
 
@@ -546,7 +553,9 @@ def _qa(task: str, seed: int) -> _Spec:
         return _document(body, r, prose)
 
     stream = hs.UnitStream(distractor, f"{task}:{seed}")
-    instruction = "Answer the question based on the given documents. Only give me the answer and do not output any other words."
+    instruction = (
+        "Answer the question based on the given documents. Only give me the answer and do not output any other words."
+    )
     head = f"{instruction}\n\nThe following are given documents.\n\n"
 
     def build(n: int) -> _Built:
@@ -571,9 +580,7 @@ def _qa(task: str, seed: int) -> _Spec:
             pos += len(doc)
         return _Built("".join(parts), spans)
 
-    return _Spec(
-        f"{instruction}\n\nQuestion: {question}", "Answer:", [answer], 32, "string_match_part", build
-    )
+    return _Spec(f"{instruction}\n\nQuestion: {question}", "Answer:", [answer], 32, "string_match_part", build)
 
 
 # ------------------------------------------------------------------------------------------------ API

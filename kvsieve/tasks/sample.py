@@ -16,7 +16,18 @@ from typing import Any
 
 __all__ = ["Sample", "write_jsonl", "read_jsonl"]
 
-_REQUIRED = ("id", "task", "context", "question", "answer_prefix", "answers", "max_new_tokens", "length", "seed", "metric")
+_REQUIRED = (
+    "id",
+    "task",
+    "context",
+    "question",
+    "answer_prefix",
+    "answers",
+    "max_new_tokens",
+    "length",
+    "seed",
+    "metric",
+)
 _OPTIONAL = ("spans", "stop")
 
 

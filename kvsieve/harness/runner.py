@@ -1,0 +1,213 @@
+"""Grid runner: model x task x length x policy x ratio x sample -> one row per cell in the store.
+
+Speed through sharing: in prefill compression the forward pass over the prompt does not depend on
+the policy (each layer attends over its full input; only the cache left behind is pruned). So a
+sample is prefilled once, every (policy, ratio) cell prunes its own copy of that cache, and cells
+whose pruned caches have the same shape decode together as one batch. Question-aware cells share
+a second prefill that includes the question.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+from transformers.cache_utils import DynamicCache
+
+import kvsieve
+from kvsieve.engine.attach import attach
+from kvsieve.engine.cache import cache_bytes, sieve_layers
+from kvsieve.engine.compress import compress_cache
+from kvsieve.engine.generate import Prompt, build_prompt, generate, greedy_decode
+from kvsieve.harness.store import CellKey, CellResult, ResultsStore
+from kvsieve.policies import FullCache, Policy, from_spec, parse_spec
+from kvsieve.selection import Budget
+from kvsieve.tasks.metrics import score as metric_score
+from kvsieve.tasks.sample import Sample
+
+__all__ = ["Cell", "GridConfig", "evaluate_sample", "cells_for", "run_grid"]
+
+
+@dataclass(frozen=True)
+class Cell:
+    policy: str  # spec, e.g. "snapkv" or "snapkv(window=32)"
+    ratio: float
+    question_aware: bool = False
+
+
+@dataclass
+class GridConfig:
+    """One evaluation grid. ``policies`` are specs; ``full`` runs once per sample at ratio 0."""
+
+    model: str = "smollm2-135m"
+    tasks: list[str] = field(default_factory=lambda: ["niah_single_1"])
+    lengths: list[int] = field(default_factory=lambda: [1024])
+    policies: list[str] = field(default_factory=lambda: ["full", "snapkv"])
+    ratios: list[float] = field(default_factory=lambda: [0.5])
+    samples: int = 5
+    seed: int = 0
+    store: str = "results/results.sqlite"
+    question_aware: bool = False  # run every compressing policy question-aware as well
+    qa_policies: list[str] = field(default_factory=list)  # policies also run question-aware (reference lines)
+    data: str | None = None  # JSONL of samples (kvsieve generate format or LongBench) instead of generating
+    dtype: str = "bfloat16"
+    shared: bool = True  # one prefill per sample and batched decoding; False: the naive per-cell loop
+
+
+def cells_for(config: GridConfig) -> list[Cell]:
+    cells: list[Cell] = []
+    for spec in config.policies:
+        name, _ = parse_spec(spec)
+        if name == "full":
+            cells.append(Cell(spec, 0.0))
+            continue
+        for ratio in config.ratios:
+            cells.append(Cell(spec, float(ratio)))
+            if config.question_aware:
+                cells.append(Cell(spec, float(ratio), True))
+    for spec in config.qa_policies:
+        for ratio in config.ratios:
+            cell = Cell(spec, float(ratio), True)
+            if cell not in cells:
+                cells.append(cell)
+    return cells
+
+
+def _policy_for(cell: Cell, sample: Sample, prompt: Prompt, tokenizer) -> Policy:
+    name, params = parse_spec(cell.policy)
+    if name == "oracle":
+        header = prompt.header_length(tokenizer)
+        important = list(range(header)) + prompt.token_positions(tokenizer, [tuple(s) for s in sample.spans])
+        return kvsieve.policies.get("oracle", important_positions=important, **params)
+    return from_spec(cell.policy)
+
+
+def _clone(cache: DynamicCache) -> DynamicCache:
+    """A cache whose layers can be pruned without touching ``cache`` (pruning makes new tensors)."""
+    clone = copy.copy(cache)
+    clone.layers = [copy.copy(layer) for layer in cache.layers]
+    return clone
+
+
+def _stack(caches: list[DynamicCache]) -> DynamicCache:
+    """Concatenate same-shaped pruned caches along the batch dimension."""
+    stacked = _clone(caches[0])
+    for i, layer in enumerate(stacked.layers):
+        parts = [c.layers[i] for c in caches]
+        layer.keys = torch.cat([p.keys for p in parts])
+        layer.values = torch.cat([p.values for p in parts])
+        if getattr(layer, "positions", None) is not None:
+            layer.positions = torch.cat([p.positions for p in parts])
+            layer.recent_queries = None
+            layer.attention_received = None
+    return stacked
+
+
+def _shape(cache: DynamicCache) -> tuple:
+    return tuple((layer.physical_length, layer.valid is not None) for _, layer in sieve_layers(cache))
+
+
+@torch.no_grad()
+def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_name: str = "", shared: bool = True,
+                    config: dict | None = None) -> list[CellResult]:
+    """Evaluate ``cells`` on one sample; shared prefill and batched decoding unless ``shared=False``."""
+    prompt = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
+    stop = tuple(sample.stop)
+    results: list[CellResult] = []
+
+    def record(cell: Cell, text: str, kept: int, kept_bytes: int, full_bytes: int, prefill_s: float, decode_s: float):
+        key = CellKey(model_name, sample.task, sample.length, sample.id, cell.policy, cell.ratio, cell.question_aware)
+        cfg = dict(config or {}, cell=asdict(cell), sample_seed=sample.seed, metric=sample.metric, shared=shared,
+                   context_tokens=prompt.context_ids.shape[1], kvsieve=kvsieve.__version__,
+                   transformers=transformers.__version__)
+        results.append(CellResult(key, text, metric_score(sample.metric, text, sample.answers), list(sample.answers),
+                                  kept, kept_bytes, full_bytes, prefill_s, decode_s, cfg))
+
+    if not shared:
+        for cell in cells:
+            gen = generate(model, tokenizer, sample.context, sample.question, _policy_for(cell, sample, prompt, tokenizer),
+                           ratio=cell.ratio, question_aware=cell.question_aware, answer_prefix=sample.answer_prefix,
+                           max_new_tokens=sample.max_new_tokens, stop=stop)
+            record(cell, gen.text, max(gen.kept_tokens), gen.cache_bytes_kept, gen.cache_bytes_full,
+                   gen.prefill_seconds, gen.decode_seconds)
+        return results
+
+    for question_aware in (False, True):
+        group = [c for c in cells if c.question_aware == question_aware]
+        if not group:
+            continue
+        policies = [_policy_for(c, sample, prompt, tokenizer) for c in group]
+        capture = FullCache(window=max(p.window for p in policies))
+        capture.needs_accumulated_attention = any(p.needs_accumulated_attention for p in policies)
+        ids = torch.cat([prompt.context_ids, prompt.question_ids], 1) if question_aware else prompt.context_ids
+        protected = prompt.question_ids.shape[1] if question_aware else 0
+        with attach(model, capture, ratio=0.0):
+            start = time.perf_counter()
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            full_cache, first_logits = out.past_key_values, out.logits[:, -1]
+            prefill_s = time.perf_counter() - start
+            full_bytes = cache_bytes(full_cache)
+            pruned: list[tuple[Cell, DynamicCache, float]] = []
+            for cell, policy in zip(group, policies):
+                start = time.perf_counter()
+                cache = _clone(full_cache)
+                if policy.compresses and cell.ratio > 0:
+                    compress_cache(cache, policy, Budget(ratio=cell.ratio), protected)
+                pruned.append((cell, cache, time.perf_counter() - start))
+            batches: dict[tuple, list] = defaultdict(list)
+            for item in pruned:
+                batches[_shape(item[1])].append(item)
+            for items in batches.values():
+                caches = [c for _, c, _ in items]
+                batch = _stack(caches) if len(caches) > 1 else caches[0]
+                start = time.perf_counter()
+                if question_aware:
+                    logits = first_logits.expand(len(items), -1)
+                else:
+                    question = prompt.question_ids.expand(len(items), -1)
+                    logits = model(input_ids=question, cache=batch, use_cache=True, logits_to_keep=1).logits[:, -1]
+                tokens = greedy_decode(model, tokenizer, batch, logits, sample.max_new_tokens, stop)
+                decode_s = (time.perf_counter() - start) / len(items)
+                for (cell, cache, compress_s), row in zip(items, tokens):
+                    kept = max((layer.physical_length for _, layer in sieve_layers(cache)), default=0)
+                    record(cell, tokenizer.decode(row, skip_special_tokens=True), kept, cache_bytes(cache),
+                           full_bytes, prefill_s + compress_s, decode_s)
+    order = {c: i for i, c in enumerate(cells)}
+    return sorted(results, key=lambda r: order[Cell(r.key.policy, r.key.ratio, r.key.question_aware)])
+
+
+def run_grid(config: GridConfig, progress: bool = True) -> ResultsStore:
+    """Evaluate every missing cell of the grid; rows land in the store after each sample."""
+    from tqdm import tqdm
+
+    from kvsieve.harness.validate import load_samples, validate
+
+    samples_by_group, tokenizer_needed = validate(config)
+    cells = cells_for(config)
+    store = ResultsStore(config.store)
+    from kvsieve.models import load
+
+    model, tokenizer = load(config.model, dtype=config.dtype)
+    todo = []
+    for sample in load_samples(config, tokenizer):
+        keys = [CellKey(config.model, sample.task, sample.length, sample.id, c.policy, c.ratio, c.question_aware)
+                for c in cells]
+        missing = {(k.policy, k.ratio, k.question_aware) for k in store.missing(keys)}
+        todo_cells = [c for c in cells if (c.policy, round(c.ratio, 6), c.question_aware) in missing]
+        if todo_cells:
+            todo.append((sample, todo_cells))
+    total = sum(len(c) for _, c in todo)
+    bar = tqdm(total=total, unit="cell", disable=not progress, desc=f"{config.model}")
+    run_config = {k: v for k, v in asdict(config).items() if k not in ("store",)}
+    for sample, todo_cells in todo:
+        results = evaluate_sample(model, tokenizer, sample, todo_cells, config.model, config.shared, run_config)
+        store.add_many(results)
+        bar.update(len(results))
+    bar.close()
+    _ = (samples_by_group, tokenizer_needed, Path)
+    return store
