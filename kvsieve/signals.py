@@ -85,8 +85,10 @@ class Signals:
         window entries (causal), exactly as in the forward pass.
         """
         b, hq, w, d = self.window_queries.shape
-        keys = self.keys.repeat_interleave(self.num_groups, dim=1).float()
-        logits = torch.matmul(self.window_queries.float(), keys.transpose(-1, -2)) * self.scaling
+        h, g = self.num_kv_heads, self.num_groups
+        # group the query heads of each KV head instead of repeating the keys; scale the (small) queries
+        queries = (self.window_queries.float() * self.scaling).reshape(b, h, g * w, d)
+        logits = torch.matmul(queries, self.keys.float().transpose(-1, -2)).view(b, hq, w, -1)
         future = torch.triu(torch.ones(w, w, dtype=torch.bool, device=logits.device), diagonal=1)
         logits[..., -w:].masked_fill_(future, float("-inf"))
         return torch.softmax(logits, dim=-1)
@@ -95,7 +97,7 @@ class Signals:
     def window_attention_kv(self) -> torch.Tensor:
         """(b, h, w, n) window attention averaged over the query heads that share a KV head."""
         b, hq, w, n = self.window_attention.shape
-        return self.window_attention.view(b, self.num_kv_heads, self.num_groups, w, n).mean(dim=2)
+        return self.window_attention.reshape(b, self.num_kv_heads, self.num_groups, w, n).mean(dim=2)
 
     @cached_property
     def key_norms(self) -> torch.Tensor:

@@ -99,9 +99,6 @@ def install(cache: DynamicCache, window: int, track_attention: bool) -> DynamicC
     Returns the same cache object, so code holding a reference (``generate``) keeps working.
     """
     for i, layer in enumerate(cache.layers):
-        if isinstance(layer, SieveLayer):
-            layer.window, layer.track_attention = window, track_attention
-            continue
         if type(layer) is DynamicLayer:
             if layer.get_seq_length() > 0:
                 raise ValueError("kvsieve needs a fresh cache: this one already holds tokens from outside attach()")

@@ -13,7 +13,6 @@ import copy
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 import transformers
@@ -25,6 +24,8 @@ from kvsieve.engine.cache import cache_bytes, sieve_layers
 from kvsieve.engine.compress import compress_cache
 from kvsieve.engine.generate import Prompt, build_prompt, generate, greedy_decode
 from kvsieve.harness.store import CellKey, CellResult, ResultsStore
+from kvsieve.harness.validate import load_samples, validate
+from kvsieve.models import load
 from kvsieve.policies import FullCache, Policy, from_spec, parse_spec
 from kvsieve.selection import Budget
 from kvsieve.tasks.metrics import score as metric_score
@@ -103,8 +104,8 @@ def _stack(caches: list[DynamicCache]) -> DynamicCache:
         layer.values = torch.cat([p.values for p in parts])
         if getattr(layer, "positions", None) is not None:
             layer.positions = torch.cat([p.positions for p in parts])
-            layer.recent_queries = None
-            layer.attention_received = None
+            layer.recent_queries = None  # no further compression happens on a decode batch
+            layer.attention_received, layer.track_attention = None, False
     return stacked
 
 
@@ -130,8 +131,9 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
 
     if not shared:
         for cell in cells:
-            gen = generate(model, tokenizer, sample.context, sample.question, _policy_for(cell, sample, prompt, tokenizer),
-                           ratio=cell.ratio, question_aware=cell.question_aware, answer_prefix=sample.answer_prefix,
+            policy = _policy_for(cell, sample, prompt, tokenizer)
+            gen = generate(model, tokenizer, sample.context, sample.question, policy, ratio=cell.ratio,
+                           question_aware=cell.question_aware, answer_prefix=sample.answer_prefix,
                            max_new_tokens=sample.max_new_tokens, stop=stop)
             record(cell, gen.text, max(gen.kept_tokens), gen.cache_bytes_kept, gen.cache_bytes_full,
                    gen.prefill_seconds, gen.decode_seconds)
@@ -152,18 +154,19 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
             full_cache, first_logits = out.past_key_values, out.logits[:, -1]
             prefill_s = time.perf_counter() - start
             full_bytes = cache_bytes(full_cache)
-            pruned: list[tuple[Cell, DynamicCache, float]] = []
+            pruned: list[tuple[Cell, DynamicCache, float, int, int]] = []
             for cell, policy in zip(group, policies):
                 start = time.perf_counter()
                 cache = _clone(full_cache)
                 if policy.compresses and cell.ratio > 0:
                     compress_cache(cache, policy, Budget(ratio=cell.ratio), protected)
-                pruned.append((cell, cache, time.perf_counter() - start))
+                kept = max((layer.physical_length for _, layer in sieve_layers(cache)), default=0)
+                pruned.append((cell, cache, time.perf_counter() - start, kept, cache_bytes(cache)))
             batches: dict[tuple, list] = defaultdict(list)
             for item in pruned:
                 batches[_shape(item[1])].append(item)
             for items in batches.values():
-                caches = [c for _, c, _ in items]
+                caches = [item[1] for item in items]
                 batch = _stack(caches) if len(caches) > 1 else caches[0]
                 start = time.perf_counter()
                 if question_aware:
@@ -173,10 +176,9 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
                     logits = model(input_ids=question, cache=batch, use_cache=True, logits_to_keep=1).logits[:, -1]
                 tokens = greedy_decode(model, tokenizer, batch, logits, sample.max_new_tokens, stop)
                 decode_s = (time.perf_counter() - start) / len(items)
-                for (cell, cache, compress_s), row in zip(items, tokens):
-                    kept = max((layer.physical_length for _, layer in sieve_layers(cache)), default=0)
-                    record(cell, tokenizer.decode(row, skip_special_tokens=True), kept, cache_bytes(cache),
-                           full_bytes, prefill_s + compress_s, decode_s)
+                for (cell, _, compress_s, kept, kept_bytes), row in zip(items, tokens):
+                    record(cell, tokenizer.decode(row, skip_special_tokens=True), kept, kept_bytes, full_bytes,
+                           prefill_s + compress_s, decode_s)
     order = {c: i for i, c in enumerate(cells)}
     return sorted(results, key=lambda r: order[Cell(r.key.policy, r.key.ratio, r.key.question_aware)])
 
@@ -185,13 +187,9 @@ def run_grid(config: GridConfig, progress: bool = True) -> ResultsStore:
     """Evaluate every missing cell of the grid; rows land in the store after each sample."""
     from tqdm import tqdm
 
-    from kvsieve.harness.validate import load_samples, validate
-
-    samples_by_group, tokenizer_needed = validate(config)
+    validate(config)
     cells = cells_for(config)
     store = ResultsStore(config.store)
-    from kvsieve.models import load
-
     model, tokenizer = load(config.model, dtype=config.dtype)
     todo = []
     for sample in load_samples(config, tokenizer):
@@ -209,5 +207,4 @@ def run_grid(config: GridConfig, progress: bool = True) -> ResultsStore:
         store.add_many(results)
         bar.update(len(results))
     bar.close()
-    _ = (samples_by_group, tokenizer_needed, Path)
     return store

@@ -1,0 +1,175 @@
+"""Command line: kvsieve eval | report | generate | demo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tomllib
+from dataclasses import fields
+from pathlib import Path
+
+from kvsieve.harness.runner import GridConfig
+
+DEMO = GridConfig(
+    model="smollm2-135m",
+    tasks=["niah_single_1", "niah_single_2", "niah_multikey_1", "vt"],
+    lengths=[2048],
+    policies=["full", "streaming_llm", "knorm", "tova", "snapkv", "chunkkv"],
+    qa_policies=["snapkv", "oracle"],
+    ratios=[0.5, 0.875],
+    samples=6,
+    store="results/demo.sqlite",
+)
+
+
+def _csv(text: str, kind=str) -> list:
+    return [kind(x.strip()) for x in text.split(",") if x.strip()]
+
+
+def _config_from_file(path: str) -> dict:
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"config file {path} does not exist")
+    if file.suffix == ".toml":
+        data = tomllib.loads(file.read_text())
+    elif file.suffix in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(file.read_text())
+    else:
+        raise ValueError(f"config file {path}: use .toml or .yaml")
+    allowed = {f.name for f in fields(GridConfig)}
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise ValueError(f"config file {path}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+    return data
+
+
+def _grid(args) -> GridConfig:
+    values = _config_from_file(args.config) if args.config else {}
+    flags = {
+        "model": args.model,
+        "tasks": args.tasks and _csv(args.tasks),
+        "lengths": args.lengths and _csv(args.lengths, int),
+        "policies": args.policies and _csv(args.policies), "qa_policies": args.qa_policies and _csv(args.qa_policies),
+        "ratios": args.ratios and _csv(args.ratios, float), "samples": args.samples, "seed": args.seed,
+        "store": args.store, "data": args.data, "dtype": args.dtype,
+    }
+    values.update({k: v for k, v in flags.items() if v is not None})
+    if args.question_aware:
+        values["question_aware"] = True
+    if args.per_cell:
+        values["shared"] = False
+    return GridConfig(**values)
+
+
+def _add_grid_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML or YAML file with GridConfig fields; flags override it")
+    parser.add_argument("--model", help="bundled name (smollm2-135m, qwen2.5-0.5b), local folder or hub id")
+    parser.add_argument("--tasks", help="comma-separated RULER tasks")
+    parser.add_argument("--lengths", help="comma-separated context lengths in tokens")
+    parser.add_argument("--policies", help="comma-separated policy specs, e.g. full,snapkv,snapkv(window=32)")
+    parser.add_argument("--qa-policies", help="policies also run question-aware (reference lines)")
+    parser.add_argument("--ratios", help="comma-separated compression ratios in [0, 1)")
+    parser.add_argument("--samples", type=int, help="samples per task and length")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--store", help="SQLite results store")
+    parser.add_argument("--data", help="JSONL samples (kvsieve generate format or LongBench) instead of generating")
+    parser.add_argument("--dtype", help="bfloat16 (default) or float32")
+    parser.add_argument("--question-aware", action="store_true", help="also run every policy question-aware")
+    parser.add_argument("--per-cell", action="store_true", help="naive loop: one prefill per cell (for checks)")
+
+
+def cmd_eval(args) -> int:
+    from kvsieve.harness.runner import run_grid
+
+    config = _grid(args)
+    store = run_grid(config)
+    _print_tables(store, config.model)
+    return 0
+
+
+def _print_tables(store, model: str | None, out: str | None = None, markdown: bool = False) -> None:
+    from kvsieve.harness.report import format_table, plot_scores, plot_task_panels, score_table
+
+    results = store.rows(model=model) if model else store.rows()
+    if not results:
+        print("the store holds no results" + (f" for model {model}" if model else ""))
+        return
+    table = score_table(results)
+    for ratio in sorted(table):
+        if ratio == 0:
+            continue
+        print(f"\n## compression ratio {ratio} ({model or 'all models'})\n")
+        print(format_table(table, ratio, fmt="markdown" if markdown else "text"))
+    if out:
+        folder = Path(out)
+        folder.mkdir(parents=True, exist_ok=True)
+        scores, panels = plot_scores(results, folder / "scores.png"), plot_task_panels(results, folder / "tasks.png")
+        print(f"\nplots: {scores}, {panels}")
+
+
+def cmd_report(args) -> int:
+    from kvsieve.harness.store import ResultsStore
+
+    if not Path(args.store).is_file():
+        raise ValueError(f"results store {args.store} does not exist")
+    with ResultsStore(args.store) as store:
+        _print_tables(store, args.model, args.out, args.markdown)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from kvsieve.harness.validate import load_samples, validate
+    from kvsieve.models import load
+    from kvsieve.tasks import write_jsonl
+
+    config = GridConfig(model=args.model, tasks=_csv(args.tasks), lengths=_csv(args.lengths, int),
+                        samples=args.samples, seed=args.seed, policies=["full"])
+    validate(config)
+    _, tokenizer = load(config.model)
+    count = write_jsonl(load_samples(config, tokenizer), args.out)
+    print(f"wrote {count} samples to {args.out}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from kvsieve.harness.runner import run_grid
+
+    store = run_grid(DEMO)
+    _print_tables(store, DEMO.model, out="results/demo", markdown=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvsieve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("eval", help="run an evaluation grid into the results store")
+    _add_grid_flags(p)
+    p.set_defaults(func=cmd_eval)
+    p = sub.add_parser("report", help="tables and plots from a results store")
+    p.add_argument("--store", default="results/results.sqlite")
+    p.add_argument("--model", help="only this model")
+    p.add_argument("--out", help="folder for PNG plots")
+    p.add_argument("--markdown", action="store_true")
+    p.set_defaults(func=cmd_report)
+    p = sub.add_parser("generate", help="write RULER-style samples to JSONL")
+    p.add_argument("--model", default="smollm2-135m", help="whose tokenizer measures the length")
+    p.add_argument("--tasks", required=True)
+    p.add_argument("--lengths", required=True)
+    p.add_argument("--samples", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("demo", help="the default grid on the bundled SmolLM2 (a few minutes on 2 cores)")
+    p.set_defaults(func=cmd_demo)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        print(f"kvsieve {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
