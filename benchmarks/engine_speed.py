@@ -53,15 +53,16 @@ def main() -> None:
 
     model, tokenizer = load(args.model)
     ids = context_ids(tokenizer, args.length)
-    print(f"# {args.model}, {args.length} tokens, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+    machine = platform.processor() or platform.machine()
+    print(f"# {args.model}, {args.length} tokens, {torch.get_num_threads()} threads, {machine}")
     plain, _ = timed(lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1), args.repeats)
     print(f"plain prefill: {plain:.3f} s\n")
-    print(f"| policy | prefill s | overhead | compress ms | compress / prefill | cache MiB kept (of full) |")
+    print("| policy | prefill s | overhead | compress ms | compress / prefill | cache MiB kept (of full) |")
     print("|---|---|---|---|---|---|")
     for name in args.policies.split(","):
         policy = kvsieve.policies.get(name)
 
-        def run():
+        def run(policy=policy):
             with kvsieve.attach(model, policy, ratio=args.ratio) as session:
                 out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
             return session.report, kvsieve.engine.cache.cache_bytes(out.past_key_values)

@@ -190,3 +190,16 @@ def test_fresh_cache_is_required(llama, prompt_ids):
     with pytest.raises(ValueError, match="fresh cache"):
         with kvsieve.attach(llama, get("knorm"), ratio=0.5):
             llama(input_ids=prompt_ids[:, :3], cache=cache, use_cache=True)
+
+
+@torch.no_grad()
+def test_accumulated_attention_matches_eager_attention_weights(prompt_ids, monkeypatch):
+    monkeypatch.setattr("kvsieve.engine.attention._QUERY_BLOCK", 40)  # several query blocks
+    model = tiny_model("qwen2")
+    model.set_attn_implementation("eager")
+    eager = model(input_ids=prompt_ids, output_attentions=True).attentions  # per layer (b, hq, q, k)
+    cache, _ = prefill(model, prompt_ids, get("h2o", window=8), ratio=0.0)
+    for idx, layer in sieve_layers(cache):
+        b, hq, q, k = eager[idx].shape
+        expected = eager[idx].sum(dim=2).view(b, layer.keys.shape[1], -1, k).sum(dim=2)
+        torch.testing.assert_close(layer.attention_received, expected, atol=1e-4, rtol=1e-4)

@@ -55,22 +55,29 @@ def sieve_attention(module, query, key, value, attention_mask, dropout: float = 
 
 
 def _accumulate_attention(layer: SieveLayer, query, key, mask, scaling: float) -> None:
-    """Add the softmax attention each key receives from these queries to ``layer.attention_received``."""
-    b, hq, q_len, _ = query.shape
+    """Add the softmax attention each key receives from these queries to ``layer.attention_received``.
+
+    Query blocks only look at the keys they can see (the causal prefix), which halves the work of a
+    prefill; logits are computed in the model's dtype and normalised in float32.
+    """
+    b, hq, q_len, d = query.shape
     h, k_len = key.shape[1], key.shape[2]
     groups = hq // h
-    keys = key.float().repeat_interleave(groups, dim=1).transpose(-1, -2)
-    total = torch.zeros(b, hq, k_len, dtype=torch.float32, device=query.device)
+    grouped = (query * scaling).reshape(b, h, groups, q_len, d)
+    total = torch.zeros(b, h, k_len, dtype=torch.float32, device=query.device)
     for start in range(0, q_len, _QUERY_BLOCK):
         stop = min(q_len, start + _QUERY_BLOCK)
-        logits = torch.matmul(query[:, :, start:stop].float(), keys) * scaling
+        visible = k_len - q_len + stop  # keys after this are in every query's future
+        logits = torch.matmul(grouped[:, :, :, start:stop], key[:, :, None, :visible].transpose(-1, -2)).float()
         if mask is not None:
-            block_mask = mask[..., start:stop, :]
+            block_mask = mask[..., start:stop, :visible]
+            block_mask = block_mask.reshape(block_mask.shape[0], -1, groups, stop - start, visible) \
+                if block_mask.shape[1] > 1 else block_mask[:, :, None]
         else:
-            block_mask = bottom_right_causal_mask(q_len, k_len, query.device)[start:stop][None, None]
+            block_mask = bottom_right_causal_mask(q_len, k_len, query.device)[start:stop, :visible]
         logits = logits.masked_fill(~block_mask, float("-inf"))
-        total += torch.softmax(logits, dim=-1).sum(dim=2)
-    layer.attention_received += total.view(b, h, groups, k_len).sum(dim=2)
+        total[..., :visible] += torch.softmax(logits, dim=-1).sum(dim=(2, 3))
+    layer.attention_received += total
 
 
 AttentionInterface.register(ATTENTION_NAME, sieve_attention)

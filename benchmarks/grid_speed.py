@@ -1,0 +1,67 @@
+"""Grid speed: a (policy x ratio) grid on one sample, shared prefill + batched decode vs the naive loop.
+
+Run: python benchmarks/grid_speed.py --model qwen2.5-0.5b --length 4096
+Prints the cost of one full-cache run (prefill + answer), of the whole grid on the shared path,
+and of the naive per-cell loop (one prefill per cell), plus how many predictions agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import kvsieve
+from kvsieve.engine.generate import generate
+from kvsieve.harness.runner import Cell, evaluate_sample
+from kvsieve.harness.validate import template_overhead
+from kvsieve.models import load
+from kvsieve.tasks import generate as generate_sample
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen2.5-0.5b")
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--task", default="niah_single_2")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ratios", default="0.25,0.5,0.75,0.875")
+    parser.add_argument("--naive-cells", type=int, default=0, help="cells run on the naive path (0: all)")
+    args = parser.parse_args()
+
+    model, tokenizer = load(args.model)
+    overhead = template_overhead(tokenizer, args.task, args.seed)
+    sample = generate_sample(args.task, args.length, args.seed, lambda t: len(tokenizer(t)["input_ids"]), overhead)
+    policies = [n for n in kvsieve.policies.names() if n != "full"]
+    cells = [Cell(p, float(r)) for p in policies for r in args.ratios.split(",")]
+    print(f"# {args.model}, {args.task} at {args.length} tokens, {len(policies)} policies x "
+          f"{len(args.ratios.split(','))} ratios = {len(cells)} cells, {torch.get_num_threads()} threads")
+
+    start = time.perf_counter()
+    full = generate(model, tokenizer, sample.context, sample.question, "full", answer_prefix=sample.answer_prefix,
+                    max_new_tokens=sample.max_new_tokens, stop=tuple(sample.stop))
+    one_run = time.perf_counter() - start
+    print(f"one full-cache run: {one_run:.1f} s (answer {full.text!r})")
+
+    start = time.perf_counter()
+    shared = evaluate_sample(model, tokenizer, sample, cells, args.model, shared=True)
+    shared_s = time.perf_counter() - start
+    print(f"shared grid: {shared_s:.1f} s = {shared_s / one_run:.1f}x one run", flush=True)
+
+    naive_cells = cells if args.naive_cells <= 0 else cells[:: max(1, len(cells) // args.naive_cells)]
+    start = time.perf_counter()
+    naive = evaluate_sample(model, tokenizer, sample, naive_cells, args.model, shared=False)
+    naive_s = (time.perf_counter() - start) * len(cells) / len(naive_cells)
+    note = "" if len(naive_cells) == len(cells) else f" (measured on {len(naive_cells)} cells, scaled)"
+    print(f"naive grid: {naive_s:.1f} s = {naive_s / one_run:.1f}x one run{note}")
+    by_key = {r.key: r.prediction for r in shared}
+    same = sum(by_key[r.key] == r.prediction for r in naive)
+    print(f"same prediction on the shared and naive paths: {same}/{len(naive)} cells ({100 * same / len(naive):.0f}%)")
+    for r in naive:
+        if by_key[r.key] != r.prediction:
+            print(f"  differs: {r.key.policy}@{r.key.ratio}: shared {by_key[r.key]!r} vs naive {r.prediction!r}")
+
+
+if __name__ == "__main__":
+    main()
