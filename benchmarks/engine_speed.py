@@ -65,7 +65,7 @@ def main() -> None:
         def run(policy=policy):
             with kvsieve.attach(model, policy, ratio=args.ratio) as session:
                 out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-            return session.report, kvsieve.engine.cache.cache_bytes(out.past_key_values)
+            return session.report, kvsieve.engine.cache.cache_bytes(out.cache)
 
         seconds, (report, kept) = timed(run, args.repeats)
         full = report.bytes_before if report.layers else kept
@@ -77,7 +77,7 @@ def main() -> None:
     for ratio in (0.0, 0.5, 0.875):
         with kvsieve.attach(model, kvsieve.policies.get("snapkv"), ratio=ratio) as session:
             out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-            cache = out.past_key_values
+            cache = out.cache
             start = time.perf_counter()
             # no EOS stop: force exactly --decode-tokens steps by decoding with an empty EOS set
             tokens = _decode_fixed(model, cache, out.logits[:, -1], args.decode_tokens)

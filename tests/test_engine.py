@@ -17,7 +17,7 @@ COMPRESSING = [n for n in names() if n != "full"]
 def prefill(model, ids, policy, **kwargs):
     with kvsieve.attach(model, policy, **kwargs) as session:
         out = model(input_ids=ids, use_cache=True)
-    return out.past_key_values, session
+    return out.cache, session
 
 
 @pytest.mark.parametrize("name", COMPRESSING)
@@ -118,7 +118,7 @@ def test_hooks_are_removed_even_on_error(llama, prompt_ids):
     assert llama.config._attn_implementation == impl
     assert not any(hasattr(m, "_kvsieve_session") for m in llama.modules())
     out = llama(input_ids=prompt_ids, use_cache=True)
-    assert not any(isinstance(layer, SieveLayer) for layer in out.past_key_values.layers)
+    assert not any(isinstance(layer, SieveLayer) for layer in out.cache.layers)
 
 
 @pytest.mark.parametrize("name", ["snapkv", "h2o", "streaming_llm", "tova"])

@@ -147,7 +147,7 @@ def generate(
             out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
         else:
             out = model(input_ids=prompt.context_ids, use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values if hasattr(out, "past_key_values") else out.cache
+        cache = out.cache
         kept_tokens = session.kept_tokens
         bytes_kept = cache_bytes(cache)
         bytes_full = session.report.bytes_before if session.report and session.report.layers else bytes_kept

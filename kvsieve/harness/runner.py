@@ -151,7 +151,7 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
         with attach(model, capture, ratio=0.0):
             start = time.perf_counter()
             out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-            full_cache, first_logits = out.past_key_values, out.logits[:, -1]
+            full_cache, first_logits = out.cache, out.logits[:, -1]
             prefill_s = time.perf_counter() - start
             full_bytes = cache_bytes(full_cache)
             pruned: list[tuple[Cell, DynamicCache, float, int, int]] = []
