@@ -96,21 +96,35 @@ def _clone(cache: DynamicCache) -> DynamicCache:
 
 
 def _stack(caches: list[DynamicCache]) -> DynamicCache:
-    """Concatenate same-shaped pruned caches along the batch dimension."""
+    """Concatenate pruned caches along the batch dimension.
+
+    Rows whose layers hold different numbers of entries (PyramidKV's per-layer budgets, AdaKV's
+    per-head ones) are padded at the end to the longest row; the padding is marked invalid, so the
+    attention mask hides it and every row decodes as it would alone.
+    """
     stacked = _clone(caches[0])
     for i, layer in enumerate(stacked.layers):
         parts = [c.layers[i] for c in caches]
-        layer.keys = torch.cat([p.keys for p in parts])
-        layer.values = torch.cat([p.values for p in parts])
-        if getattr(layer, "positions", None) is not None:
-            layer.positions = torch.cat([p.positions for p in parts])
-            layer.recent_queries = None  # no further compression happens on a decode batch
-            layer.attention_received, layer.track_attention = None, False
+        if getattr(layer, "positions", None) is None:
+            layer.keys = torch.cat([p.keys for p in parts])
+            layer.values = torch.cat([p.values for p in parts])
+            continue
+        width = max(p.physical_length for p in parts)
+        keys, values, positions, valid = [], [], [], []
+        for p in parts:
+            pad = width - p.physical_length
+            keys.append(torch.nn.functional.pad(p.keys, (0, 0, 0, pad)))
+            values.append(torch.nn.functional.pad(p.values, (0, 0, 0, pad)))
+            positions.append(torch.nn.functional.pad(p.positions, (0, pad)))
+            row_valid = p.valid if p.valid is not None else torch.ones_like(p.positions, dtype=torch.bool)
+            valid.append(torch.nn.functional.pad(row_valid, (0, pad), value=False))
+        layer.keys, layer.values, layer.positions = torch.cat(keys), torch.cat(values), torch.cat(positions)
+        layer.valid = torch.cat(valid)
+        if bool(layer.valid.all()):
+            layer.valid = None
+        layer.recent_queries = None  # no further compression happens on a decode batch
+        layer.attention_received, layer.track_attention = None, False
     return stacked
-
-
-def _shape(cache: DynamicCache) -> tuple:
-    return tuple((layer.physical_length, layer.valid is not None) for _, layer in sieve_layers(cache))
 
 
 @torch.no_grad()
@@ -163,8 +177,8 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
                 kept = max((layer.physical_length for _, layer in sieve_layers(cache)), default=0)
                 pruned.append((cell, cache, time.perf_counter() - start, kept, cache_bytes(cache)))
             batches: dict[tuple, list] = defaultdict(list)
-            for item in pruned:
-                batches[_shape(item[1])].append(item)
+            for item in pruned:  # one batch per ratio: kept lengths are close, padding is cheap
+                batches[item[0].ratio].append(item)
             for items in batches.values():
                 caches = [item[1] for item in items]
                 batch = _stack(caches) if len(caches) > 1 else caches[0]

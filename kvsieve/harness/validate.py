@@ -10,7 +10,7 @@ from kvsieve.models import context_length
 from kvsieve.policies import get as get_policy
 from kvsieve.policies import parse_spec
 from kvsieve.selection import Budget
-from kvsieve.tasks import TASKS, Sample, generate_many, load_longbench, read_jsonl
+from kvsieve.tasks import TASKS, Sample, generate, generate_many, load_longbench, read_jsonl
 
 __all__ = ["validate", "load_samples", "read_samples", "template_overhead"]
 
@@ -87,7 +87,9 @@ def load_samples(config, tokenizer) -> Iterator[Sample]:
     def count(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    # Sample-major order: an interrupted run leaves every task with about the same number of samples.
+    overhead = {task: template_overhead(tokenizer, task, config.seed) for task in config.tasks}
     for length in config.lengths:
-        for task in config.tasks:
-            overhead = template_overhead(tokenizer, task, config.seed)
-            yield from generate_many([task], length, config.samples, config.seed, count, overhead)
+        for i in range(config.samples):
+            for task in config.tasks:
+                yield generate(task, length, config.seed + i, count, overhead[task])
