@@ -2,9 +2,9 @@
 
 Speed through sharing: in prefill compression the forward pass over the prompt does not depend on
 the policy (each layer attends over its full input; only the cache left behind is pruned). So a
-sample is prefilled once, every (policy, ratio) cell prunes its own copy of that cache, and cells
-whose pruned caches have the same shape decode together as one batch. Question-aware cells share
-a second prefill that includes the question.
+sample is prefilled once, every (policy, ratio) cell prunes its own copy of that cache, and the
+cells of one ratio decode together as one batch. Question-aware cells
+continue a copy of the full context cache with the question, and prune that.
 """
 
 from __future__ import annotations
@@ -89,9 +89,16 @@ def _policy_for(cell: Cell, sample: Sample, prompt: Prompt, tokenizer) -> Policy
 
 
 def _clone(cache: DynamicCache) -> DynamicCache:
-    """A cache whose layers can be pruned without touching ``cache`` (pruning makes new tensors)."""
+    """A cache that can be pruned or extended without touching ``cache``.
+
+    Pruning and appending make new tensors, so the layers' tensors are shared; only the attention
+    accumulator, which the attention function adds to in place, is copied.
+    """
     clone = copy.copy(cache)
     clone.layers = [copy.copy(layer) for layer in cache.layers]
+    for layer in clone.layers:
+        if getattr(layer, "attention_received", None) is not None:
+            layer.attention_received = layer.attention_received.clone()
     return clone
 
 
@@ -153,32 +160,35 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
                    gen.prefill_seconds, gen.decode_seconds)
         return results
 
-    for question_aware in (False, True):
-        group = [c for c in cells if c.question_aware == question_aware]
-        if not group:
-            continue
-        policies = [_policy_for(c, sample, prompt, tokenizer) for c in group]
-        capture = FullCache(window=max(p.window for p in policies))
-        capture.needs_accumulated_attention = any(p.needs_accumulated_attention for p in policies)
-        ids = torch.cat([prompt.context_ids, prompt.question_ids], 1) if question_aware else prompt.context_ids
-        protected = prompt.question_ids.shape[1] if question_aware else 0
-        with attach(model, capture, ratio=0.0):
-            start = time.perf_counter()
-            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-            full_cache, first_logits = out.cache, out.logits[:, -1]
-            prefill_s = time.perf_counter() - start
+    policies = {cell: _policy_for(cell, sample, prompt, tokenizer) for cell in cells}
+    capture = FullCache(window=max(p.window for p in policies.values()))
+    capture.needs_accumulated_attention = any(p.needs_accumulated_attention for p in policies.values())
+    with attach(model, capture, ratio=0.0):
+        start = time.perf_counter()
+        context_cache = model(input_ids=prompt.context_ids, use_cache=True, logits_to_keep=1).cache
+        context_s = time.perf_counter() - start
+        for question_aware in (False, True):
+            group = [c for c in cells if c.question_aware == question_aware]
+            if not group:
+                continue
+            full_cache, first_logits, prefill_s, protected = context_cache, None, context_s, 0
+            if question_aware:
+                # Prefilling context + question equals prefilling the context, then the question on the
+                # full cache: the question's queries join the window and the accumulated attention.
+                start = time.perf_counter()
+                full_cache = _clone(context_cache)
+                out = model(input_ids=prompt.question_ids, cache=full_cache, use_cache=True, logits_to_keep=1)
+                first_logits, protected = out.logits[:, -1], prompt.question_ids.shape[1]
+                prefill_s += time.perf_counter() - start
             full_bytes = cache_bytes(full_cache)
-            pruned: list[tuple[Cell, DynamicCache, float, int, int]] = []
-            for cell, policy in zip(group, policies):
+            batches: dict[float, list] = defaultdict(list)  # one batch per ratio: kept lengths are close
+            for cell in group:
                 start = time.perf_counter()
                 cache = _clone(full_cache)
-                if policy.compresses and cell.ratio > 0:
-                    compress_cache(cache, policy, Budget(ratio=cell.ratio), protected)
+                if policies[cell].compresses and cell.ratio > 0:
+                    compress_cache(cache, policies[cell], Budget(ratio=cell.ratio), protected)
                 kept = max((layer.physical_length for _, layer in sieve_layers(cache)), default=0)
-                pruned.append((cell, cache, time.perf_counter() - start, kept, cache_bytes(cache)))
-            batches: dict[tuple, list] = defaultdict(list)
-            for item in pruned:  # one batch per ratio: kept lengths are close, padding is cheap
-                batches[item[0].ratio].append(item)
+                batches[cell.ratio].append((cell, cache, time.perf_counter() - start, kept, cache_bytes(cache)))
             for items in batches.values():
                 caches = [item[1] for item in items]
                 batch = _stack(caches) if len(caches) > 1 else caches[0]
