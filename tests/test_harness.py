@@ -59,8 +59,8 @@ def niah_sample(smollm2):
 def test_shared_path_matches_per_cell_path(smollm2, niah_sample):
     model, tokenizer = smollm2
     cells = [Cell("full", 0.0), Cell("snapkv", 0.5), Cell("knorm", 0.5), Cell("streaming_llm", 0.5),
-             Cell("h2o", 0.5), Cell("pyramidkv", 0.5), Cell("adakv", 0.5), Cell("snapkv", 0.5, True), Cell("h2o", 0.5, True),
-             Cell("oracle", 0.875)]
+             Cell("h2o", 0.5), Cell("pyramidkv", 0.5), Cell("adakv", 0.5), Cell("snapkv", 0.5, True),
+             Cell("h2o", 0.5, True), Cell("oracle", 0.875)]
     shared = evaluate_sample(model, tokenizer, niah_sample, cells, "smollm2-135m", shared=True)
     naive = evaluate_sample(model, tokenizer, niah_sample, cells, "smollm2-135m", shared=False)
     assert [r.key for r in shared] == [r.key for r in naive]

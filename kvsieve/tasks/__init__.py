@@ -5,7 +5,7 @@
 
 from kvsieve.tasks.longbench import load_longbench
 from kvsieve.tasks.metrics import METRICS, score
-from kvsieve.tasks.ruler import TASKS, generate, generate_many
+from kvsieve.tasks.ruler import TASKS, generate, generate_many, task_family
 from kvsieve.tasks.sample import Sample, read_jsonl, write_jsonl
 
 __all__ = [
@@ -17,5 +17,6 @@ __all__ = [
     "load_longbench",
     "read_jsonl",
     "score",
+    "task_family",
     "write_jsonl",
 ]

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from kvsieve.tasks import haystack as hs
 from kvsieve.tasks.sample import Sample
 
-__all__ = ["TASKS", "generate", "generate_many", "fit_units"]
+__all__ = ["TASKS", "generate", "generate_many", "fit_units", "task_family"]
 
 CountTokens = Callable[[str], int]
 
@@ -69,6 +69,13 @@ class _Spec:
     build: Callable[[int], _Built]
     stop: list[str] = field(default_factory=list)
     max_units: int | None = None
+
+
+def task_family(task: str) -> str:
+    """RULER's task category (retrieval, multi-hop tracing, aggregation, qa); other tasks are their own family."""
+    if task.startswith("niah_"):
+        return "retrieval"
+    return {"vt": "multi_hop", "cwe": "aggregation", "fwe": "aggregation", "qa_1": "qa", "qa_2": "qa"}.get(task, task)
 
 
 # ----------------------------------------------------------------------------------------------- helpers

@@ -1,0 +1,22 @@
+"""Risk control: certify a retention operating point with a finite-sample guarantee, else full KV.
+
+Flow: results store -> :func:`loss_table` (per-request losses vs full KV) -> :func:`certify` or
+:func:`certify_buckets` (p-values + multiple testing) -> :class:`ContractFile` (JSON) ->
+:class:`CertifiedPolicy` at run time. Nothing here loads a model.
+"""
+
+from kvsieve.risk.certify import (
+    CandidateResult,
+    Certification,
+    Contract,
+    InsufficientCalibrationError,
+    certify,
+    empirical_threshold,
+)
+from kvsieve.risk.contract import ContractFile, certify_buckets
+from kvsieve.risk.losses import Candidate, LossTable, candidate_losses, loss_table
+from kvsieve.risk.runtime import CertifiedPolicy, OperatingPoint
+
+__all__ = ["Candidate", "CandidateResult", "Certification", "CertifiedPolicy", "Contract", "ContractFile",
+           "InsufficientCalibrationError", "LossTable", "OperatingPoint", "candidate_losses", "certify",
+           "certify_buckets", "empirical_threshold", "loss_table"]

@@ -1,0 +1,179 @@
+"""Learn-then-Test certification of a KV retention operating point (Risk-Controlled KV-Cache Eviction).
+
+Given a contract (target risk alpha, confidence 1 - delta, tolerance epsilon) and per-request losses
+from calibration data, every candidate (policy, ratio) is a hypothesis "its risk exceeds alpha". The
+candidates whose hypothesis is rejected under family-wise error control at delta are *certified*:
+with probability at least 1 - delta over the calibration draw, all of them have risk <= alpha. The
+operating point is the certified candidate that keeps the least cache; if none is certified, full KV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from kvsieve.risk.losses import LOSSES, Candidate, LossTable
+from kvsieve.risk.pvalues import binomial_pvalue, hoeffding_bentkus_pvalue, min_calibration_size
+from kvsieve.risk.testing import CORRECTIONS, chains_rejected, fixed_sequence
+
+__all__ = ["Contract", "CandidateResult", "Certification", "InsufficientCalibrationError", "certify",
+           "empirical_threshold", "p_value"]
+
+
+class InsufficientCalibrationError(ValueError):
+    """Too few calibration requests for any candidate to be certified under the contract."""
+
+
+@dataclass(frozen=True)
+class Contract:
+    """A deployment's reliability requirement: P(risk <= alpha) >= 1 - delta, degradation beyond epsilon points."""
+
+    alpha: float = 0.1
+    delta: float = 0.1
+    epsilon: float = 0.0
+    loss: str = "binary"
+    correction: str = "bonferroni"
+    split_fraction: float = 0.5  # correction="split": share of the calibration data that orders the candidates
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "delta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+                raise ValueError(f"{name} must be in (0, 1), got {value!r}")
+        if isinstance(self.epsilon, bool) or not isinstance(self.epsilon, (int, float)) or self.epsilon < 0:
+            raise ValueError(f"epsilon must be >= 0 (utility points on the 0-100 scale), got {self.epsilon!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss {self.loss!r} is not one of {', '.join(LOSSES)}")
+        if self.correction not in CORRECTIONS:
+            raise ValueError(f"correction {self.correction!r} is not one of {', '.join(CORRECTIONS)}")
+        if not 0 < self.split_fraction < 1:
+            raise ValueError(f"split_fraction must be in (0, 1), got {self.split_fraction!r}")
+
+    @property
+    def min_requests(self) -> int:
+        """Fewest calibration requests that can certify anything (zero failures)."""
+        return min_calibration_size(self.alpha, self.delta)
+
+
+@dataclass
+class CandidateResult:
+    policy: str
+    ratio: float
+    question_aware: bool
+    empirical_risk: float
+    p_value: float
+    certified: bool
+    kept_fraction: float  # mean cache bytes kept / full
+
+    @property
+    def candidate(self) -> Candidate:
+        return Candidate(self.policy, self.ratio, self.question_aware)
+
+
+@dataclass
+class Certification:
+    """The outcome of one certification: the contract, n, every candidate's figures and the choice."""
+
+    alpha: float
+    delta: float
+    epsilon: float
+    loss: str
+    correction: str
+    n: int
+    candidates: list[CandidateResult] = field(default_factory=list)
+    chosen: Candidate | None = None
+    reason: str = ""  # why it fell back, when it did
+
+    @property
+    def fell_back(self) -> bool:
+        return self.chosen is None
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["chosen"] = asdict(self.chosen) if self.chosen else None
+        out["fell_back"] = self.fell_back
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Certification:
+        data = dict(data)
+        data.pop("fell_back", None)
+        data["candidates"] = [CandidateResult(**c) for c in data.get("candidates", [])]
+        data["chosen"] = Candidate(**data["chosen"]) if data.get("chosen") else None
+        return cls(**data)
+
+
+def p_value(losses: np.ndarray, alpha: float, loss: str = "binary") -> float:
+    """Exact binomial p-value for binary losses, Hoeffding-Bentkus for bounded ones."""
+    n = len(losses)
+    if loss == "binary":
+        return binomial_pvalue(int(round(float(np.sum(losses)))), n, alpha)
+    return hoeffding_bentkus_pvalue(float(np.mean(losses)), n, alpha)
+
+
+def _least_cache(candidates: list[Candidate], table: LossTable) -> Candidate | None:
+    """The candidate keeping the least cache (highest ratio; then fewer bytes; then lower risk)."""
+    if not candidates:
+        return None
+    return min(candidates, key=lambda c: (-c.ratio, table.kept_fraction.get(c, c.retention),
+                                          float(np.mean(table.losses[c])), str(c)))
+
+
+def _chains(candidates: list[Candidate]) -> list[list[Candidate]]:
+    """One chain per compressor, from most to least retention."""
+    chains: dict[tuple, list[Candidate]] = {}
+    for cand in candidates:
+        chains.setdefault(cand.compressor, []).append(cand)
+    return [sorted(chain, key=lambda c: c.ratio) for _, chain in sorted(chains.items())]
+
+
+def certify(table: LossTable, contract: Contract, seed: int = 0) -> Certification:
+    """Certify the most aggressive candidate of ``table`` under ``contract``; full KV (``chosen=None``) if none.
+
+    Raises InsufficientCalibrationError when ``table`` has fewer requests than any candidate would need
+    (``contract.min_requests``; with ``correction="split"``, in the part that tests).
+    """
+    if table.loss != contract.loss or table.epsilon != contract.epsilon:
+        raise ValueError(f"the loss table was built with loss={table.loss!r}, epsilon={table.epsilon}; "
+                         f"the contract asks for loss={contract.loss!r}, epsilon={contract.epsilon}")
+    candidates = sorted(table.losses)
+    if not candidates:
+        raise ValueError("no candidates to certify")
+    test_rows = np.arange(table.n)
+    order: list[Candidate] | None = None
+    if contract.correction == "split":
+        rng = np.random.default_rng(seed)
+        perm = rng.permutation(table.n)
+        cut = int(round(contract.split_fraction * table.n))
+        learn, test_rows = perm[:cut], perm[cut:]
+        learned = {c: p_value(table.losses[c][learn], contract.alpha, contract.loss) if len(learn) else 1.0
+                   for c in candidates}
+        order = sorted(candidates, key=lambda c: (learned[c], c.ratio))
+    n = len(test_rows)
+    if n < contract.min_requests:
+        where = " in the testing part of the split" if contract.correction == "split" else ""
+        raise InsufficientCalibrationError(
+            f"{n} calibration requests{where} cannot certify anything at alpha={contract.alpha}, "
+            f"delta={contract.delta}: even with zero failures it needs n >= log(delta)/log(1-alpha) = "
+            f"{contract.min_requests}")
+    risks = {c: float(np.mean(table.losses[c][test_rows])) for c in candidates}
+    pvals = {c: p_value(table.losses[c][test_rows], contract.alpha, contract.loss) for c in candidates}
+    if order is not None:
+        certified = set(order[: fixed_sequence([pvals[c] for c in order], contract.delta)])
+    else:
+        chains = _chains(candidates)
+        counts = chains_rejected([[pvals[c] for c in chain] for chain in chains], contract.delta, contract.correction)
+        certified = {c for chain, k in zip(chains, counts) for c in chain[:k]}
+    results = [CandidateResult(c.policy, c.ratio, c.question_aware, risks[c], pvals[c], c in certified,
+                               table.kept_fraction.get(c, c.retention)) for c in candidates]
+    chosen = _least_cache(sorted(certified), table)
+    reason = "" if chosen else "no candidate certified: falling back to full KV"
+    return Certification(contract.alpha, contract.delta, contract.epsilon, contract.loss, contract.correction, n,
+                         results, chosen, reason)
+
+
+def empirical_threshold(table: LossTable, alpha: float) -> Candidate | None:
+    """The uncertified baseline: the least-cache candidate whose empirical risk is <= alpha (None: full KV)."""
+    passing = [c for c, losses in table.losses.items() if float(np.mean(losses)) <= alpha]
+    return _least_cache(passing, table)

@@ -1,0 +1,265 @@
+"""Risk control: p-values, multiple testing, certification, contracts, runtime, validity."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from kvsieve.harness.store import CellKey, CellResult, ResultsStore
+from kvsieve.risk import (
+    Candidate,
+    CertifiedPolicy,
+    Contract,
+    ContractFile,
+    InsufficientCalibrationError,
+    LossTable,
+    candidate_losses,
+    certify,
+    certify_buckets,
+    empirical_threshold,
+    loss_table,
+)
+from kvsieve.risk.pvalues import (
+    binomial_cdf,
+    binomial_pvalue,
+    clopper_pearson,
+    hoeffding_bentkus_pvalue,
+    min_calibration_size,
+)
+from kvsieve.risk.testing import chains_rejected, fixed_sequence
+from kvsieve.risk.validity import split_validity
+
+
+def _max_certifiable_failures(n: int, alpha: float, delta: float) -> int:
+    return max((k for k in range(n + 1) if binomial_pvalue(k, n, alpha) <= delta), default=-1)
+
+
+def test_exact_binomial_known_values():
+    assert _max_certifiable_failures(100, 0.1, 0.1) == 5
+    assert _max_certifiable_failures(500, 0.05, 0.05) == 16
+
+
+def test_binomial_cdf_matches_direct_sum():
+    n, p = 30, 0.2
+    for k in (0, 3, 6, 29):
+        direct = sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k + 1))
+        assert binomial_cdf(k, n, p) == pytest.approx(direct, rel=1e-10)
+
+
+def test_min_calibration_size_is_the_zero_failure_bound():
+    assert min_calibration_size(0.1, 0.1) == 22
+    assert min_calibration_size(0.05, 0.05) == 59
+    for alpha, delta in ((0.1, 0.1), (0.05, 0.05), (0.2, 0.1)):
+        n = min_calibration_size(alpha, delta)
+        assert binomial_pvalue(0, n, alpha) <= delta < binomial_pvalue(0, n - 1, alpha)
+
+
+@pytest.mark.parametrize("n", [22, 60, 200])
+def test_hoeffding_bentkus_never_less_conservative_than_binomial(n):
+    for alpha in (0.05, 0.1, 0.2):
+        for k in range(n + 1):
+            assert hoeffding_bentkus_pvalue(k / n, n, alpha) >= binomial_pvalue(k, n, alpha) - 1e-12
+
+
+def test_clopper_pearson_brackets_the_proportion():
+    lo, hi = clopper_pearson(5, 100)
+    assert lo == pytest.approx(0.0164, abs=1e-3) and hi == pytest.approx(0.1128, abs=1e-3)
+    assert clopper_pearson(0, 50)[0] == 0.0 and clopper_pearson(50, 50)[1] == 1.0
+
+
+def test_fixed_sequence_stops_at_first_failure():
+    assert fixed_sequence([0.01, 0.02, 0.5, 0.001], 0.05) == 2
+    assert fixed_sequence([0.5, 0.001], 0.05) == 0
+    assert fixed_sequence([], 0.05) == 0
+
+
+def test_holm_recycles_the_level_of_finished_chains():
+    chains = [[0.01], [0.01, 0.07]]  # chain 0 fully rejected at 0.05 frees its share for chain 1
+    assert chains_rejected(chains, 0.1, "bonferroni") == [1, 1]
+    assert chains_rejected(chains, 0.1, "holm") == [1, 2]
+    with pytest.raises(ValueError, match="split"):
+        chains_rejected(chains, 0.1, "split")
+
+
+@pytest.mark.parametrize("bad", [dict(alpha=0), dict(alpha=1.0), dict(delta=-0.1), dict(delta=1.5),
+                                 dict(epsilon=-1), dict(loss="mse"), dict(correction="bh")])
+def test_contract_rejects_bad_values(bad):
+    name = next(iter(bad))
+    with pytest.raises(ValueError, match=name if name != "correction" else "bh"):
+        Contract(**bad)
+
+
+def _table(risks: dict[Candidate, float], n: int, rng: np.random.Generator) -> LossTable:
+    losses = {c: (rng.random(n) < r).astype(float) for c, r in risks.items()}
+    return LossTable([("t", 1, str(i)) for i in range(n)], losses, {c: c.retention for c in risks})
+
+
+CHAIN = {Candidate("snapkv", 0.25): 0.0, Candidate("snapkv", 0.5): 0.02, Candidate("snapkv", 0.75): 0.3,
+         Candidate("knorm", 0.25): 0.05, Candidate("knorm", 0.5): 0.12}
+
+
+def test_certify_picks_least_cache_certified_point():
+    table = _table(CHAIN, 400, np.random.default_rng(0))
+    cert = certify(table, Contract(alpha=0.1, delta=0.1))
+    assert cert.chosen == Candidate("snapkv", 0.5)
+    by = {r.candidate: r for r in cert.candidates}
+    assert not by[Candidate("snapkv", 0.75)].certified and by[Candidate("snapkv", 0.25)].certified
+    assert by[Candidate("snapkv", 0.75)].empirical_risk > 0.2 and cert.n == 400 and not cert.fell_back
+
+
+def test_fixed_sequence_within_a_compressor_blocks_later_points():
+    # 0.5 fails, so 0.75 is never certified even though its losses are all zero
+    losses = {Candidate("p", 0.25): np.zeros(100), Candidate("p", 0.5): np.ones(100),
+              Candidate("p", 0.75): np.zeros(100)}
+    table = LossTable([("t", 1, str(i)) for i in range(100)], losses)
+    cert = certify(table, Contract(alpha=0.1, delta=0.1))
+    assert cert.chosen == Candidate("p", 0.25)
+    assert [r.certified for r in cert.candidates] == [True, False, False]
+
+
+def test_falls_back_to_full_kv_when_nothing_certifies():
+    table = _table({Candidate("snapkv", 0.5): 0.5, Candidate("knorm", 0.5): 0.4}, 100, np.random.default_rng(1))
+    cert = certify(table, Contract(alpha=0.1, delta=0.1))
+    assert cert.fell_back and cert.chosen is None and "full KV" in cert.reason
+    assert empirical_threshold(table, 0.1) is None
+
+
+def test_too_few_requests_is_refused_with_the_number():
+    table = _table({Candidate("snapkv", 0.5): 0.0}, 21, np.random.default_rng(2))
+    with pytest.raises(InsufficientCalibrationError, match="22"):
+        certify(table, Contract(alpha=0.1, delta=0.1))
+    table = _table({Candidate("snapkv", 0.5): 0.0}, 22, np.random.default_rng(2))
+    assert certify(table, Contract(alpha=0.1, delta=0.1)).chosen == Candidate("snapkv", 0.5)
+
+
+@pytest.mark.parametrize("correction", ["bonferroni", "holm", "split"])
+def test_violation_rate_is_at_most_delta_in_simulation(correction):
+    # true risks are known; a violation is choosing a point whose true risk exceeds alpha
+    alpha, delta, n, trials = 0.1, 0.1, 150, 300
+    risks = {Candidate("a", 0.25): 0.04, Candidate("a", 0.5): 0.09, Candidate("a", 0.75): 0.13,
+             Candidate("b", 0.5): 0.11, Candidate("b", 0.75): 0.2}
+    rng = np.random.default_rng(3)
+    contract = Contract(alpha=alpha, delta=delta, correction=correction)
+    violations = empirical_violations = certified_any = 0
+    for t in range(trials):
+        table = _table(risks, n, rng)
+        chosen = certify(table, contract, seed=t).chosen
+        violations += chosen is not None and risks[chosen] > alpha
+        certified_any += chosen is not None
+        baseline = empirical_threshold(table, alpha)
+        empirical_violations += baseline is not None and risks[baseline] > alpha
+    lower = clopper_pearson(violations, trials)[0]  # the CI's lower end must not exceed delta
+    assert lower <= delta, violations
+    assert certified_any > trials // 2  # it is not vacuously valid by always falling back
+    assert empirical_violations > violations  # thresholding picks the 0.11-0.13 points often
+
+
+def test_bounded_losses_use_hoeffding_bentkus():
+    cand = Candidate("snapkv", 0.5)
+    full, drop = np.full(200, 100.0), np.full(200, 100.0)
+    drop[:10] = 50.0  # 10 requests lose half their utility
+    losses = candidate_losses(drop, full, 0.0, "bounded")
+    assert losses.max() == 0.5 and losses.mean() == pytest.approx(0.025)
+    table = LossTable([("t", 1, str(i)) for i in range(200)], {cand: losses}, loss="bounded")
+    cert = certify(table, Contract(alpha=0.1, delta=0.1, loss="bounded"))
+    assert cert.candidates[0].p_value == pytest.approx(hoeffding_bentkus_pvalue(0.025, 200, 0.1))
+    assert cert.chosen == cand
+
+
+def test_binary_loss_respects_epsilon():
+    full = np.array([100.0, 100.0, 50.0, 0.0])
+    cand = np.array([100.0, 90.0, 30.0, 100.0])
+    assert candidate_losses(cand, full, 0.0).tolist() == [0, 1, 1, 0]
+    assert candidate_losses(cand, full, 15.0).tolist() == [0, 0, 1, 0]
+    with pytest.raises(ValueError, match="epsilon"):
+        candidate_losses(cand, full, -1.0)
+
+
+def _row(task, sample, policy, ratio, score, length=1024, bytes_full=1000):
+    key = CellKey("m", task, length, str(sample), policy, ratio, False)
+    kept = int(bytes_full * (1 - ratio)) if policy != "full" else bytes_full
+    return CellResult(key, "", score, ["x"], 10, kept, bytes_full, 0.1, 0.1, {})
+
+
+@pytest.fixture
+def store(tmp_path):
+    rng = np.random.default_rng(4)
+    rows = []
+    for task, fail in (("niah_single_1", 0.0), ("vt", 0.3)):
+        for i in range(60):
+            rows.append(_row(task, i, "full", 0.0, 100.0))
+            rows.append(_row(task, i, "snapkv", 0.5, 0.0 if rng.random() < fail else 100.0))
+    with ResultsStore(tmp_path / "r.sqlite") as s:
+        s.add_many(rows)
+    return tmp_path / "r.sqlite"
+
+
+def test_loss_table_from_store_and_mismatch_errors(store):
+    with ResultsStore(store) as s:
+        table = loss_table(s, "m", [Candidate("snapkv", 0.5)])
+        assert table.n == 120 and table.kept_fraction[Candidate("snapkv", 0.5)] == pytest.approx(0.5)
+        with pytest.raises(ValueError, match="no rows for candidate knorm@0.5"):
+            loss_table(s, "m", [Candidate("knorm", 0.5)])
+        with pytest.raises(ValueError, match="no full-KV rows"):
+            loss_table(s, "other-model", [Candidate("snapkv", 0.5)])
+        s.add(_row("vt", 999, "snapkv", 0.5, 100.0))
+        with pytest.raises(ValueError, match="missing full-KV rows for 1 request"):
+            loss_table(s, "m", [Candidate("snapkv", 0.5)])
+        s.add(_row("vt", 999, "full", 0.0, 100.0))
+        s.add(_row("vt", 1000, "full", 0.0, 100.0))
+        with pytest.raises(ValueError, match="mismatched request sets"):
+            loss_table(s, "m", [Candidate("snapkv", 0.5)])
+
+
+def test_conditional_contract_round_trip_and_runtime(store, tmp_path):
+    with ResultsStore(store) as s:
+        table = loss_table(s, "m", [Candidate("snapkv", 0.5)])
+    contract = Contract(alpha=0.1, delta=0.1)
+    out = certify_buckets(table, contract, "m", by="task_family")
+    assert set(out.buckets) == {"retrieval", "multi_hop"}
+    assert all(c.delta == pytest.approx(0.05) for c in out.buckets.values())  # Bonferroni over 2 buckets
+    assert out.buckets["retrieval"].chosen == Candidate("snapkv", 0.5)
+    assert out.buckets["multi_hop"].fell_back
+    path = out.write(tmp_path / "contract.json")
+    assert json.loads(path.read_text())["buckets"]["multi_hop"]["fell_back"] is True
+    certified = CertifiedPolicy.from_contract(path)
+    point = certified.operating_point(task="niah_single_2")
+    assert (point.policy_spec, point.ratio, point.fell_back) == ("snapkv", 0.5, False)
+    assert point.policy.name == "snapkv"
+    vt = certified.operating_point(task="vt")
+    assert vt.fell_back and vt.ratio == 0.0 and vt.policy.name == "full"
+    assert certified.operating_point(task="qa_1").reason == "bucket 'qa' was not calibrated"
+    with pytest.raises(ValueError, match="task="):
+        certified.operating_point()
+
+
+def test_conditional_bucket_with_too_few_requests_falls_back(store):
+    with ResultsStore(store) as s:
+        table = loss_table(s, "m", [Candidate("snapkv", 0.5)])
+    out = certify_buckets(table.subset(list(range(0, 120, 4))), Contract(alpha=0.1, delta=0.1), "m",
+                          by="task_family")
+    assert all(c.fell_back and "too few requests" in c.reason for c in out.buckets.values())
+    with pytest.raises(InsufficientCalibrationError):
+        certify_buckets(table.subset(list(range(10))), Contract(), "m")
+
+
+def test_contract_file_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ContractFile.read(tmp_path / "nope.json")
+    (tmp_path / "bad.json").write_text('{"hello": 1}')
+    with pytest.raises(ValueError, match="not a kvsieve contract"):
+        ContractFile.read(tmp_path / "bad.json")
+
+
+def test_split_validity_counts_violations():
+    rng = np.random.default_rng(5)
+    risks = {Candidate("a", 0.5): 0.08, Candidate("a", 0.75): 0.12}
+    table = _table(risks, 400, rng)
+    result = split_validity(table, Contract(alpha=0.1, delta=0.1), splits=50, seed=0)
+    assert result.n_calibration == 200 and result.certified.splits == 50
+    assert result.certified.violation_rate <= result.empirical.violation_rate
+    assert sum(result.certified.choices.values()) == 50
+    assert 0.25 <= result.certified.mean_retention <= 1.0
