@@ -1,4 +1,4 @@
-"""Command line: kvsieve eval | report | generate | demo."""
+"""Command line: kvsieve eval | report | generate | certify | demo."""
 
 from __future__ import annotations
 
@@ -133,6 +133,55 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_certify(args) -> int:
+    from kvsieve.harness.store import ResultsStore
+    from kvsieve.policies import parse_spec
+    from kvsieve.risk import Candidate, Contract, certify_buckets, loss_table
+
+    contract = Contract(alpha=args.alpha, delta=args.delta, epsilon=args.epsilon, loss=args.loss,
+                        correction=args.correction)  # checks alpha, delta, epsilon before any work
+    policies, ratios = _csv(args.policies), _csv(args.ratios, float)
+    compressing = [p for p in policies if parse_spec(p)[0] != "full"]
+    if not compressing or not ratios:
+        raise ValueError("give at least one compressing policy (--policies) and one ratio (--ratios)")
+    tasks = _csv(args.tasks) if args.tasks else None
+    lengths = _csv(args.lengths, int) if args.lengths else None
+    edges = _csv(args.length_edges, int) if args.length_edges else None
+    if args.run:
+        from kvsieve.harness.runner import run_grid
+
+        if not tasks or not lengths:
+            raise ValueError("--run needs --tasks and --lengths to know which calibration cells to evaluate")
+        grid = GridConfig(model=args.model, tasks=tasks, lengths=lengths, policies=["full", *compressing],
+                          ratios=ratios, samples=args.samples, seed=args.seed, store=args.store,
+                          question_aware=args.question_aware)
+        if args.question_aware:  # only the question-aware variants are candidates
+            grid.policies, grid.qa_policies = ["full"], compressing
+        run_grid(grid).close()
+    if not Path(args.store).is_file():
+        raise ValueError(f"results store {args.store} does not exist (add --run to evaluate the calibration cells)")
+    candidates = [Candidate(p, r, args.question_aware) for p in compressing for r in ratios]
+    with ResultsStore(args.store) as store:
+        table = loss_table(store, args.model, candidates, contract.epsilon, contract.loss, tasks, lengths)
+    result = certify_buckets(table, contract, args.model, args.by, edges)
+    result.source = {"store": str(args.store), "policies": compressing, "ratios": ratios, "tasks": tasks,
+                     "lengths": lengths, "question_aware": args.question_aware}
+    path = result.write(args.out)
+    print(f"contract: alpha={contract.alpha} delta={contract.delta} epsilon={contract.epsilon} loss={contract.loss} "
+          f"correction={contract.correction}, by {result.by}")
+    for name, cert in result.buckets.items():
+        print(f"\n[{name}] n={cert.n}, tested at delta={cert.delta:.4g}")
+        if cert.candidates:
+            print(f"  {'candidate':<28} {'kept':>6} {'risk':>7} {'p-value':>9}  certified")
+            for c in sorted(cert.candidates, key=lambda c: (c.policy, c.question_aware, c.ratio)):
+                print(f"  {str(c.candidate):<28} {c.kept_fraction:>6.3f} {c.empirical_risk:>7.3f} {c.p_value:>9.3g}  "
+                      f"{'yes' if c.certified else 'no'}")
+        print(f"  -> {cert.chosen} (kept {1 - cert.chosen.ratio:.3f} of the cache)" if cert.chosen
+              else f"  -> full KV: {cert.reason}")
+    print(f"\nwrote {path}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from kvsieve.harness.runner import run_grid
 
@@ -161,6 +210,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("certify", help="certify a retention operating point from calibration results; write a contract")
+    p.add_argument("--store", required=True, help="results store holding full-KV and candidate rows")
+    p.add_argument("--model", required=True)
+    p.add_argument("--policies", required=True, help="comma-separated candidate policy specs")
+    p.add_argument("--ratios", required=True, help="comma-separated compression ratios")
+    p.add_argument("--alpha", type=float, default=0.1, help="target risk: rate of material degradation")
+    p.add_argument("--delta", type=float, default=0.1, help="1 - confidence of the guarantee")
+    p.add_argument("--epsilon", type=float, default=0.0, help="tolerated utility drop, in metric points (0-100)")
+    p.add_argument("--loss", default="binary", help="binary (degradation > epsilon) or bounded (drop / 100)")
+    p.add_argument("--correction", default="bonferroni", help="across compressors: bonferroni, holm or split")
+    p.add_argument("--by", default="none", help="conditional contract: none, task_family or length")
+    p.add_argument("--length-edges", help="with --by length: comma-separated bucket upper edges in tokens")
+    p.add_argument("--tasks", help="only these tasks (required with --run)")
+    p.add_argument("--lengths", help="only these lengths (required with --run)")
+    p.add_argument("--question-aware", action="store_true", help="certify the question-aware variants")
+    p.add_argument("--run", action="store_true", help="evaluate missing calibration cells through the harness first")
+    p.add_argument("--samples", type=int, default=25, help="with --run: samples per task and length")
+    p.add_argument("--seed", type=int, default=0, help="with --run: first sample seed")
+    p.add_argument("--out", default="contract.json", help="contract file to write")
+    p.set_defaults(func=cmd_certify)
     p = sub.add_parser("demo", help="the default grid on the bundled SmolLM2 (a few minutes on 2 cores)")
     p.set_defaults(func=cmd_demo)
     args = parser.parse_args(argv)

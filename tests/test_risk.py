@@ -263,3 +263,17 @@ def test_split_validity_counts_violations():
     assert result.certified.violation_rate <= result.empirical.violation_rate
     assert sum(result.certified.choices.values()) == 50
     assert 0.25 <= result.certified.mean_retention <= 1.0
+
+
+def test_certify_cli_writes_a_contract(store, tmp_path, capsys):
+    from kvsieve.cli import main
+
+    out = tmp_path / "c.json"
+    assert main(["certify", "--store", str(store), "--model", "m", "--policies", "snapkv", "--ratios", "0.5",
+                 "--by", "task_family", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "[retrieval]" in printed and "-> snapkv@0.5" in printed and "-> full KV" in printed
+    assert CertifiedPolicy.from_contract(out).operating_point(task="niah_single_1").ratio == 0.5
+    assert main(["certify", "--store", str(store), "--model", "m", "--policies", "snapkv", "--ratios", "0.5",
+                 "--delta", "0", "--out", str(out)]) == 2
+    assert "delta must be in (0, 1), got 0.0" in capsys.readouterr().err
