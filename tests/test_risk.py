@@ -212,6 +212,7 @@ def test_loss_table_from_store_and_mismatch_errors(store):
         s.add(_row("vt", 1000, "full", 0.0, 100.0))
         with pytest.raises(ValueError, match="mismatched request sets"):
             loss_table(s, "m", [Candidate("snapkv", 0.5)])
+        assert loss_table(s, "m", [Candidate("snapkv", 0.5)], common_only=True).n == 121  # vt-1000 left out
 
 
 def test_conditional_contract_round_trip_and_runtime(store, tmp_path):

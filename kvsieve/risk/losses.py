@@ -105,11 +105,14 @@ def length_bucket(length: int, edges: list[int]) -> str:
 
 
 def loss_table(store: ResultsStore, model: str, candidates: list[Candidate], epsilon: float = 0.0,
-               loss: str = "binary", tasks: list[str] | None = None, lengths: list[int] | None = None) -> LossTable:
+               loss: str = "binary", tasks: list[str] | None = None, lengths: list[int] | None = None,
+               common_only: bool = False) -> LossTable:
     """Build the loss table from the results store; the requests are those evaluated with full KV.
 
     Raises ValueError when the store has no full-KV rows, when a candidate has rows for requests the full
     cache lacks, or when a candidate misses some of the requests (the sets must match exactly).
+    ``common_only=True`` instead keeps the requests that full KV and every candidate share (for a
+    store whose grid is still running).
     """
     if not candidates:
         raise ValueError("no candidates to certify: give at least one compressing policy and ratio")
@@ -123,15 +126,23 @@ def loss_table(store: ResultsStore, model: str, candidates: list[Candidate], eps
         raise ValueError(f"the store has no full-KV rows for model {model!r}"
                          + (f" (tasks {tasks}, lengths {lengths})" if tasks or lengths else "")
                          + ": losses are measured against full KV on the same request; run policy 'full' first")
-    requests = sorted(full)
-    full_utility = np.array([full[r] for r in requests])
-    losses, kept = {}, {}
+    found = {}
     for cand in candidates:
         rows = store.rows(policy=cand.policy, ratio=cand.ratio, question_aware=cand.question_aware, **filters)
         if not rows:
             raise ValueError(f"the store has no rows for candidate {cand} (model {model!r}); "
                              "evaluate it first (kvsieve eval, or kvsieve certify --run)")
-        by_request = {(r.key.task, r.key.length, r.key.sample_id): r for r in rows}
+        found[cand] = {(r.key.task, r.key.length, r.key.sample_id): r for r in rows}
+    if common_only:
+        full = {r: u for r, u in full.items() if all(r in by_request for by_request in found.values())}
+        if not full:
+            raise ValueError("full KV and the candidates share no request")
+    requests = sorted(full)
+    full_utility = np.array([full[r] for r in requests])
+    losses, kept = {}, {}
+    for cand, by_request in found.items():
+        if common_only:
+            by_request = {r: row for r, row in by_request.items() if r in full}
         extra = sorted(set(by_request) - set(full))
         if extra:
             raise ValueError(f"missing full-KV rows for {len(extra)} request(s) that candidate {cand} has, "
