@@ -278,3 +278,18 @@ def test_certify_cli_writes_a_contract(store, tmp_path, capsys):
     assert main(["certify", "--store", str(store), "--model", "m", "--policies", "snapkv", "--ratios", "0.5",
                  "--delta", "0", "--out", str(out)]) == 2
     assert "delta must be in (0, 1), got 0.0" in capsys.readouterr().err
+
+
+@pytest.mark.model
+def test_certify_run_evaluates_then_refuses_too_few_requests(tmp_path, capsys):
+    from kvsieve.cli import main
+
+    store = tmp_path / "cal.sqlite"
+    code = main(["certify", "--run", "--store", str(store), "--model", "smollm2-135m", "--policies", "knorm",
+                 "--ratios", "0.5", "--tasks", "niah_single_1", "--lengths", "512", "--samples", "3",
+                 "--out", str(tmp_path / "c.json")])
+    assert code == 2
+    assert "needs n >= log(delta)/log(1-alpha) = 22" in capsys.readouterr().err
+    with ResultsStore(store) as s:  # the evaluated calibration cells are kept
+        assert s.count(policy="full") == 3 and s.count(policy="knorm", ratio=0.5) == 3
+    assert not (tmp_path / "c.json").exists()

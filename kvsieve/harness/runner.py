@@ -191,7 +191,7 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
                 batches[cell.ratio].append((cell, cache, time.perf_counter() - start, kept, cache_bytes(cache)))
             for items in batches.values():
                 caches = [item[1] for item in items]
-                batch = _stack(caches) if len(caches) > 1 else caches[0]
+                batch = _stack(caches)  # also for one cache: drops attention tracking for decoding
                 start = time.perf_counter()
                 if question_aware:
                     logits = first_logits.expand(len(items), -1)
