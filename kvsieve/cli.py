@@ -89,10 +89,12 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def _print_tables(store, model: str | None, out: str | None = None, markdown: bool = False) -> None:
-    from kvsieve.harness.report import format_table, plot_scores, plot_task_panels, score_table
+def _print_tables(store, model: str | None, out: str | None = None, markdown: bool = False,
+                  tasks: list[str] | None = None) -> None:
+    from kvsieve.harness.report import format_summary, format_table, plot_scores, plot_task_panels, score_table
 
-    results = store.rows(model=model) if model else store.rows()
+    filters = {k: v for k, v in (("model", model), ("task", tasks)) if v}
+    results = store.rows(**filters)
     if not results:
         print("the store holds no results" + (f" for model {model}" if model else ""))
         return
@@ -102,6 +104,8 @@ def _print_tables(store, model: str | None, out: str | None = None, markdown: bo
             continue
         print(f"\n## compression ratio {ratio} ({model or 'all models'})\n")
         print(format_table(table, ratio, fmt="markdown" if markdown else "text"))
+    print(f"\n## average over tasks, by compression ratio ({model or 'all models'})\n")
+    print(format_summary(table))
     if out:
         folder = Path(out)
         folder.mkdir(parents=True, exist_ok=True)
@@ -115,7 +119,7 @@ def cmd_report(args) -> int:
     if not Path(args.store).is_file():
         raise ValueError(f"results store {args.store} does not exist")
     with ResultsStore(args.store) as store:
-        _print_tables(store, args.model, args.out, args.markdown)
+        _print_tables(store, args.model, args.out, args.markdown, _csv(args.tasks) if args.tasks else None)
     return 0
 
 
@@ -199,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("report", help="tables and plots from a results store")
     p.add_argument("--store", default="results/results.sqlite")
     p.add_argument("--model", help="only this model")
+    p.add_argument("--tasks", help="only these comma-separated tasks")
     p.add_argument("--out", help="folder for PNG plots")
     p.add_argument("--markdown", action="store_true")
     p.set_defaults(func=cmd_report)

@@ -6,6 +6,7 @@ import pytest
 
 from kvsieve.harness.report import (
     display_policy,
+    format_summary,
     format_table,
     is_reference,
     plot_scores,
@@ -140,3 +141,13 @@ def test_plot_line_styles(results):
     snapkv = next(line for line in ax.get_lines() if line.get_label() == "snapkv")
     assert list(snapkv.get_xdata()) == [0.5, 0.8]
     assert list(snapkv.get_ydata()) == pytest.approx([0.375, 0.2])
+
+
+def test_summary_averages_over_tasks_per_ratio(results):
+    lines = format_summary(score_table(results), digits=3).splitlines()
+    assert lines[0] == "| policy | 0.5 | 0.8 |"
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in lines[2:]}
+    assert list(rows)[0] == "full" and rows["full"] == "| full | 0.625 | 0.625 |"
+    assert rows["snapkv"] == "| snapkv | 0.375 | 0.200 |"  # (0.5 + 0.25) / 2, (0.1 + 0.3) / 2
+    assert rows["knorm"] == "| knorm | - | - |"  # misses a task
+    assert rows["snapkv+qa"] == "| snapkv+qa | 0.750 | - |"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from kvsieve.harness.store import RATIO_DECIMALS, CellResult
 
-__all__ = ["FULL", "display_policy", "is_reference", "score_table", "format_table", "plot_scores",
-           "plot_task_panels"]
+__all__ = ["FULL", "display_policy", "is_reference", "score_table", "format_table", "format_summary",
+           "plot_scores", "plot_task_panels"]
 
 FULL = "full"
 MISSING = "-"
@@ -117,6 +117,22 @@ def format_table(table: ScoreTable, ratio: float, fmt: str = "text", digits: int
     lines = [line(header), "  ".join("-" * w for w in widths)]
     lines += [line(row) for row in body[:-1]]
     lines += ["  ".join("-" * w for w in widths), line(body[-1])]
+    return "\n".join(lines) + "\n"
+
+
+def format_summary(table: ScoreTable, digits: int = 1) -> str:
+    """Markdown: one row per policy, one column per ratio, the average over tasks (``-`` unless the policy
+    covers every task at that ratio); ``full`` first, with its one score under every ratio."""
+    tasks = sorted({task for by_task in table.values() for task in by_task})
+    ratios = [r for r in sorted(table) if r > 0]
+    rows: dict[str, list[str]] = {}
+    for i, ratio in enumerate(ratios):
+        _, policies, cells = _columns(table, ratio)
+        for policy in policies:
+            value = _average(cells, tasks, policy)
+            rows.setdefault(policy, [MISSING] * len(ratios))[i] = MISSING if value is None else f"{value:.{digits}f}"
+    lines = ["| policy | " + " | ".join(f"{r:g}" for r in ratios) + " |", "|---|" + "---:|" * len(ratios)]
+    lines += [f"| {p} | " + " | ".join(rows[p]) + " |" for p in _policy_order(rows)]
     return "\n".join(lines) + "\n"
 
 
