@@ -203,3 +203,39 @@ def test_accumulated_attention_matches_eager_attention_weights(prompt_ids, monke
         b, hq, q, k = eager[idx].shape
         expected = eager[idx].sum(dim=2).view(b, layer.keys.shape[1], -1, k).sum(dim=2)
         torch.testing.assert_close(layer.attention_received, expected, atol=1e-4, rtol=1e-4)
+
+
+class _IdTokenizer:
+    """Decodes ids to text and declares one EOS id: enough for greedy_decode."""
+
+    def __init__(self, eos: int | None) -> None:
+        self.eos_token_id = eos
+
+    def decode(self, ids, **_) -> str:
+        return " ".join(str(i) for i in ids)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_batched_decode_drops_finished_rows_without_changing_the_others(arch, monkeypatch):
+    from kvsieve.engine.generate import greedy_decode
+
+    model = tiny_model(arch)
+    prompts = torch.randint(1, 128, (3, 40), generator=torch.Generator().manual_seed(7))
+
+    def decode(ids, eos, steps=12):
+        with kvsieve.attach(model, get("snapkv", window=8), ratio=0.5):
+            out = model(input_ids=ids, use_cache=True)
+            return greedy_decode(model, _IdTokenizer(eos), out.cache, out.logits[:, -1], steps)
+
+    free = [decode(prompts[i : i + 1], None)[0] for i in range(3)]
+    eos = free[1][3]  # row 1 stops after 3 tokens; the others wherever this id first appears
+    selected = []
+    from transformers.cache_utils import DynamicCache
+
+    original = DynamicCache.batch_select_indices
+    monkeypatch.setattr(DynamicCache, "batch_select_indices",
+                        lambda self, idx: (selected.append(idx.tolist()), original(self, idx))[1])
+    batched = decode(prompts, eos)
+    expected = [row[: row.index(eos)] if eos in row else row for row in free]
+    assert batched == expected
+    assert selected and len(batched[1]) == 3

@@ -78,6 +78,14 @@ class SieveLayer(DynamicLayer):
             valid = self.valid.gather(2, indices) if valid is None else valid & self.valid.gather(2, indices)
         self.valid = None if valid is None or bool(valid.all()) else valid
 
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the batch rows ``indices`` (a decode batch dropping its finished rows)."""
+        super().batch_select_indices(indices)
+        for name in ("positions", "valid", "recent_queries", "attention_received"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value[indices])
+
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a pruned kvsieve cache cannot be cropped")
 

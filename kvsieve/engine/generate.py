@@ -73,27 +73,28 @@ def greedy_decode(
 ) -> list[list[int]]:
     """Greedy tokens for each row after ``logits`` (b, vocab); a row ends at EOS, a stop string or the limit.
 
-    Rows of a batch share the cache's batch dimension; finished rows keep decoding (cheaper than
-    reshaping the cache) but their extra tokens are dropped.
+    Rows of a batch share the cache's batch dimension; a finished row is dropped from the cache
+    (``batch_select_indices``), so a batch costs the sum of its answers' lengths, not rows x longest.
     """
     eos = _eos_ids(model, tokenizer)
-    rows = logits.shape[0]
-    tokens: list[list[int]] = [[] for _ in range(rows)]
-    done = [False] * rows
+    tokens: list[list[int]] = [[] for _ in range(logits.shape[0])]
+    active = list(range(logits.shape[0]))  # original row of each row still in the cache
     for step in range(max_new_tokens):
         chosen = logits.argmax(dim=-1)
-        for row in range(rows):
-            if done[row]:
-                continue
-            token = int(chosen[row])
+        keep = []
+        for i, row in enumerate(active):
+            token = int(chosen[i])
             if token in eos:
-                done[row] = True
                 continue
             tokens[row].append(token)
-            if stop and any(s in tokenizer.decode(tokens[row]) for s in stop):
-                done[row] = True
-        if all(done) or step + 1 == max_new_tokens:
+            if not (stop and any(s in tokenizer.decode(tokens[row]) for s in stop)):
+                keep.append(i)
+        if not keep or step + 1 == max_new_tokens:
             break
+        if len(keep) < len(active):
+            index = torch.tensor(keep, device=chosen.device)
+            cache.batch_select_indices(index)
+            chosen, active = chosen[index], [active[i] for i in keep]
         logits = model(input_ids=chosen[:, None], cache=cache, use_cache=True).logits[:, -1]
     return tokens
 
