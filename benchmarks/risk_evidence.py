@@ -26,8 +26,14 @@ def _candidates(store: ResultsStore, model: str) -> list[Candidate]:
     return sorted(Candidate(p, r) for p, r in keys if p != "full" and p not in REFERENCE and r > 0)
 
 
-def _point(c: Candidate | None) -> str:
-    return "full KV" if c is None else f"{c.policy} @ {c.ratio:g} (keeps {c.retention:.3g})"
+def _point(c: Candidate | None, table) -> str:
+    if c is None:
+        return "full KV"
+    return f"{c.policy} @ {c.ratio:g} (keeps {100 * table.kept_fraction[c]:.1f}% of the bytes)"
+
+
+def _kept(c: Candidate | None, table) -> float:
+    return 100.0 if c is None else 100 * table.kept_fraction[c]
 
 
 def main() -> None:
@@ -67,8 +73,9 @@ def main() -> None:
           f"{time.perf_counter() - start:.1f} s)\n")
 
     print("## Operating points certified on all requests\n")
-    print("| alpha | bucket | n | certified (Bonferroni over buckets) | empirical threshold |")
-    print("|---|---|---|---|---|")
+    print("| alpha | bucket | n | certified (Bonferroni over buckets) | empirical threshold | "
+          "extra cache the guarantee costs (points) |")
+    print("|---|---|---|---|---|---:|")
     for alpha in alphas:
         contract = Contract(alpha=alpha, delta=args.delta, epsilon=args.epsilon, correction=args.correction)
         for by in ("none", "task_family"):
@@ -76,9 +83,11 @@ def main() -> None:
             rows = table.buckets(by)
             for name, cert in result.buckets.items():
                 baseline = empirical_threshold(table.subset(rows[name]), alpha)
-                chosen = _point(cert.chosen) if cert.chosen or not cert.reason.startswith("too few") else \
+                chosen = _point(cert.chosen, table) if cert.chosen or not cert.reason.startswith("too few") else \
                     "full KV (too few requests)"
-                print(f"| {alpha} | {'all' if by == 'none' else name} | {cert.n} | {chosen} | {_point(baseline)} |")
+                gap = _kept(cert.chosen, table) - _kept(baseline, table)
+                print(f"| {alpha} | {'all' if by == 'none' else name} | {cert.n} | {chosen} | "
+                      f"{_point(baseline, table)} | {gap:.1f} |")
 
 
 if __name__ == "__main__":
