@@ -3,8 +3,8 @@
 Speed through sharing: in prefill compression the forward pass over the prompt does not depend on
 the policy (each layer attends over its full input; only the cache left behind is pruned). So a
 sample is prefilled once, every (policy, ratio) cell prunes its own copy of that cache, and the
-cells of one ratio decode together as one batch. Question-aware cells
-continue a copy of the full context cache with the question, and prune that.
+cells of one ratio decode together as one batch. Question-aware cells continue a copy of the full
+context cache with the question, and prune that.
 """
 
 from __future__ import annotations
