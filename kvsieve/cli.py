@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epsilon", type=float, default=0.0, help="tolerated utility drop, in metric points (0-100)")
     p.add_argument("--loss", default="binary", help="binary (degradation > epsilon) or bounded (drop / 100)")
     p.add_argument("--correction", default="bonferroni", help="across compressors: bonferroni, holm or split")
-    p.add_argument("--by", default="none", help="conditional contract: none, task_family or length")
+    p.add_argument("--by", default="none", help="conditional contract: none, task, task_family or length")
     p.add_argument("--length-edges", help="with --by length: comma-separated bucket upper edges in tokens")
     p.add_argument("--tasks", help="only these tasks (required with --run)")
     p.add_argument("--lengths", help="only these lengths (required with --run)")

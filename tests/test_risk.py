@@ -293,3 +293,20 @@ def test_certify_run_evaluates_then_refuses_too_few_requests(tmp_path, capsys):
     with ResultsStore(store) as s:  # the evaluated calibration cells are kept
         assert s.count(policy="full") == 3 and s.count(policy="knorm", ratio=0.5) == 3
     assert not (tmp_path / "c.json").exists()
+
+
+def test_length_and_task_buckets(store):
+    with ResultsStore(store) as s:
+        table = loss_table(s, "m", [Candidate("snapkv", 0.5)])
+    assert {k: len(v) for k, v in table.buckets("task").items()} == {"niah_single_1": 60, "vt": 60}
+    assert list(table.buckets("length", [512, 2048])) == ["<=2048"]
+    with pytest.raises(ValueError, match="length_edges"):
+        table.buckets("length")
+    with pytest.raises(ValueError, match="none, task, task_family, length"):
+        table.buckets("model")
+    out = certify_buckets(table, Contract(alpha=0.1, delta=0.1), "m", by="length", length_edges=[1000, 4000])
+    certified = CertifiedPolicy(out)
+    assert certified.operating_point(context_tokens=3000).ratio == 0.0  # the pooled bucket fails (vt)
+    assert certified.operating_point(context_tokens=900).reason == "bucket '<=1000' was not calibrated"
+    with pytest.raises(ValueError, match="context_tokens="):
+        certified.operating_point(task="vt")

@@ -1,7 +1,7 @@
 """Contracts: certifications per request bucket, written to and read from a JSON file.
 
-An unconditional contract has one bucket, ``all``. A conditional contract certifies each task family
-or context-length bucket on its own requests. Its guarantee is simultaneous over the buckets: each
+An unconditional contract has one bucket, ``all``. A conditional contract certifies each task, task
+family or context-length bucket on its own requests. Its guarantee is simultaneous over the buckets: each
 bucket is certified at delta / B (Bonferroni over B buckets), so with probability >= 1 - delta every
 bucket's operating point has risk <= alpha on its own population.
 """
@@ -27,7 +27,7 @@ class ContractFile:
 
     contract: Contract
     model: str
-    by: str = "none"  # none | task_family | length
+    by: str = "none"  # none | task | task_family | length
     length_edges: list[int] = field(default_factory=list)
     buckets: dict[str, Certification] = field(default_factory=dict)
     source: dict = field(default_factory=dict)  # store path, policies, ratios: how to reproduce

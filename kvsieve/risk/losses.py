@@ -17,9 +17,10 @@ import numpy as np
 from kvsieve.harness.store import ResultsStore
 from kvsieve.tasks import task_family
 
-__all__ = ["LOSSES", "Candidate", "LossTable", "candidate_losses", "loss_table"]
+__all__ = ["BUCKETINGS", "LOSSES", "Candidate", "LossTable", "candidate_losses", "length_bucket", "loss_table"]
 
 LOSSES = ("binary", "bounded")
+BUCKETINGS = ("none", "task", "task_family", "length")  # how a conditional contract splits requests
 UTILITY_SCALE = 100.0  # harness metrics are percentages
 
 Request = tuple[str, int, str]  # (task, length, sample_id)
@@ -79,17 +80,19 @@ class LossTable:
                          dict(self.kept_fraction), self.loss, self.epsilon)
 
     def buckets(self, by: str | None, length_edges: list[int] | None = None) -> dict[str, np.ndarray]:
-        """Row indices per bucket: one bucket ``all``, or per task family, or per context-length bucket."""
+        """Row indices per bucket: one bucket ``all``, or per task, task family or context-length bucket."""
         if by in (None, "none"):
             return {"all": np.arange(self.n)}
-        if by == "task_family":
+        if by == "task":
+            names = [task for task, _, _ in self.requests]
+        elif by == "task_family":
             names = [task_family(task) for task, _, _ in self.requests]
         elif by == "length":
             if not length_edges:
                 raise ValueError("bucketing by length needs length_edges, e.g. [2048, 4096]")
             names = [length_bucket(length, length_edges) for _, length, _ in self.requests]
         else:
-            raise ValueError(f"by={by!r} is not one of none, task_family, length")
+            raise ValueError(f"by={by!r} is not one of {', '.join(BUCKETINGS)}")
         rows: dict[str, list[int]] = {}
         for i, name in enumerate(names):
             rows.setdefault(name, []).append(i)

@@ -53,10 +53,10 @@ class CertifiedPolicy:
         by = self.contract.by
         if by == "none":
             return "all"
-        if by == "task_family":
+        if by in ("task", "task_family"):
             if task is None:
-                raise ValueError("this contract is conditional on the task family: pass task=")
-            return task_family(task)
+                raise ValueError(f"this contract is conditional on the {by.replace('_', ' ')}: pass task=")
+            return task if by == "task" else task_family(task)
         if context_tokens is None:
             raise ValueError("this contract is conditional on the context length: pass context_tokens=")
         return length_bucket(int(context_tokens), self.contract.length_edges)
