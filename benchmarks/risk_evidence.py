@@ -47,7 +47,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--store", required=True)
     parser.add_argument("--model", required=True)
-    parser.add_argument("--alphas", default="0.05,0.1,0.2")
+    parser.add_argument("--alphas", default="0.05,0.1,0.2", help="target risks for the operating points")
+    parser.add_argument("--validity-alphas", default="0.05,0.1,0.2,0.3,0.4", help="target risks for validity")
     parser.add_argument("--delta", type=float, default=0.1)
     parser.add_argument("--epsilon", type=float, default=0.0)
     parser.add_argument("--correction", default="bonferroni")
@@ -55,6 +56,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     alphas = [float(a) for a in args.alphas.split(",")]
+    validity_alphas = [float(a) for a in args.validity_alphas.split(",")]
 
     with ResultsStore(args.store) as store:
         candidates = _candidates(store, args.model)
@@ -68,7 +70,7 @@ def main() -> None:
           "mean retention | full-KV fallbacks |")
     print("|---|---|---|---|---|---|")
     start = time.perf_counter()
-    for alpha in alphas:
+    for alpha in validity_alphas:
         contract = Contract(alpha=alpha, delta=args.delta, epsilon=args.epsilon, correction=args.correction)
         try:
             result = split_validity(table, contract, splits=args.splits, seed=args.seed)
