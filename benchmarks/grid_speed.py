@@ -1,8 +1,9 @@
 """Grid speed: a (policy x ratio) grid on one sample, shared prefill + batched decode vs the naive loop.
 
-Run: python benchmarks/grid_speed.py --model qwen2.5-0.5b --length 4096
+Run: python benchmarks/grid_speed.py --model qwen2.5-0.5b --length 4096 [--agreement-samples 3]
 Prints the cost of one full-cache run (prefill + answer), of the whole grid on the shared path,
-and of the naive per-cell loop (one prefill per cell), plus how many predictions agree.
+and of the naive per-cell loop (one prefill per cell), plus how many predictions agree; with
+--agreement-samples N, agreement is counted over the cells of N samples (timings use the first).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ratios", default="0.25,0.5,0.75,0.875")
     parser.add_argument("--naive-cells", type=int, default=0, help="cells run on the naive path (0: all)")
+    parser.add_argument("--agreement-samples", type=int, default=1, help="samples whose cells are compared")
     args = parser.parse_args()
 
     model, tokenizer = load(args.model)
@@ -55,6 +57,11 @@ def main() -> None:
     naive_s = (time.perf_counter() - start) * len(cells) / len(naive_cells)
     note = "" if len(naive_cells) == len(cells) else f" (measured on {len(naive_cells)} cells, scaled)"
     print(f"naive grid: {naive_s:.1f} s = {naive_s / one_run:.1f}x one run{note}")
+    for seed in range(args.seed + 1, args.seed + args.agreement_samples):
+        more = generate_sample(args.task, args.length, seed, lambda t: len(tokenizer(t)["input_ids"]), overhead)
+        shared += evaluate_sample(model, tokenizer, more, cells, args.model, shared=True)
+        naive += evaluate_sample(model, tokenizer, more, naive_cells, args.model, shared=False)
+        print(f"compared sample seed {seed}", flush=True)
     by_key = {r.key: r.prediction for r in shared}
     same = sum(by_key[r.key] == r.prediction for r in naive)
     print(f"same prediction on the shared and naive paths: {same}/{len(naive)} cells ({100 * same / len(naive):.0f}%)")
