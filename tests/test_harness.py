@@ -127,3 +127,45 @@ def test_run_grid_survives_kill_9(tmp_path):
         rows = store.rows()
     assert len(rows) == 30 and len({r.key for r in rows}) == 30
     assert {r.key: (r.prediction, r.config) for r in rows if r.key in saved} == saved  # kept, not recomputed
+
+
+def test_ragged_caches_decode_in_one_batch_as_they_do_alone():
+    """PyramidKV (per-layer lengths), AdaKV (per-head masks) and SnapKV at another ratio share one batch."""
+    import torch
+    from conftest import tiny_model
+
+    import kvsieve
+    from kvsieve.engine.compress import compress_cache
+    from kvsieve.engine.generate import greedy_decode
+    from kvsieve.harness.runner import _clone, _stack
+    from kvsieve.policies import FullCache
+    from kvsieve.selection import Budget
+
+    class Ids:
+        eos_token_id = None
+
+        def decode(self, ids, **_):
+            return " ".join(map(str, ids))
+
+    model = tiny_model("llama")
+    prompt = torch.randint(1, 128, (1, 80), generator=torch.Generator().manual_seed(3))
+    question = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(4))
+    points = [("pyramidkv", 0.5), ("adakv", 0.5), ("snapkv", 0.75)]
+    with kvsieve.attach(model, FullCache(window=16), ratio=0.0):
+        full = model(input_ids=prompt, use_cache=True).cache
+        pruned = []
+        for name, ratio in points:
+            cache = _clone(full)
+            compress_cache(cache, kvsieve.policies.get(name, window=16), Budget(ratio=ratio), 0)
+            pruned.append(cache)
+        lengths = {tuple(layer.keys.shape[-2] for layer in c.layers) for c in pruned}
+        assert len(lengths) == 3  # really ragged
+
+        def answer(caches):
+            batch = _stack(caches)
+            logits = model(input_ids=question.expand(len(caches), -1), cache=batch, use_cache=True).logits[:, -1]
+            return greedy_decode(model, Ids(), batch, logits, 8)
+
+        alone = [answer([_clone(c)])[0] for c in pruned]
+        together = answer([_clone(c) for c in pruned])
+    assert together == alone
