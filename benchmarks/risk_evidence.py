@@ -82,7 +82,8 @@ def main() -> None:
             print(f"| {alpha} | {name} | {summary.violation_rate:.3f} [{lo:.3f}, {hi:.3f}] | "
                   f"{summary.pooled_violations / summary.splits:.3f} | {summary.mean_retention:.3f} | "
                   f"{summary.fallbacks / summary.splits:.0%} |")
-    print(f"\n(n calibration = {table.n // 2}, n test = {table.n - table.n // 2}; "
+    n_cal = int(round(0.5 * table.n))  # what split_validity uses
+    print(f"\n(n calibration = {n_cal}, n test = {table.n - n_cal}; "
           f"{time.perf_counter() - start:.1f} s)\n")
 
     print("## Operating points certified on all requests\n")

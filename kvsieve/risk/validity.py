@@ -55,7 +55,8 @@ def _summarise(choices: list[Candidate | None], test_risks: list[float], pooled:
                alpha: float) -> MethodSummary:
     counts: dict[str, int] = {}
     for c in choices:
-        counts[str(c) if c else "full KV"] = counts.get(str(c) if c else "full KV", 0) + 1
+        name = str(c) if c else "full KV"
+        counts[name] = counts.get(name, 0) + 1
     pooled_violations = sum(c is not None and pooled[c] > alpha for c in choices)
     return MethodSummary(sum(r > alpha for r in test_risks), pooled_violations, len(choices),
                          sum(c is None for c in choices),
