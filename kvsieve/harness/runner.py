@@ -2,9 +2,9 @@
 
 Speed through sharing: in prefill compression the forward pass over the prompt does not depend on
 the policy (each layer attends over its full input; only the cache left behind is pruned). So a
-sample is prefilled once, every (policy, ratio) cell prunes its own copy of that cache, and the
-cells of one ratio decode together as one batch. Question-aware cells continue a copy of the full
-context cache with the question, and prune that.
+sample is prefilled once, every (policy, ratio) cell prunes its own copy of that cache and reads the
+question on it, and the cells of one ratio decode their answers together as one batch. Question-aware
+cells continue a copy of the full context cache with the question, and prune that.
 """
 
 from __future__ import annotations
@@ -190,14 +190,19 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
                 kept = max((layer.physical_length for _, layer in sieve_layers(cache)), default=0)
                 batches[cell.ratio].append((cell, cache, time.perf_counter() - start, kept, cache_bytes(cache)))
             for items in batches.values():
-                caches = [item[1] for item in items]
-                batch = _stack(caches)  # also for one cache: drops attention tracking for decoding
                 start = time.perf_counter()
+                caches = [_stack([item[1]]) for item in items]  # drops attention tracking for decoding
                 if question_aware:
                     logits = first_logits.expand(len(items), -1)
                 else:
-                    question = prompt.question_ids.expand(len(items), -1)
-                    logits = model(input_ids=question, cache=batch, use_cache=True, logits_to_keep=1).logits[:, -1]
+                    # Each cell reads the question alone: a batched forward of many rows takes other bf16
+                    # kernels than one row does, and near-ties in the first answer token would flip
+                    # (benchmarks/grid_speed.py: 113/120 cells matched the per-cell path batched, 118 so).
+                    logits = torch.cat([
+                        model(input_ids=prompt.question_ids, cache=c, use_cache=True, logits_to_keep=1).logits[:, -1]
+                        for c in caches
+                    ])
+                batch = _stack(caches)
                 tokens = greedy_decode(model, tokenizer, batch, logits, sample.max_new_tokens, stop)
                 decode_s = (time.perf_counter() - start) / len(items)
                 for (cell, _, compress_s, kept, kept_bytes), row in zip(items, tokens):
