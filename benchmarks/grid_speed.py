@@ -18,10 +18,9 @@ import torch
 
 import kvsieve
 from kvsieve.engine.generate import generate
-from kvsieve.harness.runner import Cell, evaluate_sample
-from kvsieve.harness.validate import template_overhead
+from kvsieve.harness.runner import Cell, GridConfig, evaluate_sample
+from kvsieve.harness.validate import load_samples
 from kvsieve.models import load
-from kvsieve.tasks import generate as generate_sample
 
 
 def main() -> None:
@@ -36,8 +35,9 @@ def main() -> None:
     args = parser.parse_args()
 
     model, tokenizer = load(args.model)
-    overhead = template_overhead(tokenizer, args.task, args.seed)
-    sample = generate_sample(args.task, args.length, args.seed, lambda t: len(tokenizer(t)["input_ids"]), overhead)
+    grid = GridConfig(model=args.model, tasks=[args.task], lengths=[args.length], samples=args.agreement_samples,
+                      seed=args.seed)
+    sample, *more_samples = load_samples(grid, tokenizer)  # the samples a grid with these settings runs
     policies = [n for n in kvsieve.policies.names() if n != "full"]
     cells = [Cell(p, float(r)) for p in policies for r in args.ratios.split(",")]
     print(f"# {args.model}, {args.task} at {args.length} tokens, {len(policies)} policies x "
@@ -60,13 +60,11 @@ def main() -> None:
     naive_s = (time.perf_counter() - start) * len(cells) / len(naive_cells)
     note = "" if len(naive_cells) == len(cells) else f" (measured on {len(naive_cells)} cells, scaled)"
     print(f"naive grid: {naive_s:.1f} s = {naive_s / one_run:.1f}x one run{note}")
-    samples = {sample.id: sample}
-    for seed in range(args.seed + 1, args.seed + args.agreement_samples):
-        more = generate_sample(args.task, args.length, seed, lambda t: len(tokenizer(t)["input_ids"]), overhead)
-        samples[more.id] = more
+    for more in more_samples:
         shared += evaluate_sample(model, tokenizer, more, cells, args.model, shared=True)
         naive += evaluate_sample(model, tokenizer, more, naive_cells, args.model, shared=False)
-        print(f"compared sample seed {seed}", flush=True)
+        print(f"compared sample seed {more.seed}", flush=True)
+    samples = {s.id: s for s in [sample, *more_samples]}
     by_key = {r.key: r.prediction for r in shared}
     differing = [r for r in naive if by_key[r.key] != r.prediction]
     same = len(naive) - len(differing)

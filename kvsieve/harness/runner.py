@@ -196,8 +196,7 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
                     logits = first_logits.expand(len(items), -1)
                 else:
                     # Each cell reads the question alone: a batched forward of many rows takes other bf16
-                    # kernels than one row does, and near-ties in the first answer token would flip
-                    # (benchmarks/grid_speed.py: 113/120 cells matched the per-cell path batched, 118 so).
+                    # kernels than one row does and flips near-tie first tokens (benchmarks/grid_speed.py).
                     logits = torch.cat([
                         model(input_ids=prompt.question_ids, cache=c, use_cache=True, logits_to_keep=1).logits[:, -1]
                         for c in caches
