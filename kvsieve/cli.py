@@ -65,7 +65,8 @@ def _grid(args) -> GridConfig:
 
 def _add_grid_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML or YAML file with GridConfig fields; flags override it")
-    parser.add_argument("--model", help="bundled name (smollm2-135m, qwen2.5-0.5b), local folder or hub id")
+    parser.add_argument("--model", help="bundled name (smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct, or their "
+                        "aliases smollm2-135m, qwen2.5-0.5b), local folder or hub id")
     parser.add_argument("--tasks", help="comma-separated RULER tasks")
     parser.add_argument("--lengths", help="comma-separated context lengths in tokens")
     parser.add_argument("--policies", help="comma-separated policy specs, e.g. full,snapkv,snapkv(window=32)")
@@ -75,7 +76,8 @@ def _add_grid_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--store", help="SQLite results store")
     parser.add_argument("--data", help="JSONL samples (kvsieve generate format or LongBench) instead of generating")
-    parser.add_argument("--dtype", help="bfloat16 (default) or float32")
+    parser.add_argument("--dtype", help="auto (default: bfloat16 where the CPU runs it natively, else float32), "
+                        "bfloat16 or float32")
     parser.add_argument("--question-aware", action="store_true", help="also run every policy question-aware")
     parser.add_argument("--per-cell", action="store_true", help="naive loop: one prefill per cell (for checks)")
 

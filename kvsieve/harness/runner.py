@@ -56,7 +56,7 @@ class GridConfig:
     question_aware: bool = False  # run every compressing policy question-aware as well
     qa_policies: list[str] = field(default_factory=list)  # policies also run question-aware (reference lines)
     data: str | None = None  # JSONL of samples (kvsieve generate format or LongBench) instead of generating
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # bf16 where the CPU computes it natively, else float32 (kvsieve.models.auto_dtype)
     shared: bool = True  # one prefill per sample and batched decoding; False: the naive per-cell loop
 
 
