@@ -56,11 +56,15 @@ class Selection:
     Attributes:
         sink: first entries always kept (attention sinks).
         recent: last entries always kept.
-        chunk_size: >1 keeps contiguous chunks ranked by their mean score (ChunkKV); the last chunk
-            taken may be partial so every head keeps exactly its budget.
-        layer_budgets: ``"uniform"`` or ``"pyramid"`` (PyramidKV: budgets fall linearly with depth,
-            bottom ``2k - k/beta``, top ``k/beta``, same mean ``k``).
-        pyramid_beta: PyramidKV's beta.
+        recent_share: fraction of each layer's budget given to the most recent entries (H2O splits its
+            budget evenly: 0.5); the protected tail is the largest of ``recent``, this share and the
+            caller's protected tail.
+        chunk_size: >1 keeps whole chunks only (ChunkKV). Candidates are the full chunks of
+            ``chunk_size`` unprotected entries on a grid starting at the first entry after the sinks;
+            the ``(budget - protected) // chunk_size`` candidates with the highest mean score are kept
+            and the rest of the budget stays unused (every head keeps the same number of entries).
+        layer_budgets: ``"uniform"`` or ``"pyramid"`` (PyramidKV, see :meth:`layer_budgets_for`).
+        pyramid_beta: PyramidKV's beta (top layer / mean of the non-protected budget).
         head_budgets: ``"uniform"`` or ``"adaptive"`` (AdaKV: the layer's total budget goes to the
             highest scores of any head, each head keeping at least ``adaptive_floor`` of ``k``).
         adaptive_floor: AdaKV's safeguard fraction.
@@ -68,6 +72,7 @@ class Selection:
 
     sink: int = 0
     recent: int = 0
+    recent_share: float = 0.0
     chunk_size: int = 1
     layer_budgets: Literal["uniform", "pyramid"] = "uniform"
     pyramid_beta: float = 20.0
@@ -80,6 +85,8 @@ class Selection:
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "chunk_size" else 0):
                 minimum = 1 if name == "chunk_size" else 0
                 raise ValueError(f"Selection.{name} must be an int >= {minimum}, got {value!r}")
+        if not 0.0 <= self.recent_share < 1.0:
+            raise ValueError(f"Selection.recent_share must be in [0, 1), got {self.recent_share!r}")
         if self.layer_budgets not in ("uniform", "pyramid"):
             raise ValueError(f"layer_budgets {self.layer_budgets!r} is not one of 'uniform', 'pyramid'")
         if self.head_budgets not in ("uniform", "adaptive"):
@@ -91,15 +98,54 @@ class Selection:
         if not 0.0 <= self.adaptive_floor <= 1.0:
             raise ValueError(f"adaptive_floor must be in [0, 1], got {self.adaptive_floor}")
 
-    def layer_kept(self, kept: int, seq_len: int, layer_idx: int, num_layers: int) -> int:
-        """Budget of one layer given the mean per-layer budget ``kept``."""
-        if self.layer_budgets == "uniform" or num_layers == 1:
-            return min(kept, seq_len)
-        top = kept / self.pyramid_beta
-        bottom = 2 * kept - top
-        budget = bottom + (top - bottom) * layer_idx / (num_layers - 1)
-        # never below the protected entries (the window); this can lift the mean slightly above kept
-        return int(min(seq_len, max(1, self.sink + self.recent, round(budget))))
+    def layer_budgets_for(
+        self, kept: int, seq_len: int | None, num_layers: int, protected: int | None = None
+    ) -> list[int]:
+        """Per-layer budgets whose mean is ``kept`` (exactly, when ``kept * num_layers`` allows).
+
+        Uniform: ``kept`` everywhere (at most ``seq_len``). Pyramid (PyramidKV, arXiv:2406.02069, Sec. 3):
+        every layer keeps its protected entries (sinks + window, ``w``; ``protected`` overrides it) plus a
+        share of the rest, ``c = kept - w``, falling linearly with depth from ``2c - c/beta`` (bottom) to
+        ``c/beta`` (top).
+        A bottom budget above the context is clamped to it and the top raised by as much, so the
+        mean stays ``kept``; where the top would then fall below the window (``c/beta < 0``), or
+        ``kept`` leaves nothing beyond the window, the budgets are uniform. ``seq_len=None`` means an
+        unbounded context (decode-time eviction). Rounding keeps the sum at ``kept * num_layers``.
+        """
+        cap = seq_len
+        uniform = [kept if cap is None else min(kept, cap)] * num_layers
+        window = self.sink + self.recent if protected is None else protected
+        shared = kept - window
+        if self.layer_budgets == "uniform" or num_layers == 1 or shared <= 0:
+            return uniform
+        top = shared / self.pyramid_beta
+        bottom = 2 * shared - top
+        if cap is not None and window + bottom > cap:  # clamp the bottom, give the rest to the top
+            bottom = cap - window
+            top = 2 * shared - bottom
+        if top < 0:
+            return uniform
+        exact = [window + bottom + (top - bottom) * i / (num_layers - 1) for i in range(num_layers)]
+        budgets = [math.floor(x) for x in exact]
+        missing = kept * num_layers - sum(budgets)
+        # largest remainders first (ties: lower layer first); never above the context
+        order = sorted(range(num_layers), key=lambda i: (-(exact[i] - budgets[i]), i))
+        for i in order[: max(missing, 0)]:
+            budgets[i] += 1
+        return [b if cap is None else min(b, cap) for b in budgets]
+
+    def layer_kept(self, kept: int, seq_len: int | None, layer_idx: int, num_layers: int) -> int:
+        """Budget of one layer given the mean per-layer budget ``kept`` (see :meth:`layer_budgets_for`)."""
+        return self.layer_budgets_for(kept, seq_len, num_layers)[layer_idx]
+
+    def protected_mask(self, n: int, kept: int, protected_tail: int = 0, device=None) -> torch.Tensor:
+        """(n,) bool: the sinks and the protected tail (``recent``, ``recent_share`` of ``kept``, the caller's)."""
+        protected = torch.zeros(n, dtype=torch.bool, device=device)
+        protected[: min(self.sink, n)] = True
+        tail = min(n, max(self.recent, round(kept * self.recent_share), protected_tail))
+        if tail:
+            protected[n - tail :] = True
+        return protected
 
     def kept_indices(
         self, scores: torch.Tensor, kept: int, protected_tail: int = 0
@@ -108,33 +154,42 @@ class Selection:
 
         ``valid`` is ``None`` unless head budgets are adaptive; then it is a (b, h, k) bool mask
         and ``k`` is the largest head budget (invalid entries are padding, masked in attention).
+        Whole chunks (``chunk_size > 1``) may leave part of the budget unused: ``k <= kept``.
         """
         b, h, n = scores.shape
-        protected = torch.zeros(n, dtype=torch.bool, device=scores.device)
-        protected[: min(self.sink, n)] = True
-        tail = min(n, max(self.recent, protected_tail))
-        if tail:
-            protected[n - tail :] = True
+        protected = self.protected_mask(n, kept, protected_tail, scores.device)
         n_protected = int(protected.sum())
         if n_protected > kept:
             raise ValueError(
-                f"budget of {kept} entries is below the {n_protected} protected ones "
-                f"(sink={self.sink}, recent={self.recent}, protected tail={protected_tail}); raise the budget"
+                f"budget of {kept} entries is below the {n_protected} protected ones (sink={self.sink}, "
+                f"recent={self.recent}, recent_share={self.recent_share}, protected tail={protected_tail});"
+                " raise the budget"
             )
         scores = torch.nan_to_num(scores.double(), nan=float("-inf"))
-        token_rank = _descending_rank(scores)  # 0 = best
         if self.chunk_size > 1:
-            chunk_rank = _descending_rank(_chunk_means(scores, self.chunk_size))
-            major = chunk_rank.repeat_interleave(self.chunk_size, dim=-1)[..., :n]
-        else:
-            major = token_rank
-        # Priority: protected first, then chunk (or token) rank, then token rank inside a chunk.
-        unprotected = (~protected).long().expand(b, h, n)
-        order_key = unprotected * (n + 1) ** 2 + major * (n + 1) + token_rank
+            return self._whole_chunks(scores, protected, kept), None
+        token_rank = _descending_rank(scores)  # 0 = best
+        # Priority: protected first, then token rank.
+        order_key = (~protected).long().expand(b, h, n) * (n + 1) + token_rank
         if self.head_budgets == "uniform":
             indices = torch.topk(-order_key, kept, dim=-1).indices
             return indices.sort(dim=-1).values, None
         return self._adaptive(scores, order_key, protected, kept)
+
+    def _whole_chunks(self, scores: torch.Tensor, protected: torch.Tensor, kept: int) -> torch.Tensor:
+        b, h, n = scores.shape
+        free = (~protected).nonzero().flatten()
+        start, stop = (int(free[0]), int(free[-1]) + 1) if len(free) else (0, 0)
+        n_chunks = (stop - start) // self.chunk_size
+        taken = min(n_chunks, (kept - int(protected.sum())) // self.chunk_size)
+        keep = protected.expand(b, h, n).clone()
+        if taken > 0:
+            grid = scores[..., start : start + n_chunks * self.chunk_size].reshape(b, h, n_chunks, self.chunk_size)
+            means = grid.clamp(min=-1e300).mean(dim=-1)  # -inf scores count as very low
+            best = _descending_rank(means) < taken  # (b, h, n_chunks)
+            keep[..., start : start + n_chunks * self.chunk_size] = best.repeat_interleave(self.chunk_size, dim=-1)
+        width = int(protected.sum()) + taken * self.chunk_size
+        return keep.long().argsort(dim=-1, descending=True, stable=True)[..., :width].sort(dim=-1).values
 
     def _adaptive(self, scores, order_key, protected, kept):
         b, h, n = scores.shape
@@ -158,12 +213,3 @@ def _descending_rank(values: torch.Tensor) -> torch.Tensor:
     rank = torch.empty_like(order)
     rank.scatter_(-1, order, torch.arange(values.shape[-1], device=values.device).expand_as(order))
     return rank
-
-
-def _chunk_means(scores: torch.Tensor, chunk: int) -> torch.Tensor:
-    b, h, n = scores.shape
-    n_chunks = -(-n // chunk)
-    padded = torch.full((b, h, n_chunks * chunk), float("nan"), dtype=scores.dtype, device=scores.device)
-    padded[..., :n] = scores
-    finite = padded.clamp(min=-1e300)  # -inf scores count as very low, not NaN
-    return finite.view(b, h, n_chunks, chunk).nanmean(dim=-1)

@@ -135,6 +135,16 @@ def test_too_few_requests_is_refused_with_the_number():
     assert certify(table, Contract(alpha=0.1, delta=0.1)).chosen == Candidate("snapkv", 0.5)
 
 
+@pytest.mark.parametrize("n", [22, 43])
+def test_too_few_requests_counts_every_compressor(n):
+    # 10 compressors under Bonferroni: the first candidate of each is tested at delta / 10, so zero failures
+    # need (1 - alpha)^n <= 0.01, n >= log(0.01) / log(0.9) = 43.7 -> 44
+    zero = {Candidate(f"p{i}", 0.5): 0.0 for i in range(10)}
+    with pytest.raises(InsufficientCalibrationError, match="44"):
+        certify(_table(zero, n, np.random.default_rng(3)), Contract(alpha=0.1, delta=0.1))
+    assert certify(_table(zero, 44, np.random.default_rng(3)), Contract(alpha=0.1, delta=0.1)).chosen is not None
+
+
 @pytest.mark.parametrize("correction", ["bonferroni", "holm", "split"])
 def test_violation_rate_is_at_most_delta_in_simulation(correction):
     # true risks are known; a violation is choosing a point whose true risk exceeds alpha

@@ -46,20 +46,63 @@ def test_chunks_are_kept_whole_and_best_first():
     s = torch.zeros(1, 1, 40)
     s[0, 0, 10:15] = 5.0  # chunk 2 best
     s[0, 0, 30:35] = 3.0  # chunk 6 second
-    s[0, 0, 0] = 1.0  # chunk 0 third, the partial one
+    s[0, 0, 0] = 1.0  # chunk 0 third
     idx, _ = Selection(chunk_size=5).kept_indices(s, 12)
-    kept = idx[0, 0].tolist()
-    assert len(kept) == 12
-    assert set(range(10, 15)) | set(range(30, 35)) <= set(kept)
-    assert set(kept) - set(range(10, 15)) - set(range(30, 35)) <= set(range(0, 5))
-    assert 0 in kept  # inside the partial chunk, its best token goes first
+    # whole chunks only: 12 // 5 = 2 chunks, the remaining 2 slots stay unused
+    assert idx[0, 0].tolist() == list(range(10, 15)) + list(range(30, 35))
 
 
-def test_pyramid_budgets_fall_with_depth_and_keep_the_mean():
-    sel = Selection(layer_budgets="pyramid", pyramid_beta=10)
-    budgets = [sel.layer_kept(100, 1000, i, 8) for i in range(8)]
-    assert budgets == sorted(budgets, reverse=True) and budgets[0] > 100 > budgets[-1]
-    assert abs(sum(budgets) / 8 - 100) <= 1
+def test_chunk_grid_starts_after_the_sinks_and_skips_protected_entries():
+    s = torch.arange(30, dtype=torch.float).flip(0)[None, None]  # earlier entries score higher
+    idx, _ = Selection(sink=2, recent=3, chunk_size=4).kept_indices(s, 14)
+    # free entries 2..26 hold 6 whole chunks (2-5, 6-9, ..., 22-25); (14 - 5) // 4 = 2 are kept: the first two
+    assert idx[0, 0].tolist() == [0, 1] + list(range(2, 10)) + [27, 28, 29]
+
+
+def test_recent_share_protects_that_part_of_the_budget():
+    s = scores(n=40)
+    s[..., -20:] = -100.0  # recent entries score lowest
+    idx, _ = Selection(recent_share=0.5).kept_indices(s, 10)
+    for head in range(2):
+        kept = idx[0, head].tolist()
+        assert kept[-5:] == list(range(35, 40))  # half the budget: the 5 most recent
+        assert set(kept[:5]) == set(s[0, head, :35].topk(5).indices.tolist())
+
+
+def _pyramid_reference(kept: int, n: int, layers: int, window: int, beta: float) -> list[float]:
+    """PyramidKV (arXiv:2406.02069, Sec. 3.2): window + an arithmetic sequence of the non-window budget
+    from 2c - c/beta (bottom) to c/beta (top), c = kept - window; a bottom above the context is clamped
+    and the top raised to keep the total; uniform when the top would fall below the window."""
+    c = kept - window
+    bottom, top = 2 * c - c / beta, c / beta
+    if window + bottom > n:
+        bottom = n - window
+        top = 2 * c - bottom
+    if c <= 0 or top < 0:
+        return [float(min(kept, n))] * layers
+    return [window + bottom - (bottom - top) * i / (layers - 1) for i in range(layers)]
+
+
+@pytest.mark.parametrize("ratio", [0.25, 0.5, 0.75, 0.875])
+@pytest.mark.parametrize("n", [300, 1000, 4050])
+def test_pyramid_budgets_keep_the_mean_and_stay_within_window_and_context(ratio, n):
+    window, layers, beta = 64, 24, 20.0
+    sel = Selection(recent=window, layer_budgets="pyramid", pyramid_beta=beta)
+    kept = round(n * (1 - ratio))
+    budgets = [sel.layer_kept(kept, n, i, layers) for i in range(layers)]
+    assert sum(budgets) == kept * layers  # the mean is the uniform budget exactly
+    assert all(min(kept, window) <= b <= n for b in budgets)
+    assert budgets == sorted(budgets, reverse=True)
+    reference = _pyramid_reference(kept, n, layers, window, beta)
+    assert all(abs(b - r) <= 1 for b, r in zip(budgets, reference))
+    if kept > window:
+        assert min(budgets) > window  # the top layers keep context beyond the window
+
+
+def test_pyramid_falls_back_to_uniform_when_the_window_takes_the_budget():
+    sel = Selection(recent=64, layer_budgets="pyramid")
+    assert sel.layer_budgets_for(60, 1000, 8) == [60] * 8
+    assert sel.layer_budgets_for(100, None, 4)[0] > 100  # unbounded context (decode mode): no clamp
 
 
 def test_adaptive_heads_share_the_layer_budget_with_a_floor():
@@ -95,7 +138,8 @@ def test_budget_above_context_and_empty_context():
 
 
 @pytest.mark.parametrize("kwargs", [dict(sink=-1), dict(chunk_size=0), dict(layer_budgets="cone"),
-                                    dict(head_budgets="x"), dict(head_budgets="adaptive", chunk_size=4)])
+                                    dict(head_budgets="x"), dict(head_budgets="adaptive", chunk_size=4),
+                                    dict(recent_share=1.0), dict(recent_share=-0.1)])
 def test_bad_selection(kwargs):
     with pytest.raises(ValueError):
         Selection(**kwargs)

@@ -6,8 +6,10 @@ Two modes:
   full-attention layer is pruned to the budget. Later forwards (question, generated tokens) use
   the smaller cache, with the original positions.
 * ``decode``: the input is consumed in chunks of ``chunk_size`` tokens and after every chunk, and
-  every generated token, the cache is evicted back to the budget. The cache never holds more
-  than ``budget + chunk_size`` entries, which bounds peak memory.
+  every generated token, the cache is evicted back to the budget; the latest chunk is protected
+  until the next eviction (it has not been answered yet). A layer never holds more than its
+  budget + ``chunk_size`` entries per head, which bounds peak memory (PyramidKV's layer budgets
+  vary by depth around the mean; AdaKV's heads vary around it and are stored at the widest head).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from transformers.cache_utils import DynamicCache
 
 from kvsieve.engine.attention import ATTENTION_NAME
 from kvsieve.engine.cache import install, sieve_layers
-from kvsieve.engine.compress import CompressionReport, compress_cache
+from kvsieve.engine.compress import CompressionReport, compress_cache, layer_occupancy
+from kvsieve.engine.query_stats import query_stats_hooks
 from kvsieve.policies.base import Policy
 from kvsieve.selection import Budget
 
@@ -43,7 +46,8 @@ class Session:
     cache: DynamicCache | None = None
     report: CompressionReport | None = None
     peak_tokens: int = 0  # most entries any layer attended over in one forward
-    budget_tokens: int | None = None  # decode mode: the resolved token budget
+    budget_tokens: int | None = None  # decode mode: the resolved mean token budget per layer
+    layer_budgets: list[int] | None = None  # decode mode: each cache layer's own budget
 
     def layer(self, idx: int):
         return None if self.cache is None else self.cache.layers[idx]
@@ -109,7 +113,8 @@ def attach(
         for module in modules:
             module._kvsieve_session = session
         model.forward = _compressing_forward(model, original_forward, session)
-        yield session
+        with query_stats_hooks(model, session):  # pre-RoPE query statistics, only if the policy asks
+            yield session
     finally:
         model.__dict__.pop("forward", None)
         for module in modules:
@@ -147,7 +152,7 @@ def _compressing_forward(model, forward, session: Session):
                 raise ValueError(
                     f"the prompt ({q_len} tokens) is not longer than protected_tail={session.protected_tail}"
                 )
-            if fresh and session.policy.compresses and q_len < session.policy.window:
+            if fresh and session.policy.compresses and session.policy.uses_window and q_len < session.policy.window:
                 raise ValueError(
                     f"window {session.policy.window} is larger than the context ({q_len} tokens); use a smaller window"
                 )
@@ -157,6 +162,10 @@ def _compressing_forward(model, forward, session: Session):
             return output
         if fresh:
             session.budget_tokens = session.budget.resolve(q_len)
+            selection = session.policy.selection
+            # every layer keeps its sinks, window and the latest chunk; PyramidKV varies the rest by depth
+            floor = selection.sink + max(selection.recent, session.chunk_size)
+            session.layer_budgets = selection.layer_budgets_for(session.budget_tokens, None, len(cache.layers), floor)
         return _forward_in_chunks(forward, args, kwargs, input_ids is not None, q_len, session, layers)
 
     return wrapped
@@ -164,8 +173,10 @@ def _compressing_forward(model, forward, session: Session):
 
 def _forward_in_chunks(forward, args, kwargs, by_ids: bool, q_len: int, session: Session, layers) -> object:
     key = "input_ids" if by_ids else "inputs_embeds"
-    full = kwargs.pop(key) if key in kwargs else args[0]
-    args = args[1:] if key not in kwargs and args else args
+    if key in kwargs:
+        full = kwargs.pop(key)
+    else:  # given positionally: the first argument
+        full, args = args[0], args[1:]
     kwargs.pop("attention_mask", None)  # checked unpadded above; masks are rebuilt per layer
     positions = kwargs.pop("position_ids", None)
     outputs, logits = None, []
@@ -177,12 +188,12 @@ def _forward_in_chunks(forward, args, kwargs, by_ids: bool, q_len: int, session:
         outputs = forward(*args, **chunk_kwargs)
         if getattr(outputs, "logits", None) is not None:
             logits.append(outputs.logits)
-        if session.policy.compresses and any(layer.physical_length > session.budget_tokens for _, layer in layers):
+        over = any(layer_occupancy(layer) > session.layer_budgets[idx] for idx, layer in layers)
+        if session.policy.compresses and over:
+            # the chunk just read (e.g. the question) stays until the next compression: it is not answered yet
             report = CompressionReport(seconds=session.report.seconds, events=session.report.events)
-            budget = Budget(kept=session.budget_tokens)
-            session.report = compress_cache(session.cache, session.policy, budget, 0, report)
+            session.report = compress_cache(session.cache, session.policy, protected_tail=stop - start,
+                                            report=report, layer_budgets=session.layer_budgets)
     if len(logits) > 1 and not kwargs.get("logits_to_keep"):  # all positions asked for: stitch the chunks
         outputs.logits = torch.cat(logits, dim=1)
     return outputs
-
-

@@ -73,6 +73,10 @@ def layer_signals(
         scaling=layer.scaling,
         attention_received=layer.attention_received,
         protected_tail=protected_tail,
+        query_stats=layer.query_stats,
+        rope_inv_freq=None if layer.rope is None else layer.rope[0],
+        rope_attention_scaling=1.0 if layer.rope is None else layer.rope[1],
+        next_position=layer.seen,
     )
 
 
@@ -87,37 +91,57 @@ def _checked_scores(policy: Policy, signals: Signals) -> torch.Tensor:
     return scores
 
 
+def layer_occupancy(layer: SieveLayer) -> float:
+    """Entries per head attention can see: the physical length, or the mean valid count under masks."""
+    if layer.valid is None:
+        return float(layer.physical_length)
+    return float(layer.valid.float().sum(-1).mean())
+
+
 @torch.no_grad()
 def compress_cache(
     cache: DynamicCache,
     policy: Policy,
-    budget: Budget,
+    budget: Budget | None = None,
     protected_tail: int = 0,
     report: CompressionReport | None = None,
+    layer_budgets: list[int] | None = None,
 ) -> CompressionReport:
     """Prune every full-attention layer of ``cache`` in place to the policy's choice.
 
-    The budget applies to the entries before the protected tail (the context); the tail (e.g. the
-    question in question-aware mode) is kept on top of it.
+    Prefill mode (``budget``): the budget applies to the entries before the protected tail (the
+    context) and is spread over layers by the policy's selection; the tail (the question in
+    question-aware mode) is kept on top of it.
+
+    Decode mode (``layer_budgets``, one absolute budget per cache layer): a layer is pruned only when
+    it holds more than its budget, and the ``protected_tail`` (the latest chunk) is kept *within* it.
+    Masked entries (AdaKV padding) count as gone and are never picked again.
     """
+    if (budget is None) == (layer_budgets is None):
+        raise ValueError("give exactly one of budget (prefill mode) or layer_budgets (decode mode)")
     report = report if report is not None else CompressionReport()
     start = time.perf_counter()
     layers = sieve_layers(cache)
     num_layers = len(cache.layers)
+    if budget is not None and layers:
+        context = layers[0][1].physical_length - protected_tail
+        kept = budget.resolve(context)
+        if kept < context:  # ratio 0 keeps everything, whatever the layer schedule
+            layer_budgets = [b + protected_tail for b in policy.selection.layer_budgets_for(kept, context, num_layers)]
+        else:
+            layer_budgets = [context + protected_tail] * num_layers
     for idx, layer in layers:
         n = layer.physical_length
-        context = n - protected_tail
-        kept = budget.resolve(context)
-        kept_layer = policy.selection.layer_kept(kept, context, idx, num_layers) + protected_tail
         before = layer.nbytes()
-        if kept < context and kept_layer < n:  # ratio 0 keeps everything, whatever the layer schedule
+        kept_layer = layer_budgets[idx]
+        if layer_occupancy(layer) > kept_layer:
             signals = layer_signals(layer, idx, num_layers, protected_tail, policy.window)
             scores = _checked_scores(policy, signals)
+            if layer.valid is not None:
+                scores = scores.masked_fill(~layer.valid, float("-inf"))
             indices, valid = policy.selection.kept_indices(scores, kept_layer, protected_tail)
             layer.prune(indices, valid)
-        valid = layer.valid
-        valid_mean = float(valid.float().sum(-1).mean()) if valid is not None else float(layer.physical_length)
-        report.layers.append(LayerReport(idx, n, layer.physical_length, before, layer.nbytes(), valid_mean))
+        report.layers.append(LayerReport(idx, n, layer.physical_length, before, layer.nbytes(), layer_occupancy(layer)))
     report.seconds += time.perf_counter() - start
     report.events += 1
     return report

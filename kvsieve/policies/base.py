@@ -25,12 +25,19 @@ class Policy:
         name: registry name.
         needs_accumulated_attention: ask the engine to accumulate ``Signals.attention_received``
             (costs about one extra attention pass during prefill).
+        needs_query_stats: ask the engine to collect the pre-RoPE query statistics
+            (``Signals.query_stats``: mean and covariance of every query, about one extra projection-sized
+            matmul per layer and forward).
         compresses: ``False`` only for the full-cache policy.
+        uses_window: reads the observation window (its queries or the protected recent tokens);
+            ``False`` lets a context shorter than ``window`` be compressed.
     """
 
     name: ClassVar[str] = "base"
     needs_accumulated_attention: ClassVar[bool] = False
+    needs_query_stats: ClassVar[bool] = False
     compresses: ClassVar[bool] = True
+    uses_window: ClassVar[bool] = True
 
     def __init__(self, selection: Selection | None = None, window: int = 64) -> None:
         if not isinstance(window, int) or window < 1:

@@ -10,6 +10,7 @@ class FullCache(Policy):
     """Keeps everything. Signal: none."""
 
     name = "full"
+    uses_window = False
     compresses = False
 
     def score(self, signals: Signals) -> torch.Tensor:

@@ -12,6 +12,7 @@ from kvsieve.signals import Signals
 
 class KNorm(Policy):
     name = "knorm"
+    uses_window = False
 
     def score(self, signals: Signals) -> torch.Tensor:
         return -signals.key_norms

@@ -17,6 +17,7 @@ from kvsieve.signals import Signals
 
 class Oracle(Policy):
     name = "oracle"
+    uses_window = False
 
     def __init__(self, important_positions: list[int] | None = None, sink: int = 4, **kwargs) -> None:
         self.important_positions = sorted(set(important_positions or []))

@@ -10,6 +10,7 @@ class RandomPolicy(Policy):
     """Signal: none; uniform random scores, seeded per layer so runs repeat."""
 
     name = "random"
+    uses_window = False
 
     def __init__(self, seed: int = 0, **kwargs) -> None:
         super().__init__(**kwargs)

@@ -13,6 +13,7 @@ from kvsieve.signals import Signals
 
 class StreamingLLM(Policy):
     name = "streaming_llm"
+    uses_window = False
 
     def __init__(self, sink: int = 4, **kwargs) -> None:
         self.sink = sink

@@ -50,10 +50,14 @@ class Contract:
         if not 0 < self.split_fraction < 1:
             raise ValueError(f"split_fraction must be in (0, 1), got {self.split_fraction!r}")
 
-    @property
-    def min_requests(self) -> int:
-        """Fewest calibration requests that can certify anything (zero failures)."""
-        return min_calibration_size(self.alpha, self.delta)
+    def min_requests(self, compressors: int = 1) -> int:
+        """Fewest calibration requests that can certify anything (zero failures) among ``compressors``.
+
+        Bonferroni and Holm test each compressor's first candidate at delta / m, so zero failures
+        need n >= log(delta / m) / log(1 - alpha); the split fixed sequence tests at the full delta.
+        """
+        level = self.delta if self.correction == "split" else self.delta / max(compressors, 1)
+        return min_calibration_size(self.alpha, level)
 
 
 @dataclass
@@ -132,7 +136,7 @@ def certify(table: LossTable, contract: Contract, seed: int = 0) -> Certificatio
     """Certify the most aggressive candidate of ``table`` under ``contract``; full KV (``chosen=None``) if none.
 
     Raises InsufficientCalibrationError when ``table`` has fewer requests than any candidate would need
-    (``contract.min_requests``; with ``correction="split"``, in the part that tests).
+    (``contract.min_requests(compressors)``; with ``correction="split"``, in the part that tests).
     """
     if table.loss != contract.loss or table.epsilon != contract.epsilon:
         raise ValueError(f"the loss table was built with loss={table.loss!r}, epsilon={table.epsilon}; "
@@ -151,12 +155,16 @@ def certify(table: LossTable, contract: Contract, seed: int = 0) -> Certificatio
                    for c in candidates}
         order = sorted(candidates, key=lambda c: (learned[c], c.ratio))
     n = len(test_rows)
-    if n < contract.min_requests:
+    compressors = len({c.compressor for c in candidates})
+    needed = contract.min_requests(compressors)
+    if n < needed:
         where = " in the testing part of the split" if contract.correction == "split" else ""
+        rule = "log(delta)/log(1-alpha)"
+        if contract.correction != "split" and compressors > 1:
+            rule = f"log(delta/{compressors})/log(1-alpha) with {compressors} compressors"
         raise InsufficientCalibrationError(
             f"{n} calibration requests{where} cannot certify anything at alpha={contract.alpha}, "
-            f"delta={contract.delta}: even with zero failures it needs n >= log(delta)/log(1-alpha) = "
-            f"{contract.min_requests}")
+            f"delta={contract.delta}: even with zero failures it needs n >= {rule} = {needed}")
     risks = {c: float(np.mean(table.losses[c][test_rows])) for c in candidates}
     pvals = {c: p_value(table.losses[c][test_rows], contract.alpha, contract.loss) for c in candidates}
     if order is not None:
