@@ -72,7 +72,8 @@ def _add_grid_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", help="comma-separated policy specs, e.g. full,snapkv,snapkv(window=32)")
     parser.add_argument("--qa-policies", help="policies also run question-aware (reference lines)")
     parser.add_argument("--ratios", help="comma-separated compression ratios in [0, 1)")
-    parser.add_argument("--samples", type=int, help="samples per task and length")
+    parser.add_argument("--samples", type=int, help="samples per task and length (default 5 generated; with "
+                        "--data, every sample of the file)")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--store", help="SQLite results store")
     parser.add_argument("--data", help="JSONL samples (kvsieve generate format or LongBench) instead of generating")

@@ -64,3 +64,21 @@ def test_decode_time_eviction_on_a_real_model(smollm2):
                    answer_prefix=PREFIX, max_new_tokens=10)
     assert max(out.kept_tokens) <= 512
     assert "4819273" in out.text
+
+
+@pytest.mark.parametrize("separator_in_context", [True, False])
+def test_prompt_context_ends_with_the_newline_before_the_question(smollm2, separator_in_context):
+    from kvsieve.engine.generate import build_prompt
+
+    _, tokenizer = smollm2
+    context = haystack_with_needle(20, 0.5)
+    prompt = build_prompt(tokenizer, context, QUESTION, PREFIX, separator_in_context=separator_in_context)
+    last = tokenizer.decode(prompt.context_ids[0, -1:])
+    question = tokenizer.decode(prompt.question_ids[0])
+    if separator_in_context:  # RULER's layout: haystack, newline | question
+        assert last == "\n" and question.startswith(QUESTION)
+    else:
+        assert last == "." and question.startswith("\n" + QUESTION)
+    start = context.index(NEEDLE)
+    needle_tokens = prompt.token_positions(tokenizer, [(start, start + len(NEEDLE))])
+    assert NEEDLE in tokenizer.decode(prompt.context_ids[0, needle_tokens])

@@ -169,3 +169,16 @@ def test_ragged_caches_decode_in_one_batch_as_they_do_alone():
         alone = [answer([_clone(c)])[0] for c in pruned]
         together = answer([_clone(c) for c in pruned])
     assert together == alone
+
+
+@pytest.mark.parametrize("samples,expected", [(None, 7), (3, 3)])
+def test_data_file_uses_every_sample_unless_told(tmp_path, samples, expected):
+    from kvsieve.harness.validate import load_samples
+    from kvsieve.tasks.ruler import generate
+    from kvsieve.tasks.sample import write_jsonl
+
+    path = tmp_path / "s.jsonl"
+    write_jsonl([generate("niah_single_1", 300, seed, lambda t: len(t) // 4) for seed in range(7)], path)
+    config = GridConfig(data=str(path), samples=samples)
+    validate(config)
+    assert len(list(load_samples(config, tokenizer=None))) == expected

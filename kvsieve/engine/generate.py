@@ -37,23 +37,31 @@ class Prompt:
         return sum(1 for a, _ in encoded["offset_mapping"] if a < self.context_offset)
 
 
-def build_prompt(tokenizer, context: str, question: str, answer_prefix: str = "") -> Prompt:
-    """Apply the chat template to ``context + question`` and split it where the context ends."""
+def build_prompt(tokenizer, context: str, question: str, answer_prefix: str = "",
+                 separator_in_context: bool = True) -> Prompt:
+    """Apply the chat template to ``context + "\n" + question`` and split it where the context ends.
+
+    As in RULER's templates, a newline separates the context from the question, and it belongs to
+    the context part: the last context tokens (the observation window of SnapKV, TOVA's last query)
+    are then the end of a line, not the middle of the haystack. ``separator_in_context=False`` puts
+    the newline on the question's side instead (kvsieve's earlier layout, kept for comparison).
+    """
     if not context:
         raise ValueError("the context is empty")
-    separator = "\n\n"
+    separator = "\n"
     if getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": context + separator + question}]
         full = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     else:
         full = context + separator + question + "\n"
-    split = full.index(context) + len(context)
+    split = full.index(context) + len(context) + (len(separator) if separator_in_context else 0)
     context_text, question_text = full[:split], full[split:] + answer_prefix
 
     def ids(text: str) -> torch.Tensor:
         return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]], dtype=torch.long)
 
-    return Prompt(ids(context_text), ids(question_text), context_text, split - len(context))
+    offset = full.index(context)
+    return Prompt(ids(context_text), ids(question_text), context_text, offset)
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

@@ -50,7 +50,7 @@ class GridConfig:
     lengths: list[int] = field(default_factory=lambda: [1024])
     policies: list[str] = field(default_factory=lambda: ["full", "snapkv"])
     ratios: list[float] = field(default_factory=lambda: [0.5])
-    samples: int = 5
+    samples: int | None = None  # per task and length; None: 5 generated, or every sample of ``data``
     seed: int = 0
     store: str = "results/results.sqlite"
     question_aware: bool = False  # run every compressing policy question-aware as well
@@ -163,6 +163,7 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
     policies = {cell: _policy_for(cell, sample, prompt, tokenizer) for cell in cells}
     capture = FullCache(window=max(p.window for p in policies.values()))
     capture.needs_accumulated_attention = any(p.needs_accumulated_attention for p in policies.values())
+    capture.needs_query_stats = any(p.needs_query_stats for p in policies.values())
     with attach(model, capture, ratio=0.0):
         start = time.perf_counter()
         context_cache = model(input_ids=prompt.context_ids, use_cache=True, logits_to_keep=1).cache

@@ -12,7 +12,9 @@ from kvsieve.policies import parse_spec
 from kvsieve.selection import Budget
 from kvsieve.tasks import TASKS, Sample, generate, generate_many, load_longbench, read_jsonl
 
-__all__ = ["validate", "load_samples", "read_samples", "template_overhead"]
+__all__ = ["validate", "load_samples", "read_samples", "template_overhead", "DEFAULT_SAMPLES"]
+
+DEFAULT_SAMPLES = 5  # generated samples per task and length when the grid does not say
 
 
 def validate(config) -> None:
@@ -30,8 +32,9 @@ def validate(config) -> None:
         raise ValueError("the grid is empty: give at least one compression ratio")
     for ratio in config.ratios:
         Budget(ratio=ratio)
-    if isinstance(config.samples, bool) or not isinstance(config.samples, int) or config.samples < 1:
-        raise ValueError(f"samples must be an int >= 1, got {config.samples!r}")
+    if config.samples is not None and (isinstance(config.samples, bool) or not isinstance(config.samples, int)
+                                       or config.samples < 1):
+        raise ValueError(f"samples must be an int >= 1 (or unset), got {config.samples!r}")
     if config.data:
         if not Path(config.data).is_file():
             raise ValueError(f"data file {config.data} does not exist")
@@ -81,7 +84,7 @@ def read_samples(path: str) -> list[Sample]:
 
 def load_samples(config, tokenizer) -> Iterator[Sample]:
     if config.data:
-        yield from read_samples(config.data)[: config.samples]
+        yield from read_samples(config.data)[: config.samples]  # None: every sample of the file
         return
 
     def count(text: str) -> int:
@@ -90,6 +93,6 @@ def load_samples(config, tokenizer) -> Iterator[Sample]:
     # Sample-major order: an interrupted run leaves every task with about the same number of samples.
     overhead = {task: template_overhead(tokenizer, task, config.seed) for task in config.tasks}
     for length in config.lengths:
-        for i in range(config.samples):
+        for i in range(DEFAULT_SAMPLES if config.samples is None else config.samples):
             for task in config.tasks:
                 yield generate(task, length, config.seed + i, count, overhead[task])
