@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kvsieve.engine.query_stats import QueryStats
 
 __all__ = ["Signals"]
 
@@ -34,6 +38,14 @@ class Signals:
             to accumulate it (policies with ``needs_accumulated_attention``), else ``None``.
         protected_tail: number of trailing entries the engine will keep whatever the scores say
             (e.g. the question in question-aware mode).
+        query_stats: running statistics of the layer's queries *before* the rotary embedding, over
+            every query it processed (:meth:`query_moments` reads them), when the engine was asked to
+            collect them (policies with ``needs_query_stats``), else ``None``.
+        rope_inv_freq: (r/2,) inverse frequencies of the layer's rotary embedding (it rotates the
+            first ``r`` of the ``d`` dims, in halves, as transformers' ``rotate_half``), or ``None``.
+        rope_attention_scaling: factor the model applies to its rotary cos/sin (1 unless YaRN-like).
+        next_position: position the next query will take (tokens the layer has seen); ``None``: one
+            past the last cached position.
     """
 
     keys: torch.Tensor
@@ -45,6 +57,10 @@ class Signals:
     scaling: float
     attention_received: torch.Tensor | None = None
     protected_tail: int = 0
+    query_stats: QueryStats | None = None
+    rope_inv_freq: torch.Tensor | None = None
+    rope_attention_scaling: float = 1.0
+    next_position: int | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -76,6 +92,17 @@ class Signals:
     @property
     def num_groups(self) -> int:
         return self.window_queries.shape[1] // self.num_kv_heads
+
+    @property
+    def future_position(self) -> int:
+        """Position of the next query: ``next_position``, else one past the last cached position."""
+        return self.next_position if self.next_position is not None else int(self.positions.amax()) + 1
+
+    def query_moments(self, skip: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(b, h*g, d) mean and (b, h*g, d, d) covariance of the pre-RoPE queries at positions ``>= skip``."""
+        if self.query_stats is None:
+            raise RuntimeError("no query statistics: run the policy through kvsieve.attach() with needs_query_stats")
+        return self.query_stats.moments(skip)
 
     @cached_property
     def window_attention(self) -> torch.Tensor:

@@ -22,6 +22,9 @@ class SieveLayer(DynamicLayer):
         valid: (b, h, n) bool, ``None`` unless heads keep different numbers of entries.
         recent_queries: (b, hq, <=w, d) the last queries the layer computed (the observation window).
         attention_received: (b, h, n) float32 accumulated attention, when tracking is on.
+        query_stats: pre-RoPE query statistics (:class:`~kvsieve.engine.query_stats.QueryStats`),
+            collected only while a policy with ``needs_query_stats`` is attached.
+        rope: (inv_freq, attention_scaling) of the layer's rotary embedding, set with ``query_stats``.
     """
 
     def __init__(self, window: int = 64, track_attention: bool = False) -> None:
@@ -33,6 +36,8 @@ class SieveLayer(DynamicLayer):
         self.valid: torch.Tensor | None = None
         self.recent_queries: torch.Tensor | None = None
         self.attention_received: torch.Tensor | None = None
+        self.query_stats = None  # kvsieve.engine.query_stats fills it (pre-RoPE query statistics)
+        self.rope: tuple[torch.Tensor, float] | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         b, h, q, _ = key_states.shape
@@ -81,7 +86,7 @@ class SieveLayer(DynamicLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep only the batch rows ``indices`` (a decode batch dropping its finished rows)."""
         super().batch_select_indices(indices)
-        for name in ("positions", "valid", "recent_queries", "attention_received"):
+        for name in ("positions", "valid", "recent_queries", "attention_received", "query_stats"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value[indices])
@@ -93,6 +98,7 @@ class SieveLayer(DynamicLayer):
         super().reset()
         self.seen = 0
         self.positions = self.valid = self.recent_queries = self.attention_received = None
+        self.query_stats = self.rope = None
 
     def nbytes(self) -> int:
         if self.physical_length == 0:
