@@ -60,7 +60,7 @@ def main() -> None:
 
     with ResultsStore(args.store) as store:
         candidates = _candidates(store, args.model)
-        table = loss_table(store, args.model, candidates, args.epsilon, "binary", common_only=True)
+        table = loss_table(store, args.model, candidates, args.epsilon, "binary")
     tasks = sorted({t for t, _, _ in table.requests})
     print(f"# {args.model}: {table.n} requests ({', '.join(tasks)}), {len(candidates)} candidates, "
           f"delta={args.delta}, epsilon={args.epsilon}, correction={args.correction}\n")

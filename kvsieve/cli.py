@@ -170,6 +170,8 @@ def cmd_certify(args) -> int:
     candidates = [Candidate(p, r, args.question_aware) for p in compressing for r in ratios]
     with ResultsStore(args.store) as store:
         table = loss_table(store, args.model, candidates, contract.epsilon, contract.loss, tasks, lengths)
+    if table.left_out:
+        print(table.left_out_summary())
     result = certify_buckets(table, contract, args.model, args.by, edges)
     result.source = {"store": str(args.store), "policies": compressing, "ratios": ratios, "tasks": tasks,
                      "lengths": lengths, "question_aware": args.question_aware}

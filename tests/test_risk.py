@@ -215,14 +215,16 @@ def test_loss_table_from_store_and_mismatch_errors(store):
             loss_table(s, "m", [Candidate("knorm", 0.5)])
         with pytest.raises(ValueError, match="no full-KV rows"):
             loss_table(s, "other-model", [Candidate("snapkv", 0.5)])
-        s.add(_row("vt", 999, "snapkv", 0.5, 100.0))
-        with pytest.raises(ValueError, match="missing full-KV rows for 1 request"):
-            loss_table(s, "m", [Candidate("snapkv", 0.5)])
-        s.add(_row("vt", 999, "full", 0.0, 100.0))
-        s.add(_row("vt", 1000, "full", 0.0, 100.0))
-        with pytest.raises(ValueError, match="mismatched request sets"):
-            loss_table(s, "m", [Candidate("snapkv", 0.5)])
-        assert loss_table(s, "m", [Candidate("snapkv", 0.5)], common_only=True).n == 121  # vt-1000 left out
+        s.add(_row("vt", 999, "snapkv", 0.5, 100.0))  # a candidate row without full KV
+        s.add(_row("vt", 1000, "full", 0.0, 100.0))  # a full-KV row without the candidate
+        s.add(_row("qa_2", 1, "full", 0.0, 0.0))
+        table = loss_table(s, "m", [Candidate("snapkv", 0.5)])
+        assert table.n == 120 and table.left_out == [("qa_2", 1024, "1"), ("vt", 1024, "1000"), ("vt", 1024, "999")]
+        assert table.left_out_summary().endswith("have: qa_2 (1), vt (2)")
+        s.add(_row("cwe", 1, "full", 0.0, 100.0))
+        s.add(_row("cwe", 2, "snapkv", 0.5, 100.0))
+        with pytest.raises(ValueError, match="share no request"):
+            loss_table(s, "m", [Candidate("snapkv", 0.5)], tasks=["cwe"])
 
 
 def test_conditional_contract_round_trip_and_runtime(store, tmp_path):

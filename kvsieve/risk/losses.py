@@ -69,6 +69,17 @@ class LossTable:
     kept_fraction: dict[Candidate, float] = field(default_factory=dict)  # mean cache bytes kept / full
     loss: str = "binary"
     epsilon: float = 0.0
+    left_out: list[Request] = field(default_factory=list)  # requests some candidate or full KV lacks
+
+    def left_out_summary(self) -> str:
+        """``""`` or e.g. ``"left out 25 request(s) not every candidate and full KV have: qa_2 (5), vt (20)"``."""
+        if not self.left_out:
+            return ""
+        counts: dict[str, int] = {}
+        for task, _, _ in self.left_out:
+            counts[task] = counts.get(task, 0) + 1
+        listed = ", ".join(f"{task} ({n})" for task, n in sorted(counts.items()))
+        return f"left out {len(self.left_out)} request(s) not every candidate and full KV have: {listed}"
 
     @property
     def n(self) -> int:
@@ -77,7 +88,7 @@ class LossTable:
     def subset(self, rows: np.ndarray | list[int]) -> LossTable:
         rows = np.asarray(rows, dtype=int)
         return LossTable([self.requests[i] for i in rows], {c: v[rows] for c, v in self.losses.items()},
-                         dict(self.kept_fraction), self.loss, self.epsilon)
+                         dict(self.kept_fraction), self.loss, self.epsilon, list(self.left_out))
 
     def buckets(self, by: str | None, length_edges: list[int] | None = None) -> dict[str, np.ndarray]:
         """Row indices per bucket: one bucket ``all``, or per task, task family or context-length bucket."""
@@ -108,14 +119,12 @@ def length_bucket(length: int, edges: list[int]) -> str:
 
 
 def loss_table(store: ResultsStore, model: str, candidates: list[Candidate], epsilon: float = 0.0,
-               loss: str = "binary", tasks: list[str] | None = None, lengths: list[int] | None = None,
-               common_only: bool = False) -> LossTable:
-    """Build the loss table from the results store; the requests are those evaluated with full KV.
+               loss: str = "binary", tasks: list[str] | None = None, lengths: list[int] | None = None) -> LossTable:
+    """Build the loss table from the results store over the requests that full KV and every candidate share.
 
-    Raises ValueError when the store has no full-KV rows, when a candidate has rows for requests the full
-    cache lacks, or when a candidate misses some of the requests (the sets must match exactly).
-    ``common_only=True`` instead keeps the requests that full KV and every candidate share (for a
-    store whose grid is still running).
+    Requests that only some of them have (a grid still running, full-KV rows of tasks no candidate ran)
+    are left out and listed in ``LossTable.left_out``. Raises ValueError when the store has no full-KV
+    rows, a candidate has no rows, or nothing is shared.
     """
     if not candidates:
         raise ValueError("no candidates to certify: give at least one compressing policy and ratio")
@@ -136,26 +145,16 @@ def loss_table(store: ResultsStore, model: str, candidates: list[Candidate], eps
             raise ValueError(f"the store has no rows for candidate {cand} (model {model!r}); "
                              "evaluate it first (kvsieve eval, or kvsieve certify --run)")
         found[cand] = {(r.key.task, r.key.length, r.key.sample_id): r for r in rows}
-    if common_only:
-        full = {r: u for r, u in full.items() if all(r in by_request for by_request in found.values())}
-        if not full:
-            raise ValueError("full KV and the candidates share no request")
-    requests = sorted(full)
+    every = set(full).union(*found.values())
+    shared = set(full).intersection(*found.values())
+    if not shared:
+        raise ValueError("full KV and the candidates share no request: evaluate the same samples with each")
+    requests = sorted(shared)
     full_utility = np.array([full[r] for r in requests])
     losses, kept = {}, {}
     for cand, by_request in found.items():
-        if common_only:
-            by_request = {r: row for r, row in by_request.items() if r in full}
-        extra = sorted(set(by_request) - set(full))
-        if extra:
-            raise ValueError(f"missing full-KV rows for {len(extra)} request(s) that candidate {cand} has, "
-                             f"e.g. {extra[0]}; run policy 'full' on them")
-        absent = [r for r in requests if r not in by_request]
-        if absent:
-            raise ValueError(f"mismatched request sets: candidate {cand} lacks {len(absent)} of the {len(requests)} "
-                             f"full-KV requests, e.g. {absent[0]}; evaluate the missing cells first")
         utility = np.array([by_request[r].score for r in requests])
         losses[cand] = candidate_losses(utility, full_utility, epsilon, loss)
         kept[cand] = float(np.mean([by_request[r].cache_bytes / max(1, by_request[r].cache_bytes_full)
                                     for r in requests]))
-    return LossTable(requests, losses, kept, loss, epsilon)
+    return LossTable(requests, losses, kept, loss, epsilon, left_out=sorted(every - shared))
