@@ -97,6 +97,9 @@ def attach(
         raise ValueError(f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if mode not in ("prefill", "decode"):
         raise ValueError(f"mode {mode!r} is not one of 'prefill', 'decode'")
+    if mode == "decode" and getattr(policy, "needs_reconstruction", False):  # KVzip
+        raise ValueError(f"policy {policy.name!r} cannot evict in decode mode: its scores come from the model "
+                         "repeating the whole context after the prefill, which decode-time eviction never holds")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     if isinstance(protected_tail, bool) or not isinstance(protected_tail, int) or protected_tail < 0:
@@ -157,7 +160,9 @@ def _compressing_forward(model, forward, session: Session):
                     f"window {session.policy.window} is larger than the context ({q_len} tokens); use a smaller window"
                 )
             output = forward(*args, **kwargs)
-            if fresh and session.policy.compresses:
+            if fresh and session.policy.compresses and getattr(session.policy, "needs_reconstruction", False):
+                _compress_with_reconstruction(model, cache, input_ids, session)  # KVzip: one more forward
+            elif fresh and session.policy.compresses:
                 compress_cache(cache, session.policy, session.budget, session.protected_tail, session.report)
             return output
         if fresh:
@@ -169,6 +174,15 @@ def _compressing_forward(model, forward, session: Session):
         return _forward_in_chunks(forward, args, kwargs, input_ids is not None, q_len, session, layers)
 
     return wrapped
+
+
+def _compress_with_reconstruction(model, cache, input_ids, session: Session) -> None:
+    from kvsieve.engine.reconstruct import compress_with_reconstruction
+
+    if input_ids is None:
+        raise ValueError(f"policy {session.policy.name!r} repeats the prompt's tokens: give input_ids, not embeddings")
+    compress_with_reconstruction(model, cache, input_ids, session.policy, session.budget, session.protected_tail,
+                                 session.report)
 
 
 def _forward_in_chunks(forward, args, kwargs, by_ids: bool, q_len: int, session: Session, layers) -> object:

@@ -23,6 +23,7 @@ from kvsieve.engine.attach import attach
 from kvsieve.engine.cache import cache_bytes, sieve_layers
 from kvsieve.engine.compress import compress_cache
 from kvsieve.engine.generate import Prompt, build_prompt, generate, greedy_decode
+from kvsieve.engine.reconstruct import ReconstructionPrompt, compress_with_reconstruction, reconstruction_scores
 from kvsieve.harness.store import CellKey, CellResult, ResultsStore
 from kvsieve.harness.validate import load_samples, validate
 from kvsieve.models import load
@@ -85,7 +86,23 @@ def _policy_for(cell: Cell, sample: Sample, prompt: Prompt, tokenizer) -> Policy
         header = prompt.header_length(tokenizer)
         important = list(range(header)) + prompt.token_positions(tokenizer, [tuple(s) for s in sample.spans])
         return kvsieve.policies.get("oracle", important_positions=important, **params)
-    return from_spec(cell.policy)
+    policy = from_spec(cell.policy)
+    if getattr(policy, "needs_reconstruction", False) and policy.tokenizer is None:  # KVzip prompts the model
+        policy.tokenizer = tokenizer
+    return policy
+
+
+def _reconstructions(model, tokenizer, cache, ids, cells, policies, protected: int) -> dict:
+    """KVzip's reconstruction scores, once per scoring setup (not per ratio), on copies of ``cache``."""
+    out = {}
+    for cell in cells:
+        policy = policies[cell]
+        if getattr(policy, "needs_reconstruction", False) and cell.ratio > 0:
+            key = policy.reconstruction_key()
+            if key not in out:
+                out[key] = reconstruction_scores(model, cache, ids, ReconstructionPrompt.from_tokenizer(tokenizer),
+                                                 protected, policy.chunk_size, policy.normalization)
+    return out
 
 
 def _clone(cache: DynamicCache) -> DynamicCache:
@@ -183,14 +200,23 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
                 first_logits, protected = out.logits[:, -1], prompt.question_ids.shape[1]
                 prefill_s += time.perf_counter() - start
             full_bytes = cache_bytes(full_cache)
+            # KVzip: one reconstruction per sample serves all its ratios; each cell is charged its seconds
+            ids = torch.cat([prompt.context_ids, prompt.question_ids], 1) if question_aware else prompt.context_ids
+            rebuilt = _reconstructions(model, tokenizer, full_cache, ids, group, policies, protected)
             batches: dict[float, list] = defaultdict(list)  # one batch per ratio: kept lengths are close
             for cell in group:
-                start = time.perf_counter()
+                start, policy, rebuilt_s = time.perf_counter(), policies[cell], 0.0
                 cache = _clone(full_cache)
-                if policies[cell].compresses and cell.ratio > 0:
-                    compress_cache(cache, policies[cell], Budget(ratio=cell.ratio), protected)
+                if policy.compresses and cell.ratio > 0 and getattr(policy, "needs_reconstruction", False):
+                    rec = rebuilt[policy.reconstruction_key()]
+                    compress_with_reconstruction(model, cache, ids, policy, Budget(ratio=cell.ratio), protected,
+                                                 reconstruction=rec)
+                    rebuilt_s = rec.seconds
+                elif policy.compresses and cell.ratio > 0:
+                    compress_cache(cache, policy, Budget(ratio=cell.ratio), protected)
                 kept = max((layer.physical_length for _, layer in sieve_layers(cache)), default=0)
-                batches[cell.ratio].append((cell, cache, time.perf_counter() - start, kept, cache_bytes(cache)))
+                seconds = time.perf_counter() - start + rebuilt_s
+                batches[cell.ratio].append((cell, cache, seconds, kept, cache_bytes(cache)))
             for items in batches.values():
                 start = time.perf_counter()
                 caches = [_stack([item[1]]) for item in items]  # drops attention tracking for decoding

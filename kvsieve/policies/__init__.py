@@ -9,6 +9,7 @@ from kvsieve.policies.expected_attention import ExpectedAttention
 from kvsieve.policies.full import FullCache
 from kvsieve.policies.h2o import H2O
 from kvsieve.policies.knorm import KNorm
+from kvsieve.policies.kvzip import KVzip
 from kvsieve.policies.oracle import Oracle
 from kvsieve.policies.pyramidkv import PyramidKV
 from kvsieve.policies.random import RandomPolicy
@@ -35,6 +36,7 @@ def register(cls: type[Policy]) -> type[Policy]:
 for _cls in (FullCache, RandomPolicy, StreamingLLM, KNorm, SnapKV, TOVA, H2O, ExpectedAttention, PyramidKV, AdaKV,
              ChunkKV, Oracle):
     register(_cls)
+register(KVzip)  # scores from a reconstruction forward: the engine and the runner compute them
 
 
 def names(include_reference: bool = False) -> list[str]:
