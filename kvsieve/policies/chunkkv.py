@@ -1,9 +1,18 @@
 """ChunkKV: Liu et al., "ChunkKV: Semantic-Preserving KV Cache Compression for Efficient Long-Context
 LLM Inference", 2025, arXiv:2502.00299.
 
-Signal: SnapKV's window attention averaged over all KV heads, kept in contiguous chunks ranked by
-their mean score; every head keeps the same chunks. Spans survive whole, so a multi-token number
-is not cut in half.
+Signal: SnapKV's observation-window attention (window 64, 1-D average pooling with kernel 5, as in the
+authors' implementation, contributed to NVIDIA kvpress as ``ChunkKVPress(press=SnapKVPress())``),
+averaged over every KV head of the layer, so all heads keep the same chunks. Selection: the context
+before the window is cut into contiguous chunks of ``chunk_size = 10`` tokens (the paper's
+recommended size, robust across tasks and models in its ablation), chunks are ranked by their mean
+score (the paper sums the chunk's scores; for whole chunks the ranking is the same), and the
+``(budget - window) // 10`` best chunks are kept **whole**, together with the window. Spans survive
+whole, so a multi-token number is not cut in half.
+
+Simplifications: a trailing partial chunk (when the prefix is not a multiple of 10) is never kept
+(the paper's ``ceil(n / c)`` chunks include it), and the part of the budget below one chunk stays
+unused; the paper's layer-wise index reuse (a speed optimisation) is not implemented.
 """
 
 import torch
@@ -17,13 +26,14 @@ from kvsieve.signals import Signals
 class ChunkKV(Policy):
     name = "chunkkv"
 
-    def __init__(self, chunk_size: int = 10, **kwargs) -> None:
+    def __init__(self, chunk_size: int = 10, kernel_size: int = 5, **kwargs) -> None:
         self.chunk_size = chunk_size
+        self.kernel_size = kernel_size
         super().__init__(**kwargs)
 
     def default_selection(self) -> Selection:
         return Selection(recent=self.window, chunk_size=self.chunk_size)
 
     def score(self, signals: Signals) -> torch.Tensor:
-        scores = snapkv_scores(signals, kernel_size=1)
+        scores = snapkv_scores(signals, self.kernel_size)
         return scores.mean(dim=1, keepdim=True).expand_as(scores)

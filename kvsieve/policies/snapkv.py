@@ -1,9 +1,19 @@
 """SnapKV: Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", NeurIPS 2024,
 arXiv:2404.14469.
 
-Signal: attention from the last ``window`` queries (the observation window), summed over the
-window, averaged over the query heads of a KV head, smoothed with 1-D average pooling. The window
-itself is always kept.
+Signal: attention from the last ``window`` queries (the observation window): each window query's
+softmax over its full causal row (the prefix and the window entries it can see), summed over the
+window queries, averaged over the query heads that share a KV head, then smoothed over the prefix
+(the entries before the window) with a 1-D average pool of ``kernel_size`` (5), stride 1 and zero
+padding that *counts* in the average (``count_include_pad=True``, PyTorch's default, which the
+authors' code uses: ``F.avg_pool1d(attn_weights_sum, kernel_size, padding=kernel_size // 2,
+stride=1)`` on ``attn_weights[..., :-window]``). The pool never reaches into the window: the last
+prefix entries are averaged with zero padding, not with the window's scores. The window itself is
+always kept; its scores are its summed attention, unpooled (they never decide anything).
+
+GQA: the original code is written for one query head per KV head; averaging the group's scores
+follows the authors' answer in SnapKV issue #22 (as NVIDIA kvpress does). Pooling, summing and
+averaging are linear, so their order does not matter.
 """
 
 import torch
@@ -15,12 +25,14 @@ from kvsieve.signals import Signals
 
 
 def snapkv_scores(signals: Signals, kernel_size: int = 5) -> torch.Tensor:
-    """(b, h, n) pooled window attention; shared by PyramidKV, AdaKV and ChunkKV."""
+    """(b, h, n) window attention, pooled over the prefix; shared by PyramidKV, AdaKV and ChunkKV."""
     scores = signals.window_attention_kv.sum(dim=2)
-    if kernel_size > 1:
-        b, h, n = scores.shape
-        scores = F.avg_pool1d(scores.view(b * h, 1, n), kernel_size, stride=1, padding=kernel_size // 2,
-                              count_include_pad=False).view(b, h, n)
+    b, h, n = scores.shape
+    prefix = n - signals.window_size
+    if kernel_size > 1 and prefix > 0:
+        pooled = F.avg_pool1d(scores[..., :prefix].reshape(b * h, 1, prefix), kernel_size, stride=1,
+                              padding=kernel_size // 2, count_include_pad=True).view(b, h, prefix)
+        scores = torch.cat([pooled, scores[..., prefix:]], dim=-1)
     return scores
 
 
