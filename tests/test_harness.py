@@ -56,18 +56,24 @@ def niah_sample(smollm2):
 
 
 @pytest.mark.model
-def test_shared_path_matches_per_cell_path(smollm2, niah_sample):
-    model, tokenizer = smollm2
+def test_shared_path_matches_per_cell_path(niah_sample):
+    """Every cell of the shared path (one prefill, pruned copies, one decode batch per ratio) equals the
+    naive per-cell path: same kept tokens, bytes, prediction and score. In float32: in bf16 a padded
+    decode batch runs other kernels than one row and can flip near-tie tokens (the runner's comment;
+    benchmarks/grid_speed.py measures it), which is a property of bf16 batching, not of the sharing."""
+    from kvsieve.models import load
+
+    model, tokenizer = load("smollm2-135m", dtype="float32")
     cells = [Cell("full", 0.0), Cell("snapkv", 0.5), Cell("knorm", 0.5), Cell("streaming_llm", 0.5),
-             Cell("h2o", 0.5), Cell("pyramidkv", 0.5), Cell("adakv", 0.5), Cell("snapkv", 0.5, True),
-             Cell("h2o", 0.5, True), Cell("oracle", 0.875)]
+             Cell("h2o", 0.5), Cell("pyramidkv", 0.5), Cell("adakv", 0.5), Cell("chunkkv", 0.5), Cell("tova", 0.5),
+             Cell("expected_attention", 0.5), Cell("snapkv", 0.5, True), Cell("h2o", 0.5, True),
+             Cell("expected_attention", 0.5, True), Cell("oracle", 0.875)]
     shared = evaluate_sample(model, tokenizer, niah_sample, cells, "smollm2-135m", shared=True)
     naive = evaluate_sample(model, tokenizer, niah_sample, cells, "smollm2-135m", shared=False)
     assert [r.key for r in shared] == [r.key for r in naive]
-    same = sum(a.prediction == b.prediction for a, b in zip(shared, naive))
-    assert same >= len(cells) - 1, [(a.prediction, b.prediction) for a, b in zip(shared, naive)]
     for a, b in zip(shared, naive):
-        assert a.kept_tokens == b.kept_tokens and a.cache_bytes == b.cache_bytes
+        assert (a.prediction, a.score, a.kept_tokens, a.cache_bytes, a.cache_bytes_full) == \
+            (b.prediction, b.score, b.kept_tokens, b.cache_bytes, b.cache_bytes_full), a.key
     full, oracle = shared[0], shared[-1]
     assert full.score == 100.0
     assert oracle.score == 100.0  # keeping the needle sentence is enough at 87.5% compression
