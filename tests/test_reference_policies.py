@@ -508,3 +508,95 @@ def test_engine_adakv_heads_really_differ(gqa_llama, eager):
     """Not vacuous: on this model AdaKV gives the two KV heads of some layer different budgets."""
     got = engine_keeps(gqa_llama, eager["ids"], get("adakv", window=W), 0.5)
     assert any(len(layer[0]) != len(layer[1]) for layer in got), [[len(h) for h in layer] for layer in got]
+
+
+# --------------------------------------------------------------------------------------------------
+# Expected Attention's input: the pre-RoPE query statistics the engine collects
+# --------------------------------------------------------------------------------------------------
+
+
+def model_pre_rope_queries(model, ids) -> list[np.ndarray]:
+    """(hq, n, d) queries before RoPE per layer, from the model's own modules (after q_norm where it has one)."""
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+        queries = []
+        for i, block in enumerate(model.model.layers):
+            attention = block.self_attn
+            q = attention.q_proj(block.input_layernorm(out.hidden_states[i]))
+            q = q.view(*q.shape[:2], -1, attention.head_dim)
+            if hasattr(attention, "q_norm"):
+                q = attention.q_norm(q)
+            queries.append(np64(q[0].transpose(0, 1)))
+    return queries
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_query_stats_are_the_moments_of_the_model_queries(arch):
+    """Mean and population covariance of the queries at positions >= sink, per head, as the model
+    computes them before RoPE (Qwen3 and Gemma3: after their q_norm); in decode mode (chunks of 16, the cache
+    pruned between them) too, on the first layer, whose queries do not depend on the pruning."""
+    from conftest import tiny_model
+
+    model = tiny_model(arch)
+    ids = torch.randint(1, 128, (1, 90), generator=torch.Generator().manual_seed(2))
+    reference = model_pre_rope_queries(model, ids)
+    for mode, options in [("prefill", {}), ("decode", dict(chunk_size=16))]:
+        with torch.no_grad(), kvsieve.attach(model, get("expected_attention", window=8), kept=60, mode=mode,
+                                             **options) as session:
+            model(input_ids=ids, use_cache=True)
+        layers = sieve_layers(session.cache)
+        assert layers and all(layer.query_stats.total == 90 for _, layer in layers)
+        for idx, layer in layers:
+            if mode == "decode" and idx > 0:  # later layers read a pruned cache: other queries than one prefill
+                continue
+            for skip in (0, 4, 64):
+                mean, cov = layer.query_stats.moments(skip)
+                q = reference[idx][:, skip:]
+                expected_mean = q.mean(axis=1)
+                expected_cov = np.stack([(x - m).T @ (x - m) / len(x) for x, m in zip(q, expected_mean)])
+                np.testing.assert_allclose(np64(mean[0]), expected_mean, atol=1e-4, rtol=1e-4)
+                np.testing.assert_allclose(np64(cov[0]), expected_cov, atol=1e-4, rtol=1e-4)
+            inv_freq, scaling = layer.rope
+            rotary = model.model.rotary_emb
+            assert torch.equal(inv_freq, getattr(rotary, "inv_freq", None) if hasattr(rotary, "inv_freq")
+                               else rotary.full_attention_inv_freq)
+
+
+def test_query_stats_hooks_are_removed_even_on_error(llama, prompt_ids):
+    def hooks():
+        return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in llama.modules())
+
+    before = hooks()
+    with pytest.raises(RuntimeError, match="boom"):
+        with kvsieve.attach(llama, get("expected_attention", window=16), ratio=0.5):
+            assert hooks() > before
+            llama(input_ids=prompt_ids, use_cache=True)
+            raise RuntimeError("boom")
+    assert hooks() == before
+    assert not any("_kvsieve_query_layer" in m.__dict__ for m in llama.modules())
+    with kvsieve.attach(llama, get("snapkv", window=16), ratio=0.5) as session:  # not asked: none collected
+        assert hooks() == before
+        llama(input_ids=prompt_ids, use_cache=True)
+    assert all(layer.query_stats is None for _, layer in sieve_layers(session.cache))
+
+
+def test_query_stats_pieces_add_up_and_rows_select():
+    """Statistics fed in pieces (across the first positions kept one by one) equal one pass; batch rows select."""
+    g = torch.Generator().manual_seed(0)
+    queries = torch.randn(3, 2, 150, 4, generator=g) * 3 + 10  # an offset mean: no cancellation allowed
+    whole = QueryStats.from_queries(queries)
+    pieces = QueryStats.from_queries(queries[:, :, :7])
+    for start, stop in [(7, 60), (60, 61), (61, 150)]:
+        pieces = pieces.add(queries[:, :, start:stop], start)
+    for skip in (0, 4, 64):
+        q = queries[:, :, skip:].double()
+        mean = q.mean(dim=2)
+        cov = (q - mean[:, :, None]).transpose(-1, -2) @ (q - mean[:, :, None]) / q.shape[2]
+        for stats in (whole, pieces):
+            got_mean, got_cov = stats.moments(skip)
+            torch.testing.assert_close(got_mean.double(), mean, atol=1e-4, rtol=1e-5)
+            torch.testing.assert_close(got_cov.double(), cov, atol=1e-3, rtol=1e-4)
+    row = whole[torch.tensor([1])].moments(4)
+    torch.testing.assert_close(row[0], whole.moments(4)[0][1:2])
+    with pytest.raises(ValueError, match="start at position"):
+        whole.add(queries[:, :, :1], 10)
