@@ -158,27 +158,30 @@ def kvzip_attention(module, query, key, value, attention_mask, dropout: float = 
 
 
 def _record_max_attention(state: _State, best: torch.Tensor, query, key, scaling: float) -> None:
+    """Running max into ``best`` (b, h, n) of the float32 softmax weights, one block of queries at a time."""
     b, hq, q_len, d = query.shape
     h, k_len = key.shape[1], key.shape[2]
     groups, n = hq // h, state.cached
     if k_len != n + q_len:
         raise RuntimeError(f"reconstruction expected {n} cached + {q_len} new keys, got {k_len}")
-    grouped = (query * scaling).reshape(b, h, groups, q_len, d)
     if state.normalization == "full":
         keys, prefix, lo, hi = key, n, 0, n
     else:  # header + the repeated chunk + the reconstruction tokens
         keys = torch.cat([key[:, :, : state.header], key[:, :, state.start : state.end], key[:, :, n:]], dim=2)
         prefix, lo, hi = state.header + state.end - state.start, state.header, state.header + state.end - state.start
+    keys = keys.float().transpose(-1, -2)  # (b, h, d, keys): float32 logits, no bf16 rounding of the scores
+    grouped = query.reshape(b, h, groups, q_len, d)  # the query heads sharing a KV head, side by side
     target = best if state.normalization == "full" else best[..., state.start : state.end]
     for start in range(0, q_len, QUERY_BLOCK):
         stop = min(q_len, start + QUERY_BLOCK)
         visible = prefix + stop  # later reconstruction tokens are in every query's future
-        logits = torch.matmul(grouped[:, :, :, start:stop], keys[:, :, None, :visible].transpose(-1, -2)).float()
+        block = grouped[:, :, :, start:stop].float().mul_(scaling).reshape(b, h, groups * (stop - start), d)
+        logits = torch.matmul(block, keys[..., :visible])  # (b, h, g * block, visible)
         at = torch.arange(stop, device=query.device)
-        future = at[None, :] > at[start:, None]  # reconstruction key after the query
-        logits[..., prefix:visible].masked_fill_(future, float("-inf"))
-        weights = torch.softmax(logits, dim=-1)[..., lo:hi]  # (b, h, g, block, entries scored)
-        target.copy_(torch.maximum(target, weights.amax(dim=(2, 3))))
+        future = at[None, :] > at[start:, None]  # a reconstruction key after the query
+        logits.view(b, h, groups, stop - start, visible)[..., prefix:].masked_fill_(future, float("-inf"))
+        weights = torch.softmax(logits, dim=-1)[..., lo:hi]
+        target.copy_(torch.maximum(target, weights.amax(dim=2)))
 
 
 AttentionInterface.register(ATTENTION_NAME, kvzip_attention)
