@@ -1,8 +1,23 @@
-"""Engine speed and memory: prefill overhead of each policy, cache bytes kept, decode tokens/s.
+"""Engine speed and memory: prefill speed per dtype, prefill overhead of each policy, cache bytes kept, decode tokens/s.
 
 Run: python benchmarks/engine_speed.py --model qwen2.5-0.5b --length 4096
-Prints a Markdown table (used in the README). Timings are medians over --repeats runs after one
-warm-up; "compress ms" is the time spent scoring, selecting and gathering (measured inside the
+     python benchmarks/engine_speed.py --model qwen2.5-0.5b --prefill-only     # the prefill table alone
+Prints Markdown tables (used in the README). Timings are medians over --repeats runs after one
+warm-up.
+
+Prefill table: the prompt's forward under ``kvsieve.attach(model, full, ratio=0.0)`` at each of
+--prefill-lengths, for each of --dtypes, once with the attention kvsieve uses (blocked matrix
+products for bf16 on the CPU, torch's sdpa kernel otherwise; see kvsieve.engine.attention) and once
+with the other one, with the achieved rate against the machine's matmul rate (a 4096 x 4096 square
+matmul in that dtype, same threads). FLOPs of a prefill of n tokens:
+
+    2 * P * n  +  L * 4 * (n^2 / 2) * H * d
+
+P: weights of the decoder's linear layers (the embedding lookup is no product, and the LM head runs
+on the last token only), L layers, H query heads of dimension d; the attention term counts QK^T and
+PV over the causal half. Norms, rotary embedding, activations and the softmax are not counted.
+
+Policy table: "compress ms" is the time spent scoring, selecting and gathering (measured inside the
 engine), "overhead" compares the whole prefill under the policy with the plain model's prefill.
 """
 
@@ -16,8 +31,9 @@ import time
 import torch
 
 import kvsieve
+import kvsieve.engine.attention
 import kvsieve.engine.cache
-from kvsieve.models import load
+from kvsieve.models import auto_dtype, cpu_flags, load, resolve_dtype
 from kvsieve.tasks.haystack import prose
 
 
@@ -40,6 +56,76 @@ def timed(fn, repeats: int) -> tuple[float, object]:
     return statistics.median(times), result
 
 
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def matmul_rate(dtype: torch.dtype, size: int = 4096, repeats: int = 3) -> float:
+    """GFLOP/s of a (size x size) @ (size x size) product in ``dtype``, best of ``repeats``."""
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    torch.matmul(a, b)
+    best = min(_seconds(lambda: torch.matmul(a, b)) for _ in range(repeats))
+    return 2 * size**3 / best / 1e9
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def prefill_flops(model, tokens: int) -> float:
+    """2 * P * n + L * 4 * (n^2 / 2) * H * d (see the module docstring)."""
+    head = model.get_output_embeddings()
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head)
+    config = model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * linear * tokens + config.num_hidden_layers * 4 * (tokens**2 / 2) * heads * head_dim
+
+
+@torch.no_grad()
+def prefill_table(model_name: str, dtypes: list[str], lengths: list[int], repeats: int) -> None:
+    blocked = kvsieve.engine.attention.BLOCKED_PREFILL_DTYPES
+    default = set(blocked)
+    flags = cpu_flags()
+    chosen, reason = auto_dtype()
+    print(f"# CPU flags: avx512_bf16 {'yes' if 'avx512_bf16' in flags else 'no'}, "
+          f"amx_bf16 {'yes' if 'amx_bf16' in flags else 'no'}; dtype auto picks {str(chosen)[6:]} ({reason})")
+    print("\n| dtype | tokens | path | prefill s | GFLOP | GFLOP/s | of matmul rate | other path s | other path |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in dtypes:
+        dtype = resolve_dtype(name)
+        rate = matmul_rate(dtype)
+        model, tokenizer = load(model_name, dtype=dtype)
+        for length in lengths:
+            ids = context_ids(tokenizer, length)
+            flops = prefill_flops(model, length)
+
+            def run(model=model, ids=ids):
+                with kvsieve.attach(model, kvsieve.policies.get("full"), ratio=0.0):
+                    model(input_ids=ids, use_cache=True, logits_to_keep=1)
+
+            paths = {}
+            for use_blocked in (dtype in default, dtype not in default):
+                blocked.clear()
+                blocked.update({dtype} if use_blocked else set())
+                paths["blocked" if use_blocked else "sdpa kernel"] = timed(run, repeats)[0]
+            blocked.clear()
+            blocked.update(default)
+            (path, seconds), (other, other_seconds) = paths.items()
+            print(f"| {str(dtype)[6:]} | {length} | {path} | {seconds:.3f} | {flops / 1e9:.0f} | "
+                  f"{flops / seconds / 1e9:.0f} | {100 * flops / seconds / 1e9 / rate:.0f}% of {rate:.0f} | "
+                  f"{other_seconds:.3f} | {other} |", flush=True)
+        del model
+
+
 @torch.no_grad()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -49,12 +135,21 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=0.5, help="compression ratio for the prefill rows")
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--policies", default=",".join(kvsieve.policies.names()))
+    parser.add_argument("--dtype", default="auto", help="dtype of the policy and decode tables")
+    parser.add_argument("--prefill-lengths", default="1024,2048,4096", help="prefill table lengths ('' skips it)")
+    parser.add_argument("--dtypes", default="bfloat16,float32", help="prefill table dtypes")
+    parser.add_argument("--prefill-only", action="store_true", help="only the prefill table")
     args = parser.parse_args()
 
-    model, tokenizer = load(args.model)
+    print(f"# {args.model}, {torch.get_num_threads()} threads, {_cpu_name()}")
+    lengths = [int(x) for x in args.prefill_lengths.split(",") if x.strip()]
+    if lengths:
+        prefill_table(args.model, args.dtypes.split(","), lengths, args.repeats)
+    if args.prefill_only:
+        return
+    model, tokenizer = load(args.model, dtype=args.dtype)
     ids = context_ids(tokenizer, args.length)
-    machine = platform.processor() or platform.machine()
-    print(f"# {args.model}, {args.length} tokens, {torch.get_num_threads()} threads, {machine}")
+    print(f"\n# {args.model}, {args.length} tokens, {model.dtype}")
     plain, _ = timed(lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1), args.repeats)
     print(f"plain prefill: {plain:.3f} s\n")
     print("| policy | prefill s | overhead | compress ms | compress / prefill | cache MiB kept (of full) |")
