@@ -57,32 +57,30 @@ def blocked_causal_attention(query, key, value, scaling: float | None = None, va
     b, hq, q_len, d = query.shape
     h, k_len = key.shape[1], key.shape[2]
     groups = hq // h
-    scaled = query * (scaling if scaling is not None else d**-0.5)
     width = d + 16  # the shift column and 15 zero columns (keeps a head dim of 64 or 128 a multiple of 16)
-    grouped = query.new_zeros(b, h, groups, q_len, width)
-    grouped[..., :d] = scaled.reshape(b, h, groups, q_len, d)
-    shift = torch.matmul(grouped[..., :d].float(), key[:, :, None, :1].float().transpose(-1, -2))
-    grouped[..., d:d + 1] = -shift
+    grouped = query.new_zeros(b, h, q_len, groups, width)  # query-major: a block of queries is one matrix
+    scaled = query * (scaling if scaling is not None else d**-0.5)
+    grouped[..., :d] = scaled.view(b, h, groups, q_len, d).transpose(2, 3)
+    grouped[..., d:d + 1] = -torch.matmul(grouped[..., :d].float(), key[:, :, None, :1].float().transpose(-1, -2))
     keys = key.new_zeros(b, h, k_len, width)
     keys[..., :d] = key
     keys[..., d] = 1
     keys_t = keys.transpose(-1, -2)
     hidden = ~valid[:, :, None, None, :] if valid is not None else None
-    future = torch.ones(block, block, dtype=torch.bool, device=query.device).triu_(1)
-    dv = value.shape[-1]
-    out = query.new_empty(b, q_len, h, groups, dv)
+    future = torch.ones(block, block, dtype=torch.bool, device=query.device).triu_(1)[:, None, :]
+    blocks = []
     for start in range(0, q_len, block):
         stop = min(q_len, start + block)
         rows, visible = stop - start, k_len - q_len + stop  # keys after `visible` are in every query's future
-        logits = torch.matmul(grouped[:, :, :, start:stop].reshape(b, h, groups * rows, width), keys_t[..., :visible])
-        logits = logits.view(b, h, groups, rows, visible)
-        logits[..., visible - rows:].masked_fill_(future[:rows, :rows], float("-inf"))
+        logits = torch.matmul(grouped[:, :, start:stop].view(b, h, rows * groups, width), keys_t[..., :visible])
+        logits = logits.view(b, h, rows, groups, visible)
+        logits[..., visible - rows:].masked_fill_(future[:rows, :, :rows], float("-inf"))
         if hidden is not None:
             logits.masked_fill_(hidden[..., :visible], float("-inf"))
-        probs = torch.softmax(logits, dim=-1).view(b, h, groups * rows, visible)
-        block_out = torch.matmul(probs, value[:, :, :visible]).view(b, h, groups, rows, dv)
-        out[:, start:stop] = block_out.permute(0, 3, 1, 2, 4)
-    return out.view(b, q_len, hq, dv)
+        probs = torch.softmax(logits, dim=-1).view(b, h, rows * groups, visible)
+        blocks.append(torch.matmul(probs, value[:, :, :visible]))
+    out = torch.cat(blocks, dim=2).view(b, h, q_len, groups, value.shape[-1])
+    return out.transpose(1, 2).reshape(b, q_len, hq, value.shape[-1]).contiguous()
 
 
 def sieve_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
