@@ -148,3 +148,15 @@ def test_bf16_prefill_under_attach_matches_the_sdpa_kernel(arch, prompt_ids, mon
         reference = truth(input_ids=prompt_ids, use_cache=True).logits
     assert _rel(blocked, reference) < 1.5 * _rel(kernel, reference) + 1e-3
     assert (blocked.argmax(-1) == kernel.argmax(-1)).float().mean() > 0.95
+
+
+def test_environment_switch_turns_the_blocked_path_off():
+    import os
+    import subprocess
+    import sys
+
+    code = "import kvsieve.engine.attention as a; print(sorted(map(str, a.BLOCKED_PREFILL_DTYPES)))"
+    for value, expected in (("0", "[]"), ("1", "['torch.bfloat16']")):
+        env = dict(os.environ, KVSIEVE_BLOCKED_PREFILL=value)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == expected

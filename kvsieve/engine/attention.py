@@ -9,6 +9,8 @@ queries of each layer and, on request, the attention every entry receives.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -20,10 +22,15 @@ __all__ = ["ATTENTION_NAME", "sieve_attention", "bottom_right_causal_mask", "blo
 ATTENTION_NAME = "kvsieve_sdpa"
 _QUERY_BLOCK = 512  # queries per block when accumulating attention, bounds the (q, k) buffer
 # Dtypes whose multi-query forwards (prefill, chunks, questions) on the CPU go through
-# blocked_causal_attention instead of torch's CPU flash-attention kernel. In bf16 that kernel ran
-# at ~80-165 GFLOP/s against ~360 for the blocked products (2 threads, AVX512-BF16, 1k-8k tokens);
-# in float32 the kernel is as fast as matrix products, so float32 stays on it. Empty it to compare.
-BLOCKED_PREFILL_DTYPES: set[torch.dtype] = {torch.bfloat16}
+# blocked_causal_attention instead of torch's CPU flash-attention kernel. Causal attention at 1k-4k
+# tokens (Qwen2.5-0.5B's 14 query / 2 kv heads of 64), in GFLOP per CPU-second of one thread on the
+# AVX512-BF16 machine: bf16 kernel 57-76, blocked 129-157 (a bf16 matmul reaches ~400); float32
+# kernel 59-76, blocked 54-58, so float32 stays on the kernel. The blocked path runs ~4 small ops per
+# 64-query block: on a machine oversubscribed with other multi-threaded processes those suffer more
+# than the kernel's one big op (use fewer threads there, or start with KVSIEVE_BLOCKED_PREFILL=0).
+# Empty the set to compare.
+BLOCKED_PREFILL_DTYPES: set[torch.dtype] = set() if os.environ.get("KVSIEVE_BLOCKED_PREFILL") == "0" \
+    else {torch.bfloat16}
 _PREFILL_BLOCK = 64  # query rows per block: fastest of 32-256 at 1k-8k tokens; larger blocks leave the cache
 
 
