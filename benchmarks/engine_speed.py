@@ -139,7 +139,10 @@ def main() -> None:
     parser.add_argument("--prefill-lengths", default="1024,2048,4096", help="prefill table lengths ('' skips it)")
     parser.add_argument("--dtypes", default="bfloat16,float32", help="prefill table dtypes")
     parser.add_argument("--prefill-only", action="store_true", help="only the prefill table")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's, the machine's cores)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     print(f"# {args.model}, {torch.get_num_threads()} threads, {_cpu_name()}")
     lengths = [int(x) for x in args.prefill_lengths.split(",") if x.strip()]
