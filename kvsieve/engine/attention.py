@@ -69,10 +69,9 @@ def blocked_causal_attention(query, key, value, scaling: float | None = None, va
     scaled = query * (scaling if scaling is not None else d**-0.5)
     grouped[..., :d] = scaled.view(b, h, groups, q_len, d).transpose(2, 3)
     grouped[..., d:d + 1] = -torch.matmul(grouped[..., :d].float(), key[:, :, None, :1].float().transpose(-1, -2))
-    keys = key.new_zeros(b, h, k_len, width)
-    keys[..., :d] = key
-    keys[..., d] = 1
-    keys_t = keys.transpose(-1, -2)
+    keys_t = key.new_zeros(b, h, width, k_len)  # stored transposed: bmm copies a transposed view's slice slowly
+    keys_t[:, :, :d] = key.transpose(-1, -2)
+    keys_t[:, :, d] = 1
     hidden = ~valid[:, :, None, None, :] if valid is not None else None
     future = torch.ones(block, block, dtype=torch.bool, device=query.device).triu_(1)[:, None, :]
     blocks = []
