@@ -188,3 +188,25 @@ def test_data_file_uses_every_sample_unless_told(tmp_path, samples, expected):
     config = GridConfig(data=str(path), samples=samples)
     validate(config)
     assert len(list(load_samples(config, tokenizer=None))) == expected
+
+
+def test_a_decode_batch_drops_rows_of_caches_captured_with_query_statistics():
+    """The runner's capture keeps pre-RoPE query statistics (ExpectedAttention); a stacked decode batch must
+    still drop finished rows (it once indexed the one-row statistics with the batch's row numbers)."""
+    import torch
+    from conftest import tiny_model
+
+    import kvsieve
+    from kvsieve.harness.runner import _clone, _stack
+    from kvsieve.policies import FullCache
+
+    model = tiny_model("llama")
+    prompt = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(5))
+    capture = FullCache(window=8)
+    capture.needs_query_stats = True
+    with kvsieve.attach(model, capture, ratio=0.0):
+        full = model(input_ids=prompt, use_cache=True).cache
+        assert full.layers[0].query_stats is not None
+        batch = _stack([_clone(full), _clone(full), _clone(full)])
+        batch.batch_select_indices(torch.tensor([0, 2]))
+    assert all(layer.keys.shape[0] == 2 for layer in batch.layers)

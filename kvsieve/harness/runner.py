@@ -146,7 +146,7 @@ def _stack(caches: list[DynamicCache]) -> DynamicCache:
         layer.valid = torch.cat(valid)
         if bool(layer.valid.all()):
             layer.valid = None
-        layer.recent_queries = None  # no further compression happens on a decode batch
+        layer.recent_queries = layer.query_stats = None  # no further compression happens on a decode batch
         layer.attention_received, layer.track_attention = None, False
     return stacked
 
