@@ -2,14 +2,17 @@
 
 Run: python benchmarks/kvzip_cost.py --model smollm2-135m --length 2048 --repeats 3
 The context is generated prose cut to --length tokens inside the chat template (as the grid builds it).
-Prints medians over --repeats runs after one warm-up of: the plain model's prefill, the prefill under
-kvsieve.attach with kvzip (prefill + reconstruction + selection, both allocations), and the
-reconstruction alone on a captured cache for both normalisations.
+Prints medians over --repeats rounds after one warm-up round of: the plain model's prefill, the
+reconstruction alone on a captured cache (both normalisations), and the prefill under kvsieve.attach
+with kvzip (prefill + reconstruction + selection + gather, both allocations). The cases run interleaved
+within each round, and each is also given as a ratio to the plain prefill of its own round, which
+is steadier than absolute seconds on a shared machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import time
@@ -34,18 +37,11 @@ def context_text(tokenizer, length: int) -> str:
         sentences *= 2
 
 
-def timed(fn, repeats: int) -> tuple[list[float], object]:
-    fn()  # warm-up
-    times, result = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return times, result
-
-
-def show(times: list[float]) -> str:
-    return f"{statistics.median(times):.3f} s (runs: {', '.join(f'{t:.2f}' for t in times)})"
+def show(times: list[float], base: list[float]) -> str:
+    ratios = [t / b for t, b in zip(times, base)]
+    runs, each = ", ".join(f"{t:.1f}" for t in times), ", ".join(f"{r:.2f}" for r in ratios)
+    return (f"{statistics.median(times):.2f} s = {statistics.median(ratios):.2f}x the plain prefill "
+            f"(runs: {runs} s; same-round ratios {each})")
 
 
 @torch.no_grad()
@@ -62,32 +58,42 @@ def main() -> None:
     ids = prompt.context_ids
     rebuild = ReconstructionPrompt.from_tokenizer(tokenizer)
     print(f"# {args.model} ({model.dtype}), {ids.shape[1]} prompt tokens ({rebuild.header_length(ids)} template "
-          f"header), {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
-
-    plain, _ = timed(lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1), args.repeats)
-    print(f"plain prefill: {show(plain)}")
-    base = statistics.median(plain)
-
+          f"header), {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
+          f"load average {os.getloadavg()[0]:.1f}")
     with kvsieve.attach(model, FullCache(window=1), ratio=0.0):
         cache = model(input_ids=ids, use_cache=True, logits_to_keep=1).cache
-    for normalization in ("chunk", "full"):
-        times, rec = timed(lambda n=normalization: reconstruction_scores(model, cache, ids, rebuild,
-                                                                         normalization=n), args.repeats)
-        print(f"reconstruction alone ({normalization}): {show(times)} = {statistics.median(times) / base:.2f}x the "
-              f"plain prefill ({rec.chunks} chunks, {rec.tokens} tokens forwarded)")
 
-    for allocation in ("global", "uniform"):
+    def attached(allocation: str):
         policy = kvsieve.policies.get("kvzip", tokenizer=tokenizer, allocation=allocation)
+        with kvsieve.attach(model, policy, ratio=args.ratio) as session:
+            model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        return session.report
 
-        def run(policy=policy):
-            with kvsieve.attach(model, policy, ratio=args.ratio) as session:
-                model(input_ids=ids, use_cache=True, logits_to_keep=1)
-            return session.report
-
-        times, report = timed(run, args.repeats)
-        print(f"prefill + kvzip({allocation}) @ {args.ratio}: {show(times)} = {statistics.median(times) / base:.2f}x "
-              f"the plain prefill; inside it compression (reconstruction + selection + gather) {report.seconds:.3f} s; "
-              f"{report.summary()}")
+    runs = {
+        "plain prefill": lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1),
+        "reconstruction alone (chunk)": lambda: reconstruction_scores(model, cache, ids, rebuild),
+        "reconstruction alone (full)": lambda: reconstruction_scores(model, cache, ids, rebuild, normalization="full"),
+        f"prefill + kvzip @ {args.ratio} (global)": lambda: attached("global"),
+        f"prefill + kvzip @ {args.ratio} (uniform)": lambda: attached("uniform"),
+    }
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    results = {}
+    for round_ in range(args.repeats + 1):  # round 0 warms up; each round runs every case once, interleaved
+        for name, run in runs.items():
+            start = time.perf_counter()
+            results[name] = run()
+            if round_:
+                times[name].append(time.perf_counter() - start)
+    base = times["plain prefill"]
+    for name in runs:
+        print(f"{name}: {show(times[name], base)}")
+    rec = results["reconstruction alone (chunk)"]
+    print(f"reconstruction: {rec.chunks} chunks, {rec.tokens} tokens forwarded")
+    for name, report in results.items():
+        if "kvzip" in name:
+            print(f"{name}: compression {report.seconds:.2f} s in the engine (reconstruction + selection + gather); "
+                  f"{report.summary()}")
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ this policy's :class:`~kvsieve.selection.Selection`, like every other policy.
 
 Sinks: the paper keeps no attention sinks besides the system prompt, which its code leaves outside the
 eviction range. kvsieve keeps the chat template's header (system prompt and user-turn opener), inside
-the budget, and adds no other sinks.
+the budget, and adds no other sinks. Question-aware runs (``protected_tail``, not in the paper) keep the
+question on top of the budget and repeat only the context; the instruction then follows the question.
 
 Cost: the reconstruction forwards the n_c context tokens again plus ~20 instruction tokens per chunk,
 each attending over the whole cache and its own chunk, so about one more prefill with twice the keys
