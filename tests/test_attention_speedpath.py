@@ -160,3 +160,23 @@ def test_environment_switch_turns_the_blocked_path_off():
         env = dict(os.environ, KVSIEVE_BLOCKED_PREFILL=value)
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == expected
+
+
+def test_workers_give_the_serial_result_and_leave_the_thread_count(monkeypatch):
+    query, key, value = (t.bfloat16() for t in _inputs(q_len=200, k_len=230))
+    valid = _valid(1, 2, 230, 200)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        serial = blocked_causal_attention(query, key, value, valid=valid, block=32)
+    finally:
+        torch.set_num_threads(threads)
+    torch.set_num_threads(3)
+    try:
+        with torch.inference_mode():
+            threaded = blocked_causal_attention(query, key, value, valid=valid, block=32)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(serial, threaded)
+    assert attention._workers(3).submit(torch.get_num_threads).result() == 1

@@ -10,6 +10,8 @@ queries of each layer and, on request, the attention every entry receives.
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from transformers import AttentionInterface
@@ -24,11 +26,12 @@ _QUERY_BLOCK = 512  # queries per block when accumulating attention, bounds the 
 # Dtypes whose multi-query forwards (prefill, chunks, questions) on the CPU go through
 # blocked_causal_attention instead of torch's CPU flash-attention kernel. Causal attention at 1k-4k
 # tokens (Qwen2.5-0.5B's 14 query / 2 kv heads of 64), in GFLOP per CPU-second of one thread on the
-# AVX512-BF16 machine: bf16 kernel 57-76, blocked 129-157 (a bf16 matmul reaches ~400); float32
+# AVX512-BF16 machine: bf16 kernel 57-78, blocked 147-189 (a bf16 matmul reaches ~400); float32
 # kernel 59-76, blocked 54-58, so float32 stays on the kernel. The blocked path runs ~4 small ops per
-# 64-query block: on a machine oversubscribed with other multi-threaded processes those suffer more
-# than the kernel's one big op (use fewer threads there, or start with KVSIEVE_BLOCKED_PREFILL=0).
-# Empty the set to compare.
+# 64-query block; run with torch's threads, each op waits for every thread, and on a machine
+# oversubscribed by other processes those waits made it 2x slower than the kernel. So the blocks are
+# dealt out to single-threaded workers instead (one wait per layer). Empty the set to compare, or
+# start with KVSIEVE_BLOCKED_PREFILL=0.
 BLOCKED_PREFILL_DTYPES: set[torch.dtype] = set() if os.environ.get("KVSIEVE_BLOCKED_PREFILL") == "0" \
     else {torch.bfloat16}
 _PREFILL_BLOCK = 64  # query rows per block: fastest of 32-256 at 1k-8k tokens; larger blocks leave the cache
@@ -44,6 +47,27 @@ def bottom_right_causal_mask(q_len: int, k_len: int, device, sliding_window: int
     return allowed
 
 
+_pools: dict[tuple[int, int], ThreadPoolExecutor] = {}
+
+
+def _workers(count: int) -> ThreadPoolExecutor:
+    """A pool of ``count`` threads whose torch ops run single-threaded (one per pid: fork-safe)."""
+    key = (os.getpid(), count)
+    if key not in _pools:
+        def single_threaded():
+            torch.get_num_threads()  # torch's per-thread lazy init first, so it cannot undo the next line
+            torch.set_num_threads(1)
+
+        ready = threading.Barrier(count + 1)
+        pool = ThreadPoolExecutor(count, thread_name_prefix="kvsieve-attention", initializer=single_threaded)
+        for _ in range(count):
+            pool.submit(ready.wait)
+        ready.wait()  # every worker has started and set its thread count
+        torch.set_num_threads(count)  # the workers' set_num_threads also set the default of new threads
+        _pools[key] = pool
+    return _pools[key]
+
+
 def blocked_causal_attention(query, key, value, scaling: float | None = None, valid=None,
                              block: int = _PREFILL_BLOCK) -> torch.Tensor:
     """Causal attention of ``query`` over ``key``/``value`` by matrix products, as sdpa would compute it.
@@ -52,7 +76,8 @@ def blocked_causal_attention(query, key, value, scaling: float | None = None, va
     aligned bottom-right (every key before the last ``q`` is visible to all queries); ``valid``
     (b, h, k) bool hides entries per kv head (AdaKV). Returns (b, q, hq, d), the layout of
     ``sdpa_attention_forward``. Blocks of ``block`` queries multiply only the keys they can see;
-    the ``hq / h`` query heads of a kv head are stacked into one matrix (no repeated keys).
+    the ``hq / h`` query heads of a kv head are stacked into one matrix (no repeated keys). With
+    ``torch.get_num_threads()`` > 1 the blocks are dealt out to as many single-threaded workers.
 
     Numerics: the products accumulate in float32 but return the input dtype, so in bf16 each logit is
     rounded relative to its own size (Qwen2.5's first layers reach logits of several hundred). The
@@ -74,17 +99,32 @@ def blocked_causal_attention(query, key, value, scaling: float | None = None, va
     keys_t[:, :, d] = 1
     hidden = ~valid[:, :, None, None, :] if valid is not None else None
     future = torch.ones(block, block, dtype=torch.bool, device=query.device).triu_(1)[:, None, :]
-    blocks = []
-    for start in range(0, q_len, block):
-        stop = min(q_len, start + block)
-        rows, visible = stop - start, k_len - q_len + stop  # keys after `visible` are in every query's future
-        logits = torch.matmul(grouped[:, :, start:stop].view(b, h, rows * groups, width), keys_t[..., :visible])
-        logits = logits.view(b, h, rows, groups, visible)
-        logits[..., visible - rows:].masked_fill_(future[:rows, :, :rows], float("-inf"))
-        if hidden is not None:
-            logits.masked_fill_(hidden[..., :visible], float("-inf"))
-        probs = torch.softmax(logits, dim=-1).view(b, h, rows * groups, visible)
-        blocks.append(torch.matmul(probs, value[:, :, :visible]))
+    grad = torch.is_grad_enabled()
+
+    def run(starts: list[int]) -> list[torch.Tensor]:
+        outs = []
+        with torch.set_grad_enabled(grad):  # grad mode is per thread
+            for start in starts:
+                stop = min(q_len, start + block)
+                rows, visible = stop - start, k_len - q_len + stop  # later keys are in every query's future
+                logits = torch.matmul(grouped[:, :, start:stop].view(b, h, rows * groups, width), keys_t[..., :visible])
+                logits = logits.view(b, h, rows, groups, visible)
+                logits[..., visible - rows:].masked_fill_(future[:rows, :, :rows], float("-inf"))
+                if hidden is not None:
+                    logits.masked_fill_(hidden[..., :visible], float("-inf"))
+                probs = torch.softmax(logits, dim=-1).view(b, h, rows * groups, visible)
+                outs.append(torch.matmul(probs, value[:, :, :visible]))
+        return outs
+
+    starts = list(range(0, q_len, block))
+    count = min(torch.get_num_threads(), len(starts))
+    if count > 1 and threading.current_thread().name.startswith("kvsieve-attention"):
+        count = 1  # already inside a worker
+    if count > 1:  # worker i takes blocks i, i + count, ...: shares of nearly equal cost
+        shares = list(_workers(count).map(run, [starts[i::count] for i in range(count)]))
+        blocks = [shares[i % count][i // count] for i in range(len(starts))]
+    else:
+        blocks = run(starts)
     out = torch.cat(blocks, dim=2).view(b, h, q_len, groups, value.shape[-1])
     return out.transpose(1, 2).reshape(b, q_len, hq, value.shape[-1]).contiguous()
 
