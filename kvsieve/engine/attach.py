@@ -97,7 +97,7 @@ def attach(
         raise ValueError(f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if mode not in ("prefill", "decode"):
         raise ValueError(f"mode {mode!r} is not one of 'prefill', 'decode'")
-    if mode == "decode" and getattr(policy, "needs_reconstruction", False):  # KVzip
+    if mode == "decode" and policy.needs_reconstruction:  # KVzip
         raise ValueError(f"policy {policy.name!r} cannot evict in decode mode: its scores come from the model "
                          "repeating the whole context after the prefill, which decode-time eviction never holds")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
@@ -160,7 +160,7 @@ def _compressing_forward(model, forward, session: Session):
                     f"window {session.policy.window} is larger than the context ({q_len} tokens); use a smaller window"
                 )
             output = forward(*args, **kwargs)
-            if fresh and session.policy.compresses and getattr(session.policy, "needs_reconstruction", False):
+            if fresh and session.policy.compresses and session.policy.needs_reconstruction:
                 _compress_with_reconstruction(model, cache, input_ids, session)  # KVzip: one more forward
             elif fresh and session.policy.compresses:
                 compress_cache(cache, session.policy, session.budget, session.protected_tail, session.report)

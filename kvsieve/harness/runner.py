@@ -87,7 +87,7 @@ def _policy_for(cell: Cell, sample: Sample, prompt: Prompt, tokenizer) -> Policy
         important = list(range(header)) + prompt.token_positions(tokenizer, [tuple(s) for s in sample.spans])
         return kvsieve.policies.get("oracle", important_positions=important, **params)
     policy = from_spec(cell.policy)
-    if getattr(policy, "needs_reconstruction", False) and policy.tokenizer is None:  # KVzip prompts the model
+    if policy.needs_reconstruction and policy.tokenizer is None:  # KVzip prompts the model
         policy.tokenizer = tokenizer
     return policy
 
@@ -97,7 +97,7 @@ def _reconstructions(model, tokenizer, cache, ids, cells, policies, protected: i
     out = {}
     for cell in cells:
         policy = policies[cell]
-        if getattr(policy, "needs_reconstruction", False) and cell.ratio > 0:
+        if policy.needs_reconstruction and cell.ratio > 0:
             key = policy.reconstruction_key()
             if key not in out:
                 out[key] = reconstruction_scores(model, cache, ids, ReconstructionPrompt.from_tokenizer(tokenizer),
@@ -206,7 +206,7 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
             for cell in group:
                 start, policy, rebuilt_s = time.perf_counter(), policies[cell], 0.0
                 cache = _clone(full_cache)
-                if policy.compresses and cell.ratio > 0 and getattr(policy, "needs_reconstruction", False):
+                if policy.compresses and cell.ratio > 0 and policy.needs_reconstruction:
                     rec = rebuilt[policy.reconstruction_key()]
                     compress_with_reconstruction(model, cache, ids, policy, Budget(ratio=cell.ratio), protected,
                                                  reconstruction=rec)

@@ -28,6 +28,8 @@ class Policy:
         needs_query_stats: ask the engine to collect the pre-RoPE query statistics
             (``Signals.query_stats``: mean and covariance of every query, about one extra projection-sized
             matmul per layer and forward).
+        needs_reconstruction: scores come from a forward that makes the model repeat the context
+            (KVzip, :mod:`kvsieve.engine.reconstruct`); prefill mode only.
         compresses: ``False`` only for the full-cache policy.
         uses_window: reads the observation window (its queries or the protected recent tokens);
             ``False`` lets a context shorter than ``window`` be compressed.
@@ -36,6 +38,7 @@ class Policy:
     name: ClassVar[str] = "base"
     needs_accumulated_attention: ClassVar[bool] = False
     needs_query_stats: ClassVar[bool] = False
+    needs_reconstruction: ClassVar[bool] = False
     compresses: ClassVar[bool] = True
     uses_window: ClassVar[bool] = True
 
