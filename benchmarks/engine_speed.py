@@ -6,10 +6,12 @@ Prints Markdown tables (used in the README). Timings are medians over --repeats 
 warm-up.
 
 Prefill table: the prompt's forward under ``kvsieve.attach(model, full, ratio=0.0)`` at each of
---prefill-lengths, for each of --dtypes, once with the attention kvsieve uses (blocked matrix
-products for bf16 on the CPU, torch's sdpa kernel otherwise; see kvsieve.engine.attention) and once
-with the other one, with the achieved rate against the machine's matmul rate (a 4096 x 4096 square
-matmul in that dtype, same threads). FLOPs of a prefill of n tokens:
+--prefill-lengths, for each of --dtypes, once with the attention kvsieve takes (blocked matrix
+products for bf16 on the CPU where torch's threads do not spin-wait, torch's sdpa kernel otherwise;
+see kvsieve.engine.attention.use_blocked_prefill) and once with the other one, with the achieved
+rate against the machine's matmul rate (a 4096 x 4096 square matmul in that dtype, same threads).
+On a shared machine run it as ``OMP_WAIT_POLICY=PASSIVE python benchmarks/engine_speed.py ...``
+(see kvsieve.engine.attention). FLOPs of a prefill of n tokens:
 
     2 * P * n  +  L * 4 * (n^2 / 2) * H * d
 
@@ -24,6 +26,7 @@ engine), "overhead" compares the whole prefill under the policy with the plain m
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import time
@@ -92,18 +95,23 @@ def prefill_flops(model, tokens: int) -> float:
 
 @torch.no_grad()
 def prefill_table(model_name: str, dtypes: list[str], lengths: list[int], repeats: int) -> None:
-    blocked = kvsieve.engine.attention.BLOCKED_PREFILL_DTYPES
-    default = set(blocked)
+    attention = kvsieve.engine.attention
+    switch, dtypes_default = attention.BLOCKED_PREFILL, set(attention.BLOCKED_PREFILL_DTYPES)
     flags = cpu_flags()
     chosen, reason = auto_dtype()
     print(f"# CPU flags: avx512_bf16 {'yes' if 'avx512_bf16' in flags else 'no'}, "
           f"amx_bf16 {'yes' if 'amx_bf16' in flags else 'no'}; dtype auto picks {str(chosen)[6:]} ({reason})")
-    print("\n| dtype | tokens | path | prefill s | GFLOP | GFLOP/s | of matmul rate | other path s | other path |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    wait = os.environ.get("OMP_WAIT_POLICY", "unset (libgomp spins)")
+    print(f"# OMP_WAIT_POLICY {wait}, GOMP_SPINCOUNT {os.environ.get('GOMP_SPINCOUNT', 'unset')}; "
+          f"KVSIEVE_BLOCKED_PREFILL {switch}")
+    print("\n| dtype | tokens | path kvsieve takes | prefill s | GFLOP | GFLOP/s | of matmul rate | other path |"
+          " other path s | other GFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in dtypes:
         dtype = resolve_dtype(name)
         rate = matmul_rate(dtype)
         model, tokenizer = load(model_name, dtype=dtype)
+        taken = "blocked" if attention.use_blocked_prefill(dtype) else "sdpa kernel"
         for length in lengths:
             ids = context_ids(tokenizer, length)
             flops = prefill_flops(model, length)
@@ -112,17 +120,16 @@ def prefill_table(model_name: str, dtypes: list[str], lengths: list[int], repeat
                 with kvsieve.attach(model, kvsieve.policies.get("full"), ratio=0.0):
                     model(input_ids=ids, use_cache=True, logits_to_keep=1)
 
-            paths = {}
-            for use_blocked in (dtype in default, dtype not in default):
-                blocked.clear()
-                blocked.update({dtype} if use_blocked else set())
-                paths["blocked" if use_blocked else "sdpa kernel"] = timed(run, repeats)[0]
-            blocked.clear()
-            blocked.update(default)
-            (path, seconds), (other, other_seconds) = paths.items()
-            print(f"| {str(dtype)[6:]} | {length} | {path} | {seconds:.3f} | {flops / 1e9:.0f} | "
-                  f"{flops / seconds / 1e9:.0f} | {100 * flops / seconds / 1e9 / rate:.0f}% of {rate:.0f} | "
-                  f"{other_seconds:.3f} | {other} |", flush=True)
+            seconds = {}
+            for path in (taken, "sdpa kernel" if taken == "blocked" else "blocked"):
+                attention.BLOCKED_PREFILL = "1" if path == "blocked" else "0"
+                attention.BLOCKED_PREFILL_DTYPES = dtypes_default | {dtype}  # float32 too, to compare
+                seconds[path] = timed(run, repeats)[0]
+            attention.BLOCKED_PREFILL, attention.BLOCKED_PREFILL_DTYPES = switch, dtypes_default
+            (path, mine), (other, theirs) = seconds.items()
+            print(f"| {str(dtype)[6:]} | {length} | {path} | {mine:.3f} | {flops / 1e9:.0f} | "
+                  f"{flops / mine / 1e9:.0f} | {100 * flops / mine / 1e9 / rate:.0f}% of {rate:.0f} | {other} | "
+                  f"{theirs:.3f} | {flops / theirs / 1e9:.0f} |", flush=True)
         del model
 
 

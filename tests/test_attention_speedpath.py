@@ -111,6 +111,7 @@ def calls(monkeypatch):
         return blocked_causal_attention(*args, **kwargs)
 
     monkeypatch.setattr(attention, "blocked_causal_attention", counting)
+    monkeypatch.setattr(attention, "BLOCKED_PREFILL", "1")
     return seen
 
 
@@ -140,8 +141,9 @@ def test_bf16_prefill_under_attach_matches_the_sdpa_kernel(arch, prompt_ids, mon
         with kvsieve.attach(model, kvsieve.policies.get("full"), ratio=0.0):
             return model(input_ids=prompt_ids, use_cache=True).logits.float()
 
+    monkeypatch.setattr(attention, "BLOCKED_PREFILL", "1")
     blocked = run()
-    monkeypatch.setattr(attention, "BLOCKED_PREFILL_DTYPES", set())
+    monkeypatch.setattr(attention, "BLOCKED_PREFILL", "0")
     kernel = run()
     truth = model.float()
     with kvsieve.attach(truth, kvsieve.policies.get("full"), ratio=0.0):
@@ -150,15 +152,34 @@ def test_bf16_prefill_under_attach_matches_the_sdpa_kernel(arch, prompt_ids, mon
     assert (blocked.argmax(-1) == kernel.argmax(-1)).float().mean() > 0.95
 
 
-def test_environment_switch_turns_the_blocked_path_off():
+@pytest.mark.parametrize("switch,spins,threads,expected", [
+    ("auto", False, 2, True),  # OMP_WAIT_POLICY=PASSIVE: idle OpenMP threads sleep
+    ("auto", True, 2, False),  # libgomp's default spinning: the kernel
+    ("auto", True, 1, True),  # one thread: nothing spins
+    ("1", True, 2, True),
+    ("0", False, 1, False),
+])
+def test_auto_takes_the_blocked_path_where_threads_do_not_spin(monkeypatch, switch, spins, threads, expected):
+    monkeypatch.setattr(attention, "BLOCKED_PREFILL", switch)
+    monkeypatch.setattr(attention, "_OMP_SPINS", spins)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    assert attention.use_blocked_prefill(torch.bfloat16) == expected
+    assert not attention.use_blocked_prefill(torch.float32)
+
+
+def test_environment_sets_the_switch_and_the_wait_policy():
     import os
     import subprocess
     import sys
 
-    code = "import kvsieve.engine.attention as a; print(sorted(map(str, a.BLOCKED_PREFILL_DTYPES)))"
-    for value, expected in (("0", "[]"), ("1", "['torch.bfloat16']")):
-        env = dict(os.environ, KVSIEVE_BLOCKED_PREFILL=value)
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    code = "import kvsieve.engine.attention as a; print(a.BLOCKED_PREFILL, a._OMP_SPINS)"
+    cases = (({"KVSIEVE_BLOCKED_PREFILL": "0"}, "0 True"), ({"OMP_WAIT_POLICY": "PASSIVE"}, "auto False"),
+             ({"GOMP_SPINCOUNT": "0"}, "auto False"), ({}, "auto True"))
+    for extra, expected in cases:
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("KVSIEVE_BLOCKED_PREFILL", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+        out = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
+                             check=True)
         assert out.stdout.strip() == expected
 
 

@@ -19,21 +19,36 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvsieve.engine.cache import SieveLayer
 
-__all__ = ["ATTENTION_NAME", "sieve_attention", "bottom_right_causal_mask", "blocked_causal_attention"]
+__all__ = ["ATTENTION_NAME", "sieve_attention", "bottom_right_causal_mask", "blocked_causal_attention",
+           "use_blocked_prefill"]
 
 ATTENTION_NAME = "kvsieve_sdpa"
 _QUERY_BLOCK = 512  # queries per block when accumulating attention, bounds the (q, k) buffer
-# Dtypes whose multi-query forwards (prefill, chunks, questions) on the CPU go through
+# Multi-query forwards (prefill, chunks, questions) on the CPU in these dtypes may go through
 # blocked_causal_attention instead of torch's CPU flash-attention kernel. Causal attention at 1k-4k
 # tokens (Qwen2.5-0.5B's 14 query / 2 kv heads of 64), in GFLOP per CPU-second of one thread on the
 # AVX512-BF16 machine: bf16 kernel 57-78, blocked 147-189 (a bf16 matmul reaches ~400); float32
-# kernel 59-76, blocked 54-58, so float32 stays on the kernel. The blocked path runs ~4 small ops per
-# 64-query block; run with torch's threads, each op waits for every thread, and on a machine
-# oversubscribed by other processes those waits made it 2x slower than the kernel. So the blocks are
-# dealt out to single-threaded workers instead (one wait per layer). Empty the set to compare, or
-# start with KVSIEVE_BLOCKED_PREFILL=0.
-BLOCKED_PREFILL_DTYPES: set[torch.dtype] = set() if os.environ.get("KVSIEVE_BLOCKED_PREFILL") == "0" \
-    else {torch.bfloat16}
+# kernel 59-76, blocked 54-58, so float32 stays on the kernel.
+BLOCKED_PREFILL_DTYPES: set[torch.dtype] = {torch.bfloat16}
+# "1": always blocked, "0": never, "auto": blocked where torch's threads do not spin-wait. The blocked
+# path runs ~4 small ops per 64-query block (dealt out to single-threaded workers, one wait per
+# layer). With libgomp's default active waiting (torch's Linux wheels), idle OpenMP threads spin
+# after every op; on the shared 2-core KVM machine with other processes running, that spinning cost
+# the blocked path 2x at 4k tokens (810 ms per layer vs 410 for the kernel), while with
+# OMP_WAIT_POLICY=PASSIVE (or GOMP_SPINCOUNT=0) it took 190 ms and the 4k prefill fell from 19.4-20.7 s
+# to 13.3-13.7 s. One thread has no idle OpenMP threads, so "auto" takes the blocked path there too.
+BLOCKED_PREFILL = os.environ.get("KVSIEVE_BLOCKED_PREFILL", "auto")
+_OMP_SPINS = not (os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
+                  or os.environ.get("GOMP_SPINCOUNT", "").strip() == "0")  # libgomp reads them at start-up
+
+
+def use_blocked_prefill(dtype: torch.dtype) -> bool:
+    """Whether a multi-query forward in ``dtype`` on the CPU takes :func:`blocked_causal_attention`."""
+    if BLOCKED_PREFILL == "0" or dtype not in BLOCKED_PREFILL_DTYPES:
+        return False
+    return BLOCKED_PREFILL == "1" or not _OMP_SPINS or torch.get_num_threads() == 1
+
+
 _PREFILL_BLOCK = 64  # query rows per block: fastest of 32-256 at 1k-8k tokens; larger blocks leave the cache
 
 
@@ -149,7 +164,7 @@ def sieve_attention(module, query, key, value, attention_mask, dropout: float = 
             _accumulate_attention(layer, query, key, mask, layer.scaling)
         session.observe(k_len)
     kwargs.pop("is_causal", None)
-    if (q_len > 1 and query.dtype in BLOCKED_PREFILL_DTYPES and query.device.type == "cpu" and not needs_window_mask
+    if (q_len > 1 and query.device.type == "cpu" and use_blocked_prefill(query.dtype) and not needs_window_mask
             and getattr(module, "is_causal", True) and (dropout == 0.0 or not module.training)):
         return blocked_causal_attention(query, key, value, scaling, valid), None
     return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
