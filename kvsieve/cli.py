@@ -11,7 +11,7 @@ from pathlib import Path
 from kvsieve.harness.runner import GridConfig
 
 DEMO = GridConfig(
-    model="smollm2-135m",
+    model="smollm2-135m-instruct",
     tasks=["niah_single_1", "niah_single_2", "niah_multikey_1", "vt"],
     lengths=[2048],
     policies=["full", "streaming_llm", "knorm", "tova", "snapkv", "chunkkv"],
