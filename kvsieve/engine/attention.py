@@ -30,14 +30,18 @@ _QUERY_BLOCK = 512  # queries per block when accumulating attention, bounds the 
 # AVX512-BF16 machine: bf16 kernel 57-78, blocked 147-189 (a bf16 matmul reaches ~400); float32
 # kernel 59-76, blocked 54-58, so float32 stays on the kernel.
 BLOCKED_PREFILL_DTYPES: set[torch.dtype] = {torch.bfloat16}
-# "1": always blocked, "0": never, "auto": blocked where torch's threads do not spin-wait. The blocked
-# path runs ~4 small ops per 64-query block (dealt out to single-threaded workers, one wait per
-# layer). With libgomp's default active waiting (torch's Linux wheels), idle OpenMP threads spin
-# after every op; on the shared 2-core KVM machine with other processes running, that spinning cost
-# the blocked path 2x at 4k tokens (810 ms per layer vs 410 for the kernel), while with
-# OMP_WAIT_POLICY=PASSIVE (or GOMP_SPINCOUNT=0) it took 190 ms and the 4k prefill fell from 19.4-20.7 s
-# to 13.3-13.7 s. One thread has no idle OpenMP threads, so "auto" takes the blocked path there too.
-BLOCKED_PREFILL = os.environ.get("KVSIEVE_BLOCKED_PREFILL", "auto")
+# "1" (default): always blocked; "0": never; "auto": blocked only where torch's threads do not
+# spin-wait. The blocked path runs ~4 small ops per 64-query block, dealt out to single-threaded
+# workers (one wait per layer). Whole 4k-token bf16 prefills of Qwen2.5-0.5B, 2 threads: a quiet
+# machine, 10.2 s with the kernel, 7.2 s blocked (6.9 s with OMP_WAIT_POLICY=PASSIVE). But with
+# libgomp's default active waiting (torch's Linux wheels), idle OpenMP threads spin after every op,
+# and on the 2-core KVM machine shared with other busy processes that cost the blocked path 1.4-2x
+# against the kernel (810 ms per layer vs 410; a 4k prefill 32-33 s vs 22-25 s), while with
+# OMP_WAIT_POLICY=PASSIVE (or GOMP_SPINCOUNT=0) it took 190 ms and the prefill 13.3-13.7 s vs
+# 19.4-20.7 s. On a shared machine set OMP_WAIT_POLICY=PASSIVE (it helped the kernel path too), or
+# KVSIEVE_BLOCKED_PREFILL=auto. The path is chosen by dtype and these switches only, never by load,
+# so results do not depend on what else runs (the two paths round bf16 differently).
+BLOCKED_PREFILL = os.environ.get("KVSIEVE_BLOCKED_PREFILL", "1")
 _OMP_SPINS = not (os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
                   or os.environ.get("GOMP_SPINCOUNT", "").strip() == "0")  # libgomp reads them at start-up
 
@@ -46,7 +50,7 @@ def use_blocked_prefill(dtype: torch.dtype) -> bool:
     """Whether a multi-query forward in ``dtype`` on the CPU takes :func:`blocked_causal_attention`."""
     if BLOCKED_PREFILL == "0" or dtype not in BLOCKED_PREFILL_DTYPES:
         return False
-    return BLOCKED_PREFILL == "1" or not _OMP_SPINS or torch.get_num_threads() == 1
+    return BLOCKED_PREFILL != "auto" or not _OMP_SPINS or torch.get_num_threads() == 1
 
 
 _PREFILL_BLOCK = 64  # query rows per block: fastest of 32-256 at 1k-8k tokens; larger blocks leave the cache
