@@ -153,10 +153,10 @@ def test_bf16_prefill_under_attach_matches_the_sdpa_kernel(arch, prompt_ids, mon
 
 
 @pytest.mark.parametrize("switch,spins,threads,expected", [
-    ("auto", False, 2, True),  # OMP_WAIT_POLICY=PASSIVE: idle OpenMP threads sleep
+    ("auto", False, 2, True),  # the default with OMP_WAIT_POLICY=PASSIVE: idle OpenMP threads sleep
     ("auto", True, 2, False),  # libgomp's default spinning: the kernel
     ("auto", True, 1, True),  # one thread: nothing spins
-    ("1", True, 2, True),  # the default
+    ("1", True, 2, True),
     ("0", False, 1, False),
 ])
 def test_auto_takes_the_blocked_path_where_threads_do_not_spin(monkeypatch, switch, spins, threads, expected):
@@ -173,8 +173,8 @@ def test_environment_sets_the_switch_and_the_wait_policy():
     import sys
 
     code = "import kvsieve.engine.attention as a; print(a.BLOCKED_PREFILL, a._OMP_SPINS)"
-    cases = (({"KVSIEVE_BLOCKED_PREFILL": "0"}, "0 True"), ({"OMP_WAIT_POLICY": "PASSIVE"}, "1 False"),
-             ({"GOMP_SPINCOUNT": "0", "KVSIEVE_BLOCKED_PREFILL": "auto"}, "auto False"), ({}, "1 True"))
+    cases = (({"KVSIEVE_BLOCKED_PREFILL": "0"}, "0 True"), ({"OMP_WAIT_POLICY": "PASSIVE"}, "auto False"),
+             ({"GOMP_SPINCOUNT": "0"}, "auto False"), ({}, "auto True"))
     for extra, expected in cases:
         env = {k: v for k, v in os.environ.items()
                if k not in ("KVSIEVE_BLOCKED_PREFILL", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}

@@ -30,18 +30,19 @@ _QUERY_BLOCK = 512  # queries per block when accumulating attention, bounds the 
 # AVX512-BF16 machine: bf16 kernel 57-78, blocked 147-189 (a bf16 matmul reaches ~400); float32
 # kernel 59-76, blocked 54-58, so float32 stays on the kernel.
 BLOCKED_PREFILL_DTYPES: set[torch.dtype] = {torch.bfloat16}
-# "1" (default): always blocked; "0": never; "auto": blocked only where torch's threads do not
-# spin-wait. The blocked path runs ~4 small ops per 64-query block, dealt out to single-threaded
-# workers (one wait per layer). Whole 4k-token bf16 prefills of Qwen2.5-0.5B, 2 threads: a quiet
-# machine, 10.2 s with the kernel, 7.2 s blocked (6.9 s with OMP_WAIT_POLICY=PASSIVE). But with
-# libgomp's default active waiting (torch's Linux wheels), idle OpenMP threads spin after every op,
-# and on the 2-core KVM machine shared with other busy processes that cost the blocked path 1.4-2x
-# against the kernel (810 ms per layer vs 410; a 4k prefill 32-33 s vs 22-25 s), while with
-# OMP_WAIT_POLICY=PASSIVE (or GOMP_SPINCOUNT=0) it took 190 ms and the prefill 13.3-13.7 s vs
-# 19.4-20.7 s. On a shared machine set OMP_WAIT_POLICY=PASSIVE (it helped the kernel path too), or
-# KVSIEVE_BLOCKED_PREFILL=auto. The path is chosen by dtype and these switches only, never by load,
-# so results do not depend on what else runs (the two paths round bf16 differently).
-BLOCKED_PREFILL = os.environ.get("KVSIEVE_BLOCKED_PREFILL", "1")
+# "auto" (default): blocked where torch's threads do not spin-wait; "1": always; "0": never. The
+# blocked path runs ~4 small ops per 64-query block, dealt out to single-threaded workers (one wait
+# per layer). With libgomp's default active waiting (torch's Linux wheels), idle OpenMP threads spin
+# after every op; on the 2-core KVM machine shared with other busy processes that made the blocked
+# path 1.4-8x slower than the kernel (810 ms per layer vs 410 at 4k tokens; whole prefills 32-34 s vs
+# 22-26 s at 4k, 10.6 s vs 2.2 s at 1k), while with OMP_WAIT_POLICY=PASSIVE (or GOMP_SPINCOUNT=0) it
+# took 190 ms per layer and the 4k prefill 13.3-13.7 s vs 19.4-20.7 s. On the quiet machine, 4k bf16
+# prefill of Qwen2.5-0.5B with 2 threads: kernel 10.2 s either way, blocked 7.2 s (spinning) or 6.9 s
+# (PASSIVE). So: set OMP_WAIT_POLICY=PASSIVE (it never hurt the kernel path) and "auto" takes the
+# blocked path; one thread has no idle OpenMP threads, so "auto" takes it there too. The path depends
+# on dtype and these switches only, never on load, so results do not change with what else runs
+# (the two paths round bf16 differently).
+BLOCKED_PREFILL = os.environ.get("KVSIEVE_BLOCKED_PREFILL", "auto")
 _OMP_SPINS = not (os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
                   or os.environ.get("GOMP_SPINCOUNT", "").strip() == "0")  # libgomp reads them at start-up
 
