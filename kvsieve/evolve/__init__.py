@@ -1,0 +1,1 @@
+"""Policy discovery (CacheCraft-style program evolution): programs, sandbox, cascade evaluator, search loop."""

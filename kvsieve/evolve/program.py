@@ -1,0 +1,81 @@
+"""A candidate policy: one small Python source file against the compact interface (``features.py``).
+
+The file has exactly two parts, the editable block and the selection parameters::
+
+    \"\"\"What it does.\"\"\"
+    SELECTION = {"chunk_size": 1, "sink": 0}
+
+    def score(f):
+        return pool(group_mean(f.attn), 5)
+
+``score(f)`` maps a :class:`~kvsieve.evolve.features.Features` to (b, h, n) scores, higher kept
+first; ``SELECTION`` is a literal dict of the selection parameters a candidate may set (the
+observation window, always kept, is the engine's).
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+from dataclasses import dataclass
+from functools import cached_property
+
+from kvsieve.selection import Selection
+
+__all__ = ["Program", "ProgramError", "SELECTION_RANGES", "parse_selection"]
+
+# name -> (smallest, largest) allowed value
+SELECTION_RANGES = {"chunk_size": (1, 64), "sink": (0, 64)}
+
+
+class ProgramError(ValueError):
+    """A candidate that is not a well-formed program (the reason says what and where)."""
+
+
+def parse_selection(source: str) -> dict[str, int]:
+    """The ``SELECTION`` literal of a program, checked against ``SELECTION_RANGES``."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as err:
+        raise ProgramError(f"syntax error at line {err.lineno}: {err.msg}") from err
+    found = [node for node in tree.body if isinstance(node, ast.Assign)
+             and any(isinstance(t, ast.Name) and t.id == "SELECTION" for t in node.targets)]
+    if not found:
+        return {name: lo for name, (lo, _) in SELECTION_RANGES.items()}
+    try:
+        params = ast.literal_eval(found[-1].value)
+    except ValueError as err:
+        raise ProgramError(f"SELECTION must be a literal dict: {err}") from err
+    if not isinstance(params, dict):
+        raise ProgramError(f"SELECTION must be a dict, got {type(params).__name__}")
+    out = {name: lo for name, (lo, _) in SELECTION_RANGES.items()}
+    for key, value in params.items():
+        if key not in SELECTION_RANGES:
+            raise ProgramError(f"unknown SELECTION key {key!r}; allowed: {', '.join(SELECTION_RANGES)}")
+        lo, hi = SELECTION_RANGES[key]
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise ProgramError(f"SELECTION[{key!r}] = {value!r} is outside the allowed ints [{lo}, {hi}]")
+        out[key] = value
+    return out
+
+
+@dataclass(frozen=True)
+class Program:
+    source: str
+
+    @cached_property
+    def selection_params(self) -> dict[str, int]:
+        return parse_selection(self.source)
+
+    def selection(self, window: int) -> Selection:
+        params = self.selection_params
+        return Selection(sink=params["sink"], recent=window, chunk_size=params["chunk_size"])
+
+    @cached_property
+    def code_hash(self) -> str:
+        """Hash of the normalised syntax tree: formatting and comments do not make a new program."""
+        try:
+            normal = ast.dump(ast.parse(self.source))
+        except SyntaxError:
+            normal = self.source
+        return hashlib.sha256(normal.encode()).hexdigest()[:16]
