@@ -143,7 +143,7 @@ def test_ragged_caches_decode_in_one_batch_as_they_do_alone():
     import kvsieve
     from kvsieve.engine.compress import compress_cache
     from kvsieve.engine.generate import greedy_decode
-    from kvsieve.harness.runner import _clone, _stack
+    from kvsieve.harness.runner import clone_cache, stack_caches
     from kvsieve.policies import FullCache
     from kvsieve.selection import Budget
 
@@ -161,19 +161,19 @@ def test_ragged_caches_decode_in_one_batch_as_they_do_alone():
         full = model(input_ids=prompt, use_cache=True).cache
         pruned = []
         for name, ratio in points:
-            cache = _clone(full)
+            cache = clone_cache(full)
             compress_cache(cache, kvsieve.policies.get(name, window=16), Budget(ratio=ratio), 0)
             pruned.append(cache)
         lengths = {tuple(layer.keys.shape[-2] for layer in c.layers) for c in pruned}
         assert len(lengths) == 3  # really ragged
 
         def answer(caches):
-            batch = _stack(caches)
+            batch = stack_caches(caches)
             logits = model(input_ids=question.expand(len(caches), -1), cache=batch, use_cache=True).logits[:, -1]
             return greedy_decode(model, Ids(), batch, logits, 8)
 
-        alone = [answer([_clone(c)])[0] for c in pruned]
-        together = answer([_clone(c) for c in pruned])
+        alone = [answer([clone_cache(c)])[0] for c in pruned]
+        together = answer([clone_cache(c) for c in pruned])
     assert together == alone
 
 
@@ -197,7 +197,7 @@ def test_a_decode_batch_drops_rows_of_caches_captured_with_query_statistics():
     from conftest import tiny_model
 
     import kvsieve
-    from kvsieve.harness.runner import _clone, _stack
+    from kvsieve.harness.runner import clone_cache, stack_caches
     from kvsieve.policies import FullCache
 
     model = tiny_model("llama")
@@ -207,6 +207,6 @@ def test_a_decode_batch_drops_rows_of_caches_captured_with_query_statistics():
     with kvsieve.attach(model, capture, ratio=0.0):
         full = model(input_ids=prompt, use_cache=True).cache
         assert full.layers[0].query_stats is not None
-        batch = _stack([_clone(full), _clone(full), _clone(full)])
+        batch = stack_caches([clone_cache(full), clone_cache(full), clone_cache(full)])
         batch.batch_select_indices(torch.tensor([0, 2]))
     assert all(layer.keys.shape[0] == 2 for layer in batch.layers)

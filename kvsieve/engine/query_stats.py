@@ -36,7 +36,7 @@ class QueryStats:
     """Running statistics of one layer's pre-RoPE queries, per batch row and query head (float32).
 
     Immutable: :meth:`add` returns a new object, so a shallow copy of a cache (the grid runner's
-    ``_clone``) never sees the queries another copy reads later.
+    ``clone_cache``) never sees the queries another copy reads later.
 
     Attributes:
         early: (b, hq, e, d) queries of positions ``0 .. e-1``, ``e <= EARLY_POSITIONS``.

@@ -157,6 +157,11 @@ def normalize(x: torch.Tensor) -> torch.Tensor:
     return x / x.amax(dim=-1, keepdim=True).clamp_min(1e-12)
 
 
+def unit_mean(x: torch.Tensor) -> torch.Tensor:
+    """``x`` divided by its mean along the last dim (signals on different scales can be added)."""
+    return x / x.mean(dim=-1, keepdim=True).clamp_min(1e-12)
+
+
 def rank(x: torch.Tensor) -> torch.Tensor:
     """Rank of each entry along the last dim scaled to [0, 1] (ties broken by position)."""
     order = torch.argsort(torch.argsort(x, dim=-1, stable=True), dim=-1, stable=True)
@@ -179,8 +184,8 @@ def _odd_kernel(k) -> int:
     return k if k % 2 else k + 1
 
 
-HELPERS = {"pool": pool, "max_pool": max_pool, "normalize": normalize, "rank": rank, "group_max": group_max,
-           "group_mean": group_mean}
+HELPERS = {"pool": pool, "max_pool": max_pool, "normalize": normalize, "unit_mean": unit_mean, "rank": rank,
+           "group_max": group_max, "group_mean": group_mean}
 
 # Pure tensor maths only: nothing that reads or writes files, allocates by a user-given size, or
 # reaches the interpreter.

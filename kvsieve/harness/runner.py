@@ -32,7 +32,7 @@ from kvsieve.selection import Budget
 from kvsieve.tasks.metrics import score as metric_score
 from kvsieve.tasks.sample import Sample
 
-__all__ = ["Cell", "GridConfig", "evaluate_sample", "cells_for", "run_grid"]
+__all__ = ["Cell", "GridConfig", "evaluate_sample", "cells_for", "run_grid", "clone_cache", "stack_caches"]
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def _reconstructions(model, tokenizer, cache, ids, cells, policies, protected: i
     return out
 
 
-def _clone(cache: DynamicCache) -> DynamicCache:
+def clone_cache(cache: DynamicCache) -> DynamicCache:
     """A cache that can be pruned or extended without touching ``cache``.
 
     Pruning and appending make new tensors, so the layers' tensors are shared; only the attention
@@ -119,14 +119,14 @@ def _clone(cache: DynamicCache) -> DynamicCache:
     return clone
 
 
-def _stack(caches: list[DynamicCache]) -> DynamicCache:
+def stack_caches(caches: list[DynamicCache]) -> DynamicCache:
     """Concatenate pruned caches along the batch dimension.
 
     Rows whose layers hold different numbers of entries (PyramidKV's per-layer budgets, AdaKV's
     per-head ones) are padded at the end to the longest row; the padding is marked invalid, so the
     attention mask hides it and every row decodes as it would alone.
     """
-    stacked = _clone(caches[0])
+    stacked = clone_cache(caches[0])
     for i, layer in enumerate(stacked.layers):
         parts = [c.layers[i] for c in caches]
         if getattr(layer, "positions", None) is None:
@@ -194,7 +194,7 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
                 # Prefilling context + question equals prefilling the context, then the question on the
                 # full cache: the question's queries join the window and the accumulated attention.
                 start = time.perf_counter()
-                full_cache = _clone(context_cache)
+                full_cache = clone_cache(context_cache)
                 out = model(input_ids=prompt.question_ids, cache=full_cache, use_cache=True, logits_to_keep=1)
                 first_logits, protected = out.logits[:, -1], prompt.question_ids.shape[1]
                 prefill_s += time.perf_counter() - start
@@ -205,7 +205,7 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
             batches: dict[float, list] = defaultdict(list)  # one batch per ratio: kept lengths are close
             for cell in group:
                 start, policy, rebuilt_s = time.perf_counter(), policies[cell], 0.0
-                cache = _clone(full_cache)
+                cache = clone_cache(full_cache)
                 if policy.compresses and cell.ratio > 0 and policy.needs_reconstruction:
                     rec = rebuilt[policy.reconstruction_key()]
                     compress_with_reconstruction(model, cache, ids, policy, Budget(ratio=cell.ratio), protected,
@@ -218,7 +218,7 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
                 batches[cell.ratio].append((cell, cache, seconds, kept, cache_bytes(cache)))
             for items in batches.values():
                 start = time.perf_counter()
-                caches = [_stack([item[1]]) for item in items]  # drops attention tracking for decoding
+                caches = [stack_caches([item[1]]) for item in items]  # drops attention tracking for decoding
                 if question_aware:
                     logits = first_logits.expand(len(items), -1)
                 else:
@@ -228,7 +228,7 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
                         model(input_ids=prompt.question_ids, cache=c, use_cache=True, logits_to_keep=1).logits[:, -1]
                         for c in caches
                     ])
-                batch = _stack(caches)
+                batch = stack_caches(caches)
                 tokens = greedy_decode(model, tokenizer, batch, logits, sample.max_new_tokens, stop)
                 decode_s = (time.perf_counter() - start) / len(items)
                 for (cell, _, compress_s, kept, kept_bytes), row in zip(items, tokens):

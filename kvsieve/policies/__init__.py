@@ -6,11 +6,13 @@ from kvsieve.policies.adakv import AdaKV
 from kvsieve.policies.base import Policy
 from kvsieve.policies.chunkkv import ChunkKV
 from kvsieve.policies.expected_attention import ExpectedAttention
+from kvsieve.policies.frc import FRC
 from kvsieve.policies.full import FullCache
 from kvsieve.policies.h2o import H2O
 from kvsieve.policies.knorm import KNorm
 from kvsieve.policies.kvzip import KVzip
 from kvsieve.policies.oracle import Oracle
+from kvsieve.policies.program import ProgramPolicy
 from kvsieve.policies.pyramidkv import PyramidKV
 from kvsieve.policies.random import RandomPolicy
 from kvsieve.policies.snapkv import SnapKV
@@ -34,14 +36,17 @@ def register(cls: type[Policy]) -> type[Policy]:
 
 
 for _cls in (FullCache, RandomPolicy, StreamingLLM, KNorm, SnapKV, TOVA, H2O, ExpectedAttention, PyramidKV, AdaKV,
-             ChunkKV, Oracle):
+             ChunkKV, FRC, Oracle):
     register(_cls)
 register(KVzip)  # scores from a reconstruction forward: the engine and the runner compute them
+register(ProgramPolicy)  # an evolved program file: "program:PATH"
+
+PROGRAM_PREFIX = "program:"
 
 
 def names(include_reference: bool = False) -> list[str]:
-    """Registered policy names; reference lines (``oracle``) only when asked."""
-    return sorted(n for n in _REGISTRY if include_reference or n not in REFERENCE)
+    """Registered policy names; reference lines (``oracle``) only when asked; ``program`` takes a path."""
+    return sorted(n for n in _REGISTRY if (include_reference or n not in REFERENCE) and n != "program")
 
 
 def get(name: str, **params) -> Policy:
@@ -55,16 +60,21 @@ def get(name: str, **params) -> Policy:
 
 
 def from_spec(spec: str) -> Policy:
-    """Build a policy from ``name`` or ``name(key=value, ...)``, e.g. ``snapkv(window=32)``."""
+    """Build a policy from ``name``, ``name(key=value, ...)`` (``snapkv(window=32)``) or ``program:PATH``."""
     name, params = parse_spec(spec)
     return get(name, **params)
 
 
 def parse_spec(spec: str) -> tuple[str, dict]:
-    """Split ``name(key=value, ...)`` into the name and literal parameters."""
+    """Split ``name(key=value, ...)`` into the name and literal parameters; ``program:PATH`` -> path."""
     import ast
 
     spec = spec.strip()
+    if spec.startswith(PROGRAM_PREFIX):
+        path = spec[len(PROGRAM_PREFIX):].strip()
+        if not path:
+            raise ValueError(f"bad policy spec {spec!r}: expected program:PATH to an evolved program file")
+        return "program", {"path": path}
     if "(" not in spec:
         return spec, {}
     if not spec.endswith(")"):

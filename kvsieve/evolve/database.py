@@ -1,0 +1,183 @@
+"""The program database: every candidate of a run in SQLite, islands and a MAP-Elites grid on top.
+
+One row per attempt, keyed by its slot ``(generation, island, slot)``, so a killed run resumes where
+it stopped: the loop recomputes the children of an unfinished generation from the same seeded choices
+and skips the slots already stored. Order and ties follow slots; nothing depends on wall-clock time,
+random ids or the order in which an executor finishes. The MAP-Elites grid is a view: the best program of each behaviour cell (which signals it
+reads x code length), per island.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvsieve.evolve.features import TENSOR_FIELDS
+
+__all__ = ["ProgramRecord", "ProgramDatabase", "behaviour_cell"]
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS programs (
+    id INTEGER PRIMARY KEY,
+    generation INTEGER NOT NULL, island INTEGER NOT NULL, slot INTEGER NOT NULL,
+    parent_id INTEGER, inspiration_ids TEXT NOT NULL DEFAULT '[]',
+    mutator TEXT NOT NULL, operation TEXT NOT NULL DEFAULT '',
+    source TEXT, code_hash TEXT,
+    status TEXT NOT NULL, stage INTEGER NOT NULL, reason TEXT NOT NULL DEFAULT '',
+    proxy REAL, score REAL, cells TEXT NOT NULL DEFAULT '{}', degenerate INTEGER NOT NULL DEFAULT 0,
+    cell TEXT NOT NULL DEFAULT '', seconds REAL NOT NULL DEFAULT 0, sandbox_seconds REAL NOT NULL DEFAULT 0,
+    UNIQUE (generation, island, slot)
+);
+"""
+
+
+@dataclass
+class ProgramRecord:
+    id: int
+    generation: int
+    island: int
+    slot: int
+    parent_id: int | None
+    inspiration_ids: list[int]
+    mutator: str
+    operation: str
+    source: str | None
+    code_hash: str | None
+    status: str
+    stage: int
+    reason: str
+    proxy: float | None
+    score: float | None
+    cells: dict
+    degenerate: bool
+    cell: str
+    seconds: float
+    sandbox_seconds: float
+
+    @property
+    def evaluated(self) -> bool:
+        """Reached the sandbox (duplicates and unusable proposals did not)."""
+        return self.status not in ("duplicate", "no_proposal", "migrated")
+
+
+def behaviour_cell(source: str) -> str:
+    """MAP-Elites coordinates: how many of the feature tensors the program reads, and its size bucket."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return "invalid"
+    read = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+            and n.value.id == "f" and n.attr in TENSOR_FIELDS}
+    nodes = sum(1 for _ in ast.walk(tree))
+    size = 0 if nodes < 40 else 1 if nodes < 80 else 2 if nodes < 160 else 3
+    return f"signals{len(read)}-size{size}"
+
+
+class ProgramDatabase:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.conn = sqlite3.connect(str(self.path))
+        self.conn.executescript(SCHEMA)
+        self.conn.commit()
+
+    def close(self) -> None:
+        self.conn.close()
+
+    # --- run configuration: a resumed run must be the same run --------------------------------------
+
+    def check_config(self, config: dict) -> None:
+        """Store ``config`` on first use; refuse to resume a database made with another config."""
+        row = self.conn.execute("SELECT value FROM meta WHERE key = 'config'").fetchone()
+        text = json.dumps(config, sort_keys=True)
+        if row is None:
+            with self.conn:
+                self.conn.execute("INSERT INTO meta VALUES ('config', ?)", (text,))
+            return
+        stored = json.loads(row[0])
+        changed = sorted(k for k in set(stored) | set(config) if stored.get(k) != config.get(k)
+                         and k not in RESUMABLE_KEYS)
+        if changed:
+            diff = ", ".join(f"{k}: {stored.get(k)!r} -> {config.get(k)!r}" for k in changed)
+            raise ValueError(f"{self.path} holds a run with another configuration ({diff}); use a new database")
+
+    def add(self, record: dict) -> int:
+        columns = ", ".join(record)
+        marks = ", ".join("?" for _ in record)
+        values = [json.dumps(v) if isinstance(v, (list, dict)) else v for v in record.values()]
+        with self.conn:
+            cur = self.conn.execute(f"INSERT INTO programs ({columns}) VALUES ({marks})", values)
+        return int(cur.lastrowid)
+
+    def has_slot(self, generation: int, island: int, slot: int) -> bool:
+        return self.conn.execute("SELECT 1 FROM programs WHERE generation = ? AND island = ? AND slot = ?",
+                                 (generation, island, slot)).fetchone() is not None
+
+    def records(self, where: str = "1", params: tuple = ()) -> list[ProgramRecord]:
+        rows = self.conn.execute(f"SELECT * FROM programs WHERE {where} ORDER BY generation, island, slot",
+                                 params).fetchall()
+        out = []
+        for row in rows:
+            r = list(row)
+            r[5] = json.loads(r[5])
+            r[15] = json.loads(r[15])
+            r[16] = bool(r[16])
+            out.append(ProgramRecord(*r))
+        return out
+
+    def by_hash(self, code_hash: str) -> ProgramRecord | None:
+        found = self.records("code_hash = ? AND status NOT IN ('duplicate', 'migrated')", (code_hash,))
+        return found[0] if found else None
+
+    def get(self, program_id: int) -> ProgramRecord:
+        found = self.records("id = ?", (program_id,))
+        if not found:
+            raise KeyError(f"no program {program_id}")
+        return found[0]
+
+    def scored(self, island: int | None = None, before_generation: int | None = None) -> list[ProgramRecord]:
+        """Programs with a task score (they passed every stage), optionally of one island, up to a generation."""
+        clauses, params = ["score IS NOT NULL"], []
+        if island is not None:
+            clauses.append("island = ?")
+            params.append(island)
+        if before_generation is not None:
+            clauses.append("generation < ?")
+            params.append(before_generation)
+        return self.records(" AND ".join(clauses), tuple(params))
+
+    def elites(self, island: int, before_generation: int) -> list[ProgramRecord]:
+        """The best program of each behaviour cell of an island (ties: the earlier slot)."""
+        best: dict[str, ProgramRecord] = {}
+        for record in self.scored(island, before_generation):
+            current = best.get(record.cell)
+            if current is None or _rank_key(record) > _rank_key(current):
+                best[record.cell] = record
+        return sorted(best.values(), key=lambda r: (r.generation, r.island, r.slot))
+
+    def best(self, island: int | None = None, before_generation: int | None = None) -> ProgramRecord | None:
+        scored = self.scored(island, before_generation)
+        return max(scored, key=_rank_key) if scored else None
+
+    def last_generation(self) -> int:
+        row = self.conn.execute("SELECT MAX(generation) FROM programs").fetchone()
+        return -1 if row[0] is None else int(row[0])
+
+    def evaluated_count(self) -> int:
+        row = self.conn.execute(
+            "SELECT COUNT(*) FROM programs WHERE status NOT IN ('duplicate', 'no_proposal', 'migrated')").fetchone()
+        return int(row[0])
+
+
+RESUMABLE_KEYS = ("candidates", "time_budget_s")  # a resumed run may be given more budget
+
+
+def _rank_key(record: ProgramRecord) -> tuple:
+    """Higher is better: task score, then a smaller proxy gap, then the earlier slot (never the insertion
+    order, which a parallel executor does not fix)."""
+    proxy = record.proxy if record.proxy is not None else float("inf")
+    return (record.score, -proxy, -record.generation, -record.island, -record.slot)

@@ -1,0 +1,181 @@
+"""The cascade evaluator: a candidate program climbs four stages and stops at the first it fails.
+
+0. static check of the source (``static.py``, in this process: nothing runs);
+1. invariants on synthetic features, inside the sandbox (``sandbox.py``): shape, dtype, finite,
+   deterministic, inputs untouched, selection within budget; in the same sandboxed run the program
+   scores the dev set's cached features, so its code never runs in this process;
+2. cheap proxy: the teacher-forced log-likelihood of each dev sample's reference answer on the
+   compressed cache against the full cache (nats per answer token; no decoding); a candidate whose
+   mean gap exceeds ``max_gap`` is rejected here;
+3. task score: greedy decoding on the dev set, scored by the task's metric.
+
+The dev set is prefilled once (:class:`DevSet`): every candidate prunes copies of the same full-cache
+prefills and reads the same saved features. Prefill compression is query-agnostic, so the features a
+candidate sees do not depend on the candidate.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvsieve.engine.attach import attach
+from kvsieve.engine.cache import sieve_layers
+from kvsieve.engine.compress import compress_cache, layer_signals
+from kvsieve.engine.generate import Prompt, build_prompt, greedy_decode
+from kvsieve.evolve.features import Features, save_features
+from kvsieve.evolve.program import Program
+from kvsieve.evolve.sandbox import SandboxLimits, run_in_sandbox
+from kvsieve.harness.runner import clone_cache, stack_caches
+from kvsieve.policies import FullCache, Policy
+from kvsieve.selection import Budget, Selection
+from kvsieve.signals import Signals
+from kvsieve.tasks.metrics import score as metric_score
+from kvsieve.tasks.sample import Sample
+
+__all__ = ["DevSet", "Evaluation", "evaluate_program", "STAGES"]
+
+STAGES = ("static", "invariants", "proxy", "task")
+
+
+@dataclass
+class _DevSample:
+    sample: Sample
+    prompt: Prompt
+    cache: object  # the full context cache, never modified (cells prune clones)
+    answer_ids: torch.Tensor  # (1, a) reference answer tokens
+    full_logprob: float  # mean log-probability of the answer tokens on the full cache
+    full_score: float  # task score of the full cache's greedy answer
+
+
+class _Precomputed(Policy):
+    """Scores computed elsewhere (by a candidate inside the sandbox), looked up by layer."""
+
+    name = "precomputed"
+
+    def __init__(self, scores: dict[int, torch.Tensor], selection: Selection, window: int) -> None:
+        self.scores = scores
+        super().__init__(selection=selection, window=window)
+
+    def score(self, signals: Signals) -> torch.Tensor:
+        return self.scores[signals.layer_idx]
+
+
+class DevSet:
+    """Dev samples prefilled once on the full cache, with the features every candidate scores."""
+
+    def __init__(self, model, tokenizer, samples: list[Sample], ratios: list[float], window: int = 64,
+                 workdir: str | Path | None = None, progress: bool = False) -> None:
+        if not samples:
+            raise ValueError("the dev set is empty")
+        for ratio in ratios:
+            Budget(ratio=ratio)
+        self.model, self.tokenizer, self.ratios, self.window = model, tokenizer, list(ratios), window
+        self._tmp = None if workdir is not None else tempfile.TemporaryDirectory(prefix="kvsieve-dev-")
+        self.workdir = Path(workdir if workdir is not None else self._tmp.name)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.capture = FullCache(window=window)
+        self.items: list[_DevSample] = []
+        features: dict[str, Features] = {}
+        from tqdm import tqdm
+
+        for i, sample in enumerate(tqdm(samples, desc="dev prefills", unit="sample", disable=not progress)):
+            prompt = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
+            with attach(model, self.capture, ratio=0.0), torch.no_grad():
+                cache = model(input_ids=prompt.context_ids, use_cache=True, logits_to_keep=1).cache
+            layers = list(sieve_layers(cache))
+            for layer_idx, layer in layers:
+                signals = layer_signals(layer, layer_idx, len(layers), window=window)
+                features[f"s{i}-l{layer_idx}"] = Features.from_signals(signals)
+            answer = tokenizer(sample.answers[0], add_special_tokens=False, return_tensors="pt")["input_ids"]
+            item = _DevSample(sample, prompt, cache, answer, 0.0, 0.0)
+            item.full_logprob = self._answer_logprob(item, clone_cache(cache))
+            item.full_score = self._task_score(item, clone_cache(cache))
+            self.items.append(item)
+        self.num_layers = len(layers)
+        self.features_path = self.workdir / "features.safetensors"
+        save_features(self.features_path, features)
+
+    @property
+    def full_score(self) -> float:
+        return 100 * statistics.fmean(item.full_score for item in self.items)
+
+    @torch.no_grad()
+    def _answer_logprob(self, item: _DevSample, cache) -> float:
+        question = item.prompt.question_ids
+        ids = torch.cat([question, item.answer_ids], dim=1)
+        with attach(self.model, self.capture, ratio=0.0):
+            logits = self.model(input_ids=ids, cache=cache, use_cache=True).logits[0].float()
+        start = question.shape[1] - 1
+        predicted = torch.log_softmax(logits[start : start + item.answer_ids.shape[1]], dim=-1)
+        return float(predicted.gather(-1, item.answer_ids[0][:, None]).mean())
+
+    @torch.no_grad()
+    def _task_score(self, item: _DevSample, cache) -> float:
+        with attach(self.model, self.capture, ratio=0.0):
+            logits = self.model(input_ids=item.prompt.question_ids, cache=cache, use_cache=True,
+                                logits_to_keep=1).logits[:, -1]
+            tokens = greedy_decode(self.model, self.tokenizer, stack_caches([cache]), logits,
+                                   item.sample.max_new_tokens, tuple(item.sample.stop))
+        text = self.tokenizer.decode(tokens[0], skip_special_tokens=True)
+        return metric_score(item.sample.metric, text, item.sample.answers)
+
+    def compressed(self, index: int, policy: Policy, ratio: float):
+        """A pruned copy of dev sample ``index``'s full cache."""
+        cache = clone_cache(self.items[index].cache)
+        compress_cache(cache, policy, Budget(ratio=ratio))
+        return cache
+
+
+@dataclass
+class Evaluation:
+    """What the cascade found about one candidate. ``stage`` is the last stage passed (-1: none)."""
+
+    status: str  # "ok" | "rejected" | "invalid" | "error" | "killed" | "proxy_rejected"
+    stage: int
+    reason: str = ""
+    proxy: float | None = None  # mean answer log-likelihood gap to the full cache (nats/token, lower is better)
+    score: float | None = None  # mean task score x100 over dev samples and ratios
+    cells: dict[str, float] = field(default_factory=dict)  # "sample/ratio" -> task score
+    degenerate: bool = False  # constant scores in every layer: the selection falls back to tie order
+    seconds: float = 0.0
+    sandbox_seconds: float = 0.0
+
+
+@torch.no_grad()
+def evaluate_program(program: Program, dev: DevSet, limits: SandboxLimits | None = None,
+                     max_gap: float | None = None) -> Evaluation:
+    """Run ``program`` through the cascade on ``dev``."""
+    start = time.perf_counter()
+    result = run_in_sandbox(program.source, dev.features_path, window=dev.window, limits=limits or SandboxLimits())
+    if result.status != "ok":
+        stage = -1 if result.status == "rejected" else 0
+        return Evaluation(result.status, stage, result.reason, seconds=time.perf_counter() - start,
+                          sandbox_seconds=result.seconds)
+    selection = program.selection(dev.window)
+    degenerate = all(float(s.std()) < 1e-9 for s in result.scores.values())
+    policies = []
+    for i in range(len(dev.items)):
+        scores = {layer: result.scores[f"s{i}-l{layer}"] for layer in range(dev.num_layers)}
+        policies.append(_Precomputed(scores, selection, dev.window))
+    gaps = []
+    for i, item in enumerate(dev.items):
+        for ratio in dev.ratios:
+            gaps.append(item.full_logprob - dev._answer_logprob(item, dev.compressed(i, policies[i], ratio)))
+    proxy = statistics.fmean(gaps)
+    if max_gap is not None and proxy > max_gap:
+        return Evaluation("proxy_rejected", 1, f"answer log-likelihood gap {proxy:.3f} > {max_gap:.3f} nats/token",
+                          proxy=proxy, degenerate=degenerate, seconds=time.perf_counter() - start,
+                          sandbox_seconds=result.seconds)
+    cells = {}
+    for i, item in enumerate(dev.items):
+        for ratio in dev.ratios:
+            cells[f"{i}/{ratio}"] = dev._task_score(item, dev.compressed(i, policies[i], ratio))
+    score = 100 * statistics.fmean(cells.values())
+    return Evaluation("ok", 3, proxy=proxy, score=score, cells=cells, degenerate=degenerate,
+                      seconds=time.perf_counter() - start, sandbox_seconds=result.seconds)

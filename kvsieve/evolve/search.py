@@ -1,0 +1,271 @@
+"""The evolution loop: islands of programs, parents from a MAP-Elites grid, children through the cascade.
+
+Generation 0 evaluates the seed programs in every island. Each later generation proposes
+``per_island`` children per island from the database as it stood when the generation began (so the
+children do not depend on which sibling finished first), evaluates them through the executor and
+stores each row as it finishes. Every choice is drawn from ``random.Random(f"{seed}:{generation}:
+{island}:{slot}")``: a killed run resumes with the same children and the same results.
+``strategy="best_of_n"`` is the control: every child is a mutation of the first seed program.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from kvsieve.evolve.database import ProgramDatabase, ProgramRecord, behaviour_cell
+from kvsieve.evolve.evaluate import Evaluation
+from kvsieve.evolve.executor import Executor
+from kvsieve.evolve.mutate import Mutator
+from kvsieve.evolve.program import Program
+from kvsieve.evolve.seeds import SEEDS
+from kvsieve.evolve.static import StaticCheckError, check_source
+
+__all__ = ["EvolveConfig", "evolve", "load_config", "export_best"]
+
+
+@dataclass
+class EvolveConfig:
+    """One evolution run; the file ``kvsieve evolve --config`` reads (TOML or JSON) has these keys."""
+
+    model: str = "smollm2-135m-instruct"
+    tasks: list[str] = field(default_factory=lambda: ["niah_single_1", "niah_single_2", "niah_single_3",
+                                                       "niah_multikey_1"])
+    length: int = 2048
+    ratios: list[float] = field(default_factory=lambda: [0.75, 0.875])
+    dev_samples: int = 2  # per task; seeds dev_seed.. (evaluation grids use seeds 0..)
+    dev_seed: int = 1000
+    heldout_samples: int = 2  # per task, for the dev/held-out gap of the best programs
+    heldout_seed: int = 2000
+    window: int = 64
+    dtype: str = "auto"
+    seed: int = 0
+    candidates: int = 200  # programs evaluated (duplicates and unusable proposals do not count)
+    time_budget_s: float | None = None
+    strategy: str = "evolve"  # or "best_of_n"
+    islands: int = 2
+    per_island: int = 4  # children per island and generation
+    migration_interval: int = 5  # generations between copies of each island's best to the next island
+    exploit: float = 0.6  # probability that the parent is the island's best (else a random elite)
+    inspirations: int = 2
+    seed_programs: list[str] = field(default_factory=lambda: ["snapkv"])
+    mutator: str = "structural"  # "structural" | "local" | "openai"
+    local_model: str = "qwen2.5-coder-0.5b-instruct"
+    llm_base_url: str = ""
+    llm_model: str = ""
+    llm_api_key_env: str = "OPENAI_API_KEY"
+    llm_edit_format: str = "block"
+    sandbox_timeout_s: float = 120.0
+    sandbox_memory_mb: int = 4096
+    max_gap_factor: float = 2.0  # stage 2 rejects a proxy gap above this many times the seeds' worst
+    plateau_generations: int = 5
+    db: str = "results/evolve/run.sqlite"
+    out: str = "results/evolve"
+
+    def __post_init__(self) -> None:
+        if self.strategy not in ("evolve", "best_of_n"):
+            raise ValueError(f"strategy must be 'evolve' or 'best_of_n', got {self.strategy!r}")
+        if self.mutator not in ("structural", "local", "openai"):
+            raise ValueError(f"mutator must be 'structural', 'local' or 'openai', got {self.mutator!r}")
+        if self.mutator == "openai" and not (self.llm_base_url and self.llm_model):
+            raise ValueError("the openai mutator needs llm_base_url and llm_model (--llm-base-url, --llm-model)")
+        for name in ("candidates", "islands", "per_island", "migration_interval", "dev_samples", "plateau_generations"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        unknown = [s for s in self.seed_programs if s not in SEEDS and not Path(s).is_file()]
+        if unknown or not self.seed_programs:
+            raise ValueError(f"seed programs {unknown or '[]'} are neither seed names ({', '.join(SEEDS)}) nor files")
+        if not 0.0 <= self.exploit <= 1.0:
+            raise ValueError(f"exploit must be in [0, 1], got {self.exploit!r}")
+
+    def identity(self) -> dict:
+        """What makes two runs the same run (the database refuses to resume under another)."""
+        return {k: v for k, v in asdict(self).items() if k not in ("db", "out", "llm_api_key_env")}
+
+
+def load_config(path: str | None, **overrides) -> EvolveConfig:
+    """Read a TOML or JSON config file (unknown keys are an error), then apply non-None overrides."""
+    values: dict = {}
+    if path is not None:
+        text = Path(path).read_text(encoding="utf-8")
+        values = json.loads(text) if path.endswith(".json") else tomllib.loads(text)
+        allowed = {f.name for f in fields(EvolveConfig)}
+        unknown = sorted(set(values) - allowed)
+        if unknown:
+            raise ValueError(f"{path}: unknown key(s) {unknown}; allowed: {', '.join(sorted(allowed))}")
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return EvolveConfig(**values)
+
+
+def _seed_sources(config: EvolveConfig) -> list[str]:
+    return [SEEDS[s] if s in SEEDS else Path(s).read_text(encoding="utf-8") for s in config.seed_programs]
+
+
+def _row(evaluation: Evaluation, program: Program, generation: int, island: int, slot: int, parent_id, insp,
+         mutator: str, operation: str) -> dict:
+    return dict(generation=generation, island=island, slot=slot, parent_id=parent_id, inspiration_ids=insp,
+                mutator=mutator, operation=operation, source=program.source, code_hash=program.code_hash,
+                status=evaluation.status, stage=evaluation.stage, reason=evaluation.reason, proxy=evaluation.proxy,
+                score=evaluation.score, cells=evaluation.cells, degenerate=int(evaluation.degenerate),
+                cell=behaviour_cell(program.source), seconds=evaluation.seconds,
+                sandbox_seconds=evaluation.sandbox_seconds)
+
+
+def _copy_row(record: ProgramRecord, generation: int, island: int, slot: int, status: str, parent_id,
+              mutator: str, operation: str) -> dict:
+    return dict(generation=generation, island=island, slot=slot, parent_id=parent_id, inspiration_ids=[],
+                mutator=mutator, operation=operation, source=record.source, code_hash=record.code_hash,
+                status=status, stage=record.stage, reason=f"same program as #{record.id}", proxy=record.proxy,
+                score=record.score, cells=record.cells, degenerate=int(record.degenerate), cell=record.cell)
+
+
+def max_gap(db: ProgramDatabase, config: EvolveConfig) -> float | None:
+    """Stage 2's rejection threshold: ``max_gap_factor`` times the worst seed program's proxy gap."""
+    seeds = [r for r in db.records("generation = 0 AND proxy IS NOT NULL")]
+    if not seeds:
+        return None
+    return config.max_gap_factor * max(max(r.proxy for r in seeds), 0.05)
+
+
+def evolve(config: EvolveConfig, executor: Executor, mutator: Mutator, db: ProgramDatabase,
+           progress: bool = True) -> ProgramRecord | None:
+    """Run (or resume) the loop until ``candidates`` programs were evaluated or the time budget ends."""
+    from tqdm import tqdm
+
+    db.check_config(config.identity())
+    start = time.monotonic()
+    bar = tqdm(total=config.candidates, initial=min(db.evaluated_count(), config.candidates), unit="candidate",
+               desc="evolve", disable=not progress)
+
+    def out_of_budget() -> bool:
+        if db.evaluated_count() >= config.candidates:
+            return True
+        return config.time_budget_s is not None and time.monotonic() - start > config.time_budget_s
+
+    # generation 0: the seed programs, evaluated once, present in every island
+    seeds = [Program(s) for s in _seed_sources(config)]
+    for slot, program in enumerate(seeds):
+        if not db.has_slot(0, 0, slot):
+            evaluation = executor.evaluate([program])[0]
+            db.add(_row(evaluation, program, 0, 0, slot, None, [], "seed", config.seed_programs[slot]))
+            bar.update(1)
+        first = db.records("generation = 0 AND island = 0 AND slot = ?", (slot,))[0]
+        for island in range(1, config.islands):
+            if not db.has_slot(0, island, slot):
+                db.add(_copy_row(first, 0, island, slot, "migrated", first.id, "seed", "copy"))
+    if not db.scored():
+        bar.close()
+        raise RuntimeError("no seed program passed the cascade: " +
+                           "; ".join(f"{r.operation}: {r.status} {r.reason}" for r in db.records("generation = 0")))
+    threshold = max_gap(db, config)
+    generation = max(db.last_generation(), 0)
+    if _generation_complete(db, config, generation):
+        generation += 1
+    while not out_of_budget():
+        _run_generation(config, executor, mutator, db, generation, threshold, bar, out_of_budget)
+        if out_of_budget():
+            break
+        if config.strategy == "evolve" and config.islands > 1 and generation % config.migration_interval == 0:
+            _migrate(config, db, generation)
+        generation += 1
+    bar.close()
+    return db.best()
+
+
+def _generation_complete(db: ProgramDatabase, config: EvolveConfig, generation: int) -> bool:
+    if generation == 0:
+        return True
+    return all(db.has_slot(generation, i, s) for i in range(config.islands) for s in range(config.per_island))
+
+
+def _run_generation(config, executor, mutator, db, generation, threshold, bar, out_of_budget) -> None:
+    seed_record = db.records("generation = 0 AND island = 0 AND slot = 0")[0]
+    pending = []  # (program, island, slot, parent_id, inspiration ids, operation)
+    for island in range(config.islands):
+        elites = db.elites(island, before_generation=generation)
+        best = db.best(island, before_generation=generation)
+        others = [db.best(i, before_generation=generation) for i in range(config.islands) if i != island]
+        for slot in range(config.per_island):
+            if db.has_slot(generation, island, slot):
+                continue
+            rng = random.Random(f"{config.seed}:{generation}:{island}:{slot}")
+            if config.strategy == "best_of_n":
+                parent, pool = seed_record, []
+            else:
+                parent = best if (rng.random() < config.exploit or not elites) else rng.choice(elites)
+                pool = [r for r in elites + [o for o in others if o is not None] if r.code_hash != parent.code_hash]
+            chosen = rng.sample(pool, min(config.inspirations, len(pool)))
+            child = mutator.propose(Program(parent.source), [Program(r.source) for r in chosen], rng)
+            operation = getattr(mutator, "last_operation", "") or mutator.name
+            insp = [r.id for r in chosen]
+            if child is None:
+                db.add(dict(generation=generation, island=island, slot=slot, parent_id=parent.id, inspiration_ids=insp,
+                            mutator=mutator.name, operation=operation, status="no_proposal", stage=-1,
+                            reason="the mutator returned no usable program"))
+                continue
+            known = db.by_hash(child.code_hash)
+            if known is not None:
+                db.add(_copy_row(known, generation, island, slot, "duplicate", parent.id, mutator.name, operation))
+                continue
+            pending.append((child, island, slot, parent.id, insp, operation))
+    if not pending:
+        return
+    room = config.candidates - db.evaluated_count()
+    pending = pending[:max(room, 0)]
+
+    def store(i: int, evaluation: Evaluation) -> None:
+        child, island, slot, parent_id, insp, operation = pending[i]
+        db.add(_row(evaluation, child, generation, island, slot, parent_id, insp, mutator.name, operation))
+        bar.update(1)
+        best = db.best()
+        if best is not None:
+            bar.set_postfix(best=f"{best.score:.1f}", status=evaluation.status)
+
+    executor.evaluate([p[0] for p in pending], threshold, on_result=store)
+
+
+def _migrate(config: EvolveConfig, db: ProgramDatabase, generation: int) -> None:
+    """Copy each island's best to the next island (ring), unless that island already has it."""
+    slot = config.per_island  # a slot no child uses
+    for island in range(config.islands):
+        target = (island + 1) % config.islands
+        best = db.best(island, before_generation=generation + 1)
+        if best is None or db.has_slot(generation, target, slot):
+            continue
+        present = {r.code_hash for r in db.records("island = ?", (target,))}
+        if best.code_hash not in present:
+            db.add(_copy_row(best, generation, target, slot, "migrated", best.id, "migration", "migration"))
+
+
+def export_best(record: ProgramRecord, path: str | Path) -> Path:
+    """Write the best program as a policy file (``--policies program:PATH``) after the stage-0 check."""
+    try:
+        check_source(record.source)
+    except StaticCheckError as err:  # cannot happen for a scored program; never export one that fails
+        raise RuntimeError(f"program #{record.id} fails the static check: {err}") from err
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = (f"# kvsieve evolved policy: program #{record.id} (generation {record.generation}, island "
+              f"{record.island}), dev score {record.score:.1f}, proxy gap {record.proxy:.4f}\n")
+    path.write_text(header + record.source, encoding="utf-8")
+    return path
+
+
+def generation_summary(db: ProgramDatabase) -> list[dict]:
+    """Per generation: evaluated count, median score of its scored programs, best score so far."""
+    out, best = [], float("-inf")
+    for generation in range(db.last_generation() + 1):
+        rows = [r for r in db.records("generation = ?", (generation,)) if r.evaluated]
+        scores = [r.score for r in rows if r.score is not None]
+        if scores:
+            best = max(best, max(scores))
+        out.append(dict(generation=generation, evaluated=len(rows),
+                        median=statistics.median(scores) if scores else None,
+                        best=best if best > float("-inf") else None))
+    return out
