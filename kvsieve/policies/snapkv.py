@@ -39,14 +39,15 @@ def snapkv_scores(signals: Signals, kernel_size: int = 5) -> torch.Tensor:
 class SnapKV(Policy):
     name = "snapkv"
 
-    def __init__(self, kernel_size: int = 5, **kwargs) -> None:
+    def __init__(self, kernel_size: int = 5, chunk_size: int = 1, **kwargs) -> None:
         if not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be a positive odd int, got {kernel_size!r}")
         self.kernel_size = kernel_size
+        self.chunk_size = chunk_size  # > 1: whole chunks per head (the FRC decomposition's "structure" arm)
         super().__init__(**kwargs)
 
     def default_selection(self) -> Selection:
-        return Selection(recent=self.window)
+        return Selection(recent=self.window, chunk_size=self.chunk_size)
 
     def score(self, signals: Signals) -> torch.Tensor:
         return snapkv_scores(signals, self.kernel_size)
