@@ -119,7 +119,9 @@ def interface_doc() -> str:
         "- no names or attributes that start with an underscore (no dunders)",
         "- no file, network or interpreter access; only the functions, methods and names listed above",
         "- return finite float scores of shape (b, h, n); higher = keep",
-        "- define only score(f), with helper variables inside it; no other functions, classes or globals",
+        "- define only score(f); no other functions, classes, lambdas, comprehensions or globals",
+        "- inside score: assignments to new local names, if, return, and for loops over range(...) with "
+        "literal int bounds only (no while)",
         "- the last f.window entries are always kept by the engine; do not special-case them",
     ]
     return "\n".join(lines)
