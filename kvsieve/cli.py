@@ -1,4 +1,4 @@
-"""Command line: kvsieve eval | report | generate | certify | demo."""
+"""Command line: kvsieve eval | report | generate | certify | evolve | demo."""
 
 from __future__ import annotations
 
@@ -191,6 +191,23 @@ def cmd_certify(args) -> int:
     return 0
 
 
+def cmd_evolve(args) -> int:
+    from kvsieve.evolve.run import run_evolution
+    from kvsieve.evolve.search import load_config
+
+    config = load_config(args.config, model=args.model, candidates=args.candidates, seed=args.seed,
+                         strategy=args.strategy, mutator=args.llm, llm_base_url=args.llm_base_url,
+                         llm_model=args.llm_model, llm_api_key_env=args.llm_api_key_env, db=args.db, out=args.out,
+                         time_budget_s=args.time_budget)
+    result = run_evolution(config)
+    if result.best is not None:
+        print(f"best program #{result.best.id}: dev score {result.best.score:.1f}, held-out "
+              f"{result.heldout.get(result.best.id, float('nan')):.1f} -> {result.best_path}")
+        print(f"evaluate it: kvsieve eval --model {config.model} --policies full,program:{result.best_path} ...")
+    print(f"report: {result.report}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from kvsieve.harness.runner import run_grid
 
@@ -240,6 +257,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="with --run: first sample seed")
     p.add_argument("--out", default="contract.json", help="contract file to write")
     p.set_defaults(func=cmd_certify)
+    p = sub.add_parser("evolve", help="discover an eviction policy by program evolution (resumes from --db)")
+    p.add_argument("--config", help="TOML or JSON file with EvolveConfig keys (kvsieve/evolve/search.py)")
+    p.add_argument("--model")
+    p.add_argument("--candidates", type=int, help="programs to evaluate in all (a resumed run may raise it)")
+    p.add_argument("--time-budget", type=float, help="stop starting new candidates after this many seconds")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--strategy", help="evolve (islands, MAP-Elites) or best_of_n (every child from the seed)")
+    p.add_argument("--llm", help="mutator: structural (default, offline), local (the bundled coder model) or openai")
+    p.add_argument("--llm-base-url", help="OpenAI-compatible endpoint, e.g. http://localhost:8000/v1")
+    p.add_argument("--llm-model", help="model name at that endpoint")
+    p.add_argument("--llm-api-key-env", help="environment variable holding the API key (default OPENAI_API_KEY)")
+    p.add_argument("--db", help="program database (SQLite); rerun the same command to resume")
+    p.add_argument("--out", help="folder for best.py, report.md, progress.png")
+    p.set_defaults(func=cmd_evolve)
     p = sub.add_parser("demo", help="the default grid on the bundled SmolLM2 (a few minutes on 2 cores)")
     p.set_defaults(func=cmd_demo)
     args = parser.parse_args(argv)

@@ -1,10 +1,10 @@
 """The program database: every candidate of a run in SQLite, islands and a MAP-Elites grid on top.
 
 One row per attempt, keyed by its slot ``(generation, island, slot)``, so a killed run resumes where
-it stopped: the loop recomputes the children of an unfinished generation from the same seeded choices
-and skips the slots already stored. Order and ties follow slots; nothing depends on wall-clock time,
-random ids or the order in which an executor finishes. The MAP-Elites grid is a view: the best program of each behaviour cell (which signals it
-reads x code length), per island.
+it stopped: the loop recomputes the children of an unfinished generation from the same seeded
+choices and skips the slots already stored. Order and ties follow slots; nothing depends on
+wall-clock time, random ids or the order in which an executor finishes. The MAP-Elites grid is a
+view: the best program of each behaviour cell (which signals it reads x code length), per island.
 """
 
 from __future__ import annotations
@@ -129,8 +129,15 @@ class ProgramDatabase:
             out.append(ProgramRecord(*r))
         return out
 
-    def by_hash(self, code_hash: str) -> ProgramRecord | None:
-        found = self.records("code_hash = ? AND status NOT IN ('duplicate', 'migrated')", (code_hash,))
+    def by_hash(self, code_hash: str, before_generation: int | None = None) -> ProgramRecord | None:
+        """The first evaluated program with this code (before a generation: siblings never count, so the
+        answer does not depend on which of them an interrupted run had stored)."""
+        where = "code_hash = ? AND status NOT IN ('duplicate', 'migrated', 'no_proposal')"
+        params: tuple = (code_hash,)
+        if before_generation is not None:
+            where += " AND generation < ?"
+            params += (before_generation,)
+        found = self.records(where, params)
         return found[0] if found else None
 
     def get(self, program_id: int) -> ProgramRecord:

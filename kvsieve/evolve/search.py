@@ -209,7 +209,7 @@ def _run_generation(config, executor, mutator, db, generation, threshold, bar, o
                             mutator=mutator.name, operation=operation, status="no_proposal", stage=-1,
                             reason="the mutator returned no usable program"))
                 continue
-            known = db.by_hash(child.code_hash)
+            known = db.by_hash(child.code_hash, before_generation=generation)
             if known is not None:
                 db.add(_copy_row(known, generation, island, slot, "duplicate", parent.id, mutator.name, operation))
                 continue

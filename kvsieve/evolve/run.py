@@ -1,0 +1,105 @@
+"""``kvsieve evolve``: load the model, prefill the dev set, run or resume the loop, export and report."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvsieve.evolve.database import ProgramDatabase, ProgramRecord
+from kvsieve.evolve.evaluate import DevSet, evaluate_program
+from kvsieve.evolve.executor import LocalExecutor
+from kvsieve.evolve.mutate import Mutator, StructuralMutator
+from kvsieve.evolve.program import Program
+from kvsieve.evolve.report import write_report
+from kvsieve.evolve.sandbox import SandboxLimits
+from kvsieve.evolve.search import EvolveConfig, evolve, export_best
+from kvsieve.harness.runner import GridConfig
+from kvsieve.harness.validate import load_samples
+from kvsieve.models import load
+
+__all__ = ["EvolveResult", "run_evolution", "make_mutator"]
+
+
+@dataclass
+class EvolveResult:
+    best: ProgramRecord | None
+    best_path: Path | None
+    report: Path
+    heldout: dict[int, float]
+
+
+def make_mutator(config: EvolveConfig, model=None, tokenizer=None) -> Mutator:
+    if config.mutator == "structural":
+        return StructuralMutator()
+    from kvsieve.evolve.llm import LocalLLMMutator, OpenAIMutator
+
+    if config.mutator == "local":
+        same = config.local_model == config.model and model is not None
+        return LocalLLMMutator(model_name=config.local_model, model=model if same else None,
+                               tokenizer=tokenizer if same else None)
+    return OpenAIMutator(config.llm_base_url, config.llm_model, api_key_env=config.llm_api_key_env,
+                         edit_format=config.llm_edit_format)
+
+
+def dev_samples(config: EvolveConfig, tokenizer, seed: int, per_task: int):
+    grid = GridConfig(model=config.model, tasks=config.tasks, lengths=[config.length], samples=per_task, seed=seed)
+    return list(load_samples(grid, tokenizer))
+
+
+def run_evolution(config: EvolveConfig, progress: bool = True, model=None, tokenizer=None) -> EvolveResult:
+    """Run or resume ``config``; the database at ``config.db`` holds everything needed to resume."""
+    db = ProgramDatabase(config.db)
+    try:
+        db.check_config(config.identity())  # before any model work: a mismatched database fails fast
+        if model is None:
+            model, tokenizer = load(config.model, dtype=config.dtype)
+        workdir = Path(config.out) / "dev-cache"
+        dev = DevSet(model, tokenizer, dev_samples(config, tokenizer, config.dev_seed, config.dev_samples),
+                     config.ratios, config.window, workdir, progress=progress)
+        limits = SandboxLimits(timeout_s=config.sandbox_timeout_s, memory_mb=config.sandbox_memory_mb)
+        executor = LocalExecutor(dev, limits)
+        mutator = make_mutator(config, model, tokenizer)
+        if hasattr(mutator, "score_of"):  # LLM prompts show the parent's and inspirations' dev scores
+
+            def score_of(program: Program) -> float | None:
+                record = db.by_hash(program.code_hash)
+                return None if record is None else record.score
+
+            mutator.score_of = score_of
+        best = evolve(config, executor, mutator, db, progress=progress)
+        executor.close()
+        heldout = _heldout_scores(db, config, model, tokenizer, limits, progress)
+        reference = {"full cache (dev)": dev.full_score}
+        for record in db.records("generation = 0 AND island = 0"):
+            reference[f"seed {record.operation} (dev)"] = record.score if record.score is not None else float("nan")
+        best_path = export_best(best, Path(config.out) / "best.py") if best is not None else None
+        report = write_report(db, config, config.out, heldout, reference)
+        return EvolveResult(best, best_path, report, heldout)
+    finally:
+        db.close()
+
+
+def _heldout_scores(db: ProgramDatabase, config: EvolveConfig, model, tokenizer, limits, progress: bool,
+                    top: int = 3) -> dict[int, float]:
+    """Task scores on held-out seeds of the seed programs and the ``top`` best programs (cached in the db)."""
+    row = db.conn.execute("SELECT value FROM meta WHERE key = 'heldout'").fetchone()
+    cached = {int(k): v for k, v in json.loads(row[0]).items()} if row else {}
+    wanted = [r for r in db.records("generation = 0 AND island = 0")]
+    seen = {r.code_hash for r in wanted}
+    for record in sorted(db.scored(), key=lambda r: -r.score):
+        if len(wanted) >= top + len(config.seed_programs):
+            break
+        if record.code_hash not in seen:
+            wanted.append(record)
+            seen.add(record.code_hash)
+    todo = [r for r in wanted if r.id not in cached and r.source]
+    if todo:
+        held = DevSet(model, tokenizer, dev_samples(config, tokenizer, config.heldout_seed, config.heldout_samples),
+                      config.ratios, config.window, Path(config.out) / "heldout-cache", progress=progress)
+        for record in todo:
+            evaluation = evaluate_program(Program(record.source), held, limits)
+            cached[record.id] = evaluation.score if evaluation.score is not None else float("nan")
+        with db.conn:
+            db.conn.execute("INSERT OR REPLACE INTO meta VALUES ('heldout', ?)", (json.dumps(cached),))
+    return cached
