@@ -11,7 +11,6 @@ import time
 
 import pytest
 import torch
-from kvsieve.evolve.static import check_source
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from kvsieve.evolve.database import ProgramDatabase, behaviour_cell
@@ -20,6 +19,7 @@ from kvsieve.evolve.mutate import OPERATIONS, StructuralMutator
 from kvsieve.evolve.program import Program, ProgramError, parse_selection
 from kvsieve.evolve.search import EvolveConfig, load_config
 from kvsieve.evolve.seeds import SEEDS
+from kvsieve.evolve.static import check_source
 
 HERE = os.path.dirname(__file__)
 

@@ -125,12 +125,17 @@ def _copy_row(record: ProgramRecord, generation: int, island: int, slot: int, st
                 score=record.score, cells=record.cells, degenerate=int(record.degenerate), cell=record.cell)
 
 
-def max_gap(db: ProgramDatabase, config: EvolveConfig) -> float | None:
-    """Stage 2's rejection threshold: ``max_gap_factor`` times the worst seed program's proxy gap."""
-    seeds = [r for r in db.records("generation = 0 AND proxy IS NOT NULL")]
+def max_gap(db: ProgramDatabase, config: EvolveConfig, generation: int) -> float | None:
+    """Stage 2's rejection threshold for a generation: the median proxy gap of the programs scored before
+    it (a child must be at least as good as half the population to be worth decoding), and never more
+    than ``max_gap_factor`` times the worst seed's gap. Computed from earlier generations only, so a
+    resumed generation uses the same threshold."""
+    seeds = [r.proxy for r in db.records("generation = 0 AND proxy IS NOT NULL")]
     if not seeds:
         return None
-    return config.max_gap_factor * max(max(r.proxy for r in seeds), 0.05)
+    cap = config.max_gap_factor * max(max(seeds), 0.05)
+    earlier = [r.proxy for r in db.scored(before_generation=generation) if r.proxy is not None and r.evaluated]
+    return min(cap, statistics.median(earlier)) if earlier else cap
 
 
 def evolve(config: EvolveConfig, executor: Executor, mutator: Mutator, db: ProgramDatabase,
@@ -163,12 +168,11 @@ def evolve(config: EvolveConfig, executor: Executor, mutator: Mutator, db: Progr
         bar.close()
         raise RuntimeError("no seed program passed the cascade: " +
                            "; ".join(f"{r.operation}: {r.status} {r.reason}" for r in db.records("generation = 0")))
-    threshold = max_gap(db, config)
     generation = max(db.last_generation(), 0)
     if _generation_complete(db, config, generation):
         generation += 1
     while not out_of_budget():
-        _run_generation(config, executor, mutator, db, generation, threshold, bar, out_of_budget)
+        _run_generation(config, executor, mutator, db, generation, max_gap(db, config, generation), bar)
         if out_of_budget():
             break
         if config.strategy == "evolve" and config.islands > 1 and generation % config.migration_interval == 0:
@@ -184,7 +188,7 @@ def _generation_complete(db: ProgramDatabase, config: EvolveConfig, generation: 
     return all(db.has_slot(generation, i, s) for i in range(config.islands) for s in range(config.per_island))
 
 
-def _run_generation(config, executor, mutator, db, generation, threshold, bar, out_of_budget) -> None:
+def _run_generation(config, executor, mutator, db, generation, threshold, bar) -> None:
     seed_record = db.records("generation = 0 AND island = 0 AND slot = 0")[0]
     pending = []  # (program, island, slot, parent_id, inspiration ids, operation)
     for island in range(config.islands):
