@@ -99,8 +99,8 @@ class ProgramDatabase:
                 self.conn.execute("INSERT INTO meta VALUES ('config', ?)", (text,))
             return
         stored = json.loads(row[0])
-        changed = sorted(k for k in set(stored) | set(config) if stored.get(k) != config.get(k)
-                         and k not in RESUMABLE_KEYS)
+        # keys the stored run does not know came with a newer kvsieve; they cannot have shaped its rows
+        changed = sorted(k for k in stored if stored[k] != config.get(k) and k not in RESUMABLE_KEYS)
         if changed:
             diff = ", ".join(f"{k}: {stored.get(k)!r} -> {config.get(k)!r}" for k in changed)
             raise ValueError(f"{self.path} holds a run with another configuration ({diff}); use a new database")

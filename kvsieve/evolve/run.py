@@ -37,9 +37,10 @@ def make_mutator(config: EvolveConfig, model=None, tokenizer=None) -> Mutator:
     if config.mutator == "local":
         same = config.local_model == config.model and model is not None
         return LocalLLMMutator(model_name=config.local_model, model=model if same else None,
-                               tokenizer=tokenizer if same else None)
+                               tokenizer=tokenizer if same else None, dtype=config.dtype,
+                               max_new_tokens=config.llm_max_new_tokens)
     return OpenAIMutator(config.llm_base_url, config.llm_model, api_key_env=config.llm_api_key_env,
-                         edit_format=config.llm_edit_format)
+                         edit_format=config.llm_edit_format, max_tokens=config.llm_max_new_tokens)
 
 
 def dev_samples(config: EvolveConfig, tokenizer, seed: int, per_task: int):

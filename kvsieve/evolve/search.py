@@ -28,6 +28,8 @@ from kvsieve.evolve.static import StaticCheckError, check_source
 
 __all__ = ["EvolveConfig", "evolve", "load_config", "export_best"]
 
+STALL_GENERATIONS = 25
+
 
 @dataclass
 class EvolveConfig:
@@ -56,6 +58,7 @@ class EvolveConfig:
     seed_programs: list[str] = field(default_factory=lambda: ["snapkv"])
     mutator: str = "structural"  # "structural" | "local" | "openai"
     local_model: str = "qwen2.5-coder-0.5b-instruct"
+    llm_max_new_tokens: int = 384
     llm_base_url: str = ""
     llm_model: str = ""
     llm_api_key_env: str = "OPENAI_API_KEY"
@@ -171,8 +174,15 @@ def evolve(config: EvolveConfig, executor: Executor, mutator: Mutator, db: Progr
     generation = max(db.last_generation(), 0)
     if _generation_complete(db, config, generation):
         generation += 1
+    barren = 0  # consecutive generations without a new program: the mutator's neighbourhood is exhausted
     while not out_of_budget():
+        before = db.evaluated_count()
         _run_generation(config, executor, mutator, db, generation, max_gap(db, config, generation), bar)
+        barren = barren + 1 if db.evaluated_count() == before else 0
+        if barren >= STALL_GENERATIONS:
+            print(f"kvsieve evolve: stopped after {STALL_GENERATIONS} generations without a new program "
+                  f"({db.evaluated_count()} evaluated): every proposal was a duplicate or unusable")
+            break
         if out_of_budget():
             break
         if config.strategy == "evolve" and config.islands > 1 and generation % config.migration_interval == 0:
