@@ -1,0 +1,169 @@
+"""``learned``: the DistillCache policy network as a kvsieve policy.
+
+DistillCache (../shared/papers/002, abstract) learns "a lightweight policy network using rich internal
+model signals" to decide what to evict. Here that network (:mod:`kvsieve.learn.network`) scores every
+cached entry of a layer from its features (:mod:`kvsieve.learn.features`); like every policy, which
+entries survive is its :class:`~kvsieve.selection.Selection`'s business: top-k per head, with the
+observation window (the last ``window`` entries, whose queries the features read) always kept. So it
+runs in prefill compression and in decode-time eviction (``kvsieve.attach(..., mode="decode")``)
+unchanged.
+
+``learned(checkpoint=PATH)`` loads a checkpoint written by ``kvsieve train`` (a file, or a run folder
+holding ``policy.safetensors``); ``learned(checkpoint=NAME)`` loads a shipped one (:data:`SHIPPED`).
+A checkpoint is tied to the model it was trained for: the policy compares the checkpoint's layers,
+KV heads and head dim with the cache it is asked to score (and its model name with ``model=``, when
+given) and refuses a mismatch, since features such as the layer embedding mean nothing on another
+model. ``overhead_seconds`` / ``overhead_calls`` report the time spent in :meth:`score` (features +
+network), the policy's own per-step cost.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from kvsieve.learn.checkpoint import load_checkpoint
+from kvsieve.learn.features import extract
+from kvsieve.learn.network import KeepNet, NetConfig
+from kvsieve.policies.base import Policy
+from kvsieve.selection import Selection
+from kvsieve.signals import Signals
+
+__all__ = ["SHIPPED", "ModelShape", "LearnedPolicy", "resolve_checkpoint", "shipped_names"]
+
+CHECKPOINT_DIR = Path(__file__).parent / "checkpoints"
+# shipped name -> file in CHECKPOINT_DIR; empty until trained checkpoints are committed
+SHIPPED: dict[str, str] = {}
+
+_HOW_TO_TRAIN = ("train one with `kvsieve train --model MODEL --out DIR` and use "
+                 "learned(checkpoint='DIR/policy.safetensors')")
+
+
+def shipped_names() -> list[str]:
+    return sorted(SHIPPED)
+
+
+def _shipped_text() -> str:
+    return ", ".join(shipped_names()) or "none yet"
+
+
+def resolve_checkpoint(spec: str | Path) -> Path:
+    """A checkpoint file from a shipped name, a file path, or a ``kvsieve train`` output folder."""
+    if isinstance(spec, str) and spec in SHIPPED:
+        return CHECKPOINT_DIR / SHIPPED[spec]
+    path = Path(spec)
+    if path.is_dir() and (path / "policy.safetensors").is_file():
+        return path / "policy.safetensors"
+    if path.is_file():
+        return path
+    raise ValueError(f"learned policy checkpoint {str(spec)!r} is neither a file nor a shipped name "
+                     f"(shipped: {_shipped_text()}); {_HOW_TO_TRAIN}")
+
+
+def _canonical(name: str) -> str:
+    from kvsieve.models import ALIASES
+
+    return ALIASES.get(name, name)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a checkpoint is tied to: the model's name and its cache geometry."""
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, model, name: str) -> ModelShape:
+        config = model.config
+        config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return cls(name, int(config.num_hidden_layers), int(kv_heads), int(head_dim))
+
+    def describe(self) -> str:
+        return f"{self.num_layers} layers, {self.num_kv_heads} KV heads, head dim {self.head_dim}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class LearnedPolicy(Policy):
+    """Keep scores from a trained :class:`~kvsieve.learn.network.KeepNet`; window kept by the selection."""
+
+    name = "learned"
+
+    def __init__(self, checkpoint: str | None = None, model: str | None = None, window: int | None = None,
+                 **kwargs) -> None:
+        if checkpoint is None:
+            raise ValueError(f"the learned policy needs checkpoint=PATH or a shipped name (shipped: "
+                             f"{_shipped_text()}); {_HOW_TO_TRAIN}")
+        path = resolve_checkpoint(checkpoint)
+        loaded = load_checkpoint(path)
+        net = KeepNet(NetConfig(**loaded.meta["net"]))
+        try:
+            net.load_state_dict(loaded.group("net"), strict=True)
+        except RuntimeError as err:
+            raise ValueError(f"checkpoint {str(path)!r} does not hold the network its metadata describes: "
+                             f"{err}") from err
+        self.checkpoint = str(path)
+        self._setup(net, ModelShape(**loaded.meta["model"]), window or int(loaded.meta["window"]), **kwargs)
+        if model is not None and _canonical(model) != _canonical(self.trained_for.name):
+            raise ValueError(f"learned policy checkpoint {self.checkpoint!r} was trained for model "
+                             f"{self.trained_for.name!r}, not {model!r}; {_HOW_TO_TRAIN}")
+
+    @classmethod
+    def from_network(cls, net: KeepNet, trained_for: ModelShape, window: int, **kwargs) -> LearnedPolicy:
+        """A policy around a live network (training), with no checkpoint file."""
+        policy = cls.__new__(cls)
+        policy.checkpoint = None
+        policy._setup(net, trained_for, window, **kwargs)
+        return policy
+
+    def _setup(self, net: KeepNet, trained_for: ModelShape, window: int, **kwargs) -> None:
+        self.net = net.eval()
+        self.trained_for = trained_for
+        self.overhead_seconds = 0.0
+        self.overhead_calls = 0
+        super().__init__(window=window, **kwargs)
+
+    def default_selection(self) -> Selection:
+        return Selection(recent=self.window)
+
+    @property
+    def overhead_ms_per_call(self) -> float:
+        """Mean milliseconds per :meth:`score` call (one layer's features and network forward)."""
+        return 1000 * self.overhead_seconds / max(self.overhead_calls, 1)
+
+    def check(self, signals: Signals) -> None:
+        """Refuse a cache whose geometry differs from the checkpoint's model."""
+        want = self.trained_for
+        have = (signals.num_layers, signals.num_kv_heads, signals.keys.shape[-1])
+        if have != (want.num_layers, want.num_kv_heads, want.head_dim):
+            raise ValueError(
+                f"learned policy {self.checkpoint or '(in training)'} was trained for model {want.name!r} "
+                f"({want.describe()}); the model it is applied to has {have[0]} layers, {have[1]} KV heads, head dim "
+                f"{have[2]}: {_HOW_TO_TRAIN}")
+
+    @torch.no_grad()
+    def logits(self, signals: Signals) -> tuple[torch.Tensor, torch.Tensor]:
+        """(features (b, h, n, F), keep logits (b, h, n)) of one layer."""
+        self.check(signals)
+        features = extract(signals)
+        return features, self.net(features)
+
+    def score(self, signals: Signals) -> torch.Tensor:
+        start = time.perf_counter()
+        scores = self.logits(signals)[1]
+        self.overhead_seconds += time.perf_counter() - start
+        self.overhead_calls += 1
+        return scores
+
+    def __repr__(self) -> str:
+        return f"LearnedPolicy(checkpoint={self.checkpoint!r}, model={self.trained_for.name!r}, window={self.window})"
