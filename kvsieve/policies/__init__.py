@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvsieve.learn.policy import LearnedPolicy
 from kvsieve.policies.adakv import AdaKV
 from kvsieve.policies.base import Policy
 from kvsieve.policies.chunkkv import ChunkKV
@@ -40,13 +41,15 @@ for _cls in (FullCache, RandomPolicy, StreamingLLM, KNorm, SnapKV, TOVA, H2O, Ex
     register(_cls)
 register(KVzip)  # scores from a reconstruction forward: the engine and the runner compute them
 register(ProgramPolicy)  # an evolved program file: "program:PATH"
+register(LearnedPolicy)  # a trained network: "learned(checkpoint=PATH or shipped name)"
 
 PROGRAM_PREFIX = "program:"
 
 
 def names(include_reference: bool = False) -> list[str]:
-    """Registered policy names; reference lines (``oracle``) only when asked; ``program`` takes a path."""
-    return sorted(n for n in _REGISTRY if (include_reference or n not in REFERENCE) and n != "program")
+    """Registered policy names; reference lines (``oracle``) only when asked; ``program`` and ``learned`` take a
+    file (a path or checkpoint), so they are not listed as ready to build."""
+    return sorted(n for n in _REGISTRY if (include_reference or n not in REFERENCE) and n not in ("program", "learned"))
 
 
 def get(name: str, **params) -> Policy:
