@@ -1,4 +1,4 @@
-"""Command line: kvsieve eval | report | generate | certify | evolve | demo."""
+"""Command line: kvsieve eval | report | generate | certify | evolve | train | demo."""
 
 from __future__ import annotations
 
@@ -208,6 +208,37 @@ def cmd_evolve(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    import dataclasses
+
+    from kvsieve.learn.train import load_config, train
+
+    def numbers(text: str | None, kind, flag: str):
+        if text is None:
+            return None
+        try:
+            return _csv(text, kind)
+        except ValueError:
+            raise ValueError(f"{flag} {text!r}: expected comma-separated {kind.__name__}s") from None
+
+    top_k = args.teacher_top_k
+    config = load_config(args.config, model=args.model, tasks=args.tasks and _csv(args.tasks), length=args.length,
+                         samples=args.samples, seed=args.seed, steps=args.steps, lr=args.lr,
+                         ratios=numbers(args.ratios, float, "--ratios"), mode=args.mode, chunk_size=args.chunk_size,
+                         window=args.window, rollouts=args.rollouts, entropy_coef=args.entropy_coef,
+                         grad_clip=args.grad_clip, baseline=args.baseline, out=args.out, data=args.data,
+                         dtype=args.dtype, save_every=args.save_every, teacher_top_k=top_k or None)
+    if top_k == 0:  # the whole vocabulary
+        config = dataclasses.replace(config, teacher_top_k=None)
+    result = train(config)
+    last = result.history[-1] if result.history else None
+    if last is not None:
+        print(f"step {result.step}: reward {last['reward']:.5f} (minus KL per token), entropy {last['entropy']:.3f}")
+    print(f"policy: {result.policy}\nlog: {result.log}\ncurve: {result.curve}")
+    print(f"evaluate it: kvsieve eval --model {config.model} --policies \"full,learned(checkpoint='{result.policy}')\"")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from kvsieve.harness.runner import run_grid
 
@@ -271,6 +302,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--db", help="program database (SQLite); rerun the same command to resume")
     p.add_argument("--out", help="folder for best.py, report.md, progress.png")
     p.set_defaults(func=cmd_evolve)
+    p = sub.add_parser("train", help="train a learned eviction policy (REINFORCE on a per-step KL reward; resumes "
+                       "from --out)")
+    p.add_argument("--config", help="TOML or JSON file with TrainConfig keys (kvsieve/learn/train.py); flags override")
+    p.add_argument("--model", help="bundled name, local folder or hub id")
+    p.add_argument("--tasks", help="comma-separated RULER tasks to generate training samples from")
+    p.add_argument("--length", type=int, help="context length of the generated samples, in tokens")
+    p.add_argument("--samples", type=int, help="generated samples per task (0: only --data)")
+    p.add_argument("--seed", type=int, help="first sample seed and the seed of everything random (default 5000: "
+                   "disjoint from evaluation seeds)")
+    p.add_argument("--steps", type=int, help="total training steps (raise it to continue a finished run)")
+    p.add_argument("--lr", type=float, help="Adam learning rate")
+    p.add_argument("--ratios", help="comma-separated compression ratios in (0, 1), used in turn (0.75 keeps 25%%)")
+    p.add_argument("--mode", help="decode (evict after every chunk) or prefill (one eviction after the context)")
+    p.add_argument("--chunk-size", type=int, help="decode mode: tokens read between evictions")
+    p.add_argument("--window", type=int, help="observation window: last entries always kept, whose queries the "
+                   "features read")
+    p.add_argument("--rollouts", type=int, help="sampled keep sets per step")
+    p.add_argument("--entropy-coef", type=float, help="weight of the entropy bonus")
+    p.add_argument("--grad-clip", type=float, help="gradient norm clip")
+    p.add_argument("--baseline", help="greedy (the deterministic policy's reward) or mean (running mean)")
+    p.add_argument("--teacher-top-k", type=int, help="tokens kept per teacher distribution (0: the whole vocabulary)")
+    p.add_argument("--out", help="run folder: checkpoint, policy.safetensors, log.csv, curve.png")
+    p.add_argument("--data", help="JSONL samples (kvsieve generate format or LongBench) added to the generated ones")
+    p.add_argument("--dtype", help="auto, bfloat16 or float32")
+    p.add_argument("--save-every", type=int, help="steps between checkpoints")
+    p.set_defaults(func=cmd_train)
     p = sub.add_parser("demo", help="the default grid on the bundled SmolLM2 (a few minutes on 2 cores)")
     p.set_defaults(func=cmd_demo)
     args = parser.parse_args(argv)
