@@ -51,6 +51,7 @@ from kvsieve.learn.network import KeepNet, NetConfig
 from kvsieve.learn.policy import ModelShape
 from kvsieve.learn.reward import Teacher
 from kvsieve.learn.rollout import (
+    Decision,
     Episode,
     RolloutPolicy,
     context_cache_for,
@@ -61,7 +62,8 @@ from kvsieve.learn.rollout import (
 )
 from kvsieve.selection import Budget
 
-__all__ = ["TrainConfig", "TrainResult", "train", "load_config", "episodes_from_samples", "EVAL_SEEDS_NOTE"]
+__all__ = ["TrainConfig", "TrainResult", "train", "load_config", "episodes_from_samples", "reinforce_loss",
+           "plot_curve", "EVAL_SEEDS_NOTE"]
 
 EVAL_SEEDS_NOTE = ("evaluation grids use sample seeds from 0 and evolution dev sets from 1000/2000; training "
                    "defaults to 5000 so its samples are disjoint from both")
@@ -226,6 +228,21 @@ def _check_budget(config: TrainConfig, episode: Episode, kept: int, ratio: float
             + "): nothing would be chosen; use longer samples, a smaller ratio, window or chunk_size")
 
 
+def reinforce_loss(net: KeepNet, decisions: list[Decision], returns: dict[int, float], baseline: dict[int, float],
+                   entropy_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE loss of one rollout and its mean normalised first-draw entropy.
+
+    ``-sum_t (G_t - b_t) log p(draws at t) / draws - entropy_coef * H``: minimising it ascends the
+    expected reward (Williams 1992) plus the entropy bonus; ``draws`` is a constant per episode and
+    budget, so it only rescales the gradient.
+    """
+    log_probs, entropy, draws = decision_terms(net, decisions)
+    pg = torch.zeros(())
+    for t, log_prob in log_probs.items():
+        pg = pg - (returns.get(t, 0.0) - baseline.get(t, 0.0)) * log_prob
+    return pg / max(draws, 1) - entropy_coef * entropy, entropy
+
+
 class _Trainer:
     def __init__(self, config: TrainConfig, model, shape: ModelShape, episodes: list[Episode]) -> None:
         self.config, self.model, self.shape, self.episodes = config, model, shape, episodes
@@ -309,17 +326,16 @@ class _Trainer:
         for sample in samples:
             returns = step_returns(sample)
             times = sorted(returns)
-            log_probs, entropy, draws = decision_terms(self.net, sample.decisions)
             if c.baseline == "greedy":
-                base = [greedy_returns.get(t, 0.0) for t in times]
+                base = {t: greedy_returns.get(t, 0.0) for t in times}
             else:
-                base = [float(self.baseline[i]) if i < len(self.baseline) else 0.0 for i in range(len(times))]
-            pg = sum(-(returns[t] - b) * log_probs[t] for t, b in zip(times, base)) / max(draws, 1)
-            losses.append(pg - c.entropy_coef * entropy)
+                base = {t: float(self.baseline[i]) if i < len(self.baseline) else 0.0 for i, t in enumerate(times)}
+            sample_loss, entropy = reinforce_loss(self.net, sample.decisions, returns, base, c.entropy_coef)
+            losses.append(sample_loss)
             entropies.append(float(entropy.detach()))
-            baselines.append(sum(base) / len(base) if base else 0.0)
+            baselines.append(sum(base.values()) / len(base) if base else 0.0)
             returns_by_index.append([returns[t] for t in times])
-        loss = torch.stack([torch.as_tensor(x, dtype=torch.float32) for x in losses]).mean()
+        loss = torch.stack(losses).mean()
         if loss.requires_grad:
             loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.net.parameters(), c.grad_clip))

@@ -1,0 +1,367 @@
+"""Learned eviction (kvsieve.learn): sampling, reward, network, policy, checkpoints, training and resume."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import shutil
+
+import pytest
+import torch
+from conftest import COMMON
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import kvsieve
+from kvsieve.engine.cache import sieve_layers
+from kvsieve.engine.compress import layer_signals
+from kvsieve.learn.checkpoint import load_checkpoint
+from kvsieve.learn.features import FEATURES, extract
+from kvsieve.learn.network import KeepNet
+from kvsieve.learn.policy import LearnedPolicy, ModelShape
+from kvsieve.learn.reward import kl_per_position, teacher_from_logits
+from kvsieve.learn.rollout import (
+    Decision,
+    Episode,
+    RolloutPolicy,
+    _RecordingSelection,
+    rollout,
+    teacher_for,
+)
+from kvsieve.learn.sampling import (
+    first_choice_entropy,
+    gumbel_noise,
+    gumbel_top_k,
+    log_prob_of_ordered,
+    log_prob_of_set_bruteforce,
+)
+from kvsieve.learn.train import TrainConfig, reinforce_loss, train
+from kvsieve.policies import FullCache, from_spec
+
+# ---------------------------------------------------------------------------------------------- sampling
+
+
+def _pl_probability(logits: list[float], order: tuple[int, ...]) -> float:
+    """Plackett-Luce probability of an ordered draw, written out independently of the library."""
+    weights = [math.exp(x) for x in logits]
+    left, p = sum(weights), 1.0
+    for i in order:
+        p *= weights[i] / left
+        left -= weights[i]
+    return p
+
+
+def test_ordered_log_prob_matches_the_written_out_product_and_sums_to_one():
+    logits = torch.tensor([0.3, -1.2, 2.0, 0.0, 0.7], dtype=torch.float64)
+    for k in (1, 2, 3, 5):
+        orders = list(itertools.permutations(range(5), k))
+        lp = log_prob_of_ordered(logits.expand(len(orders), -1), torch.tensor(orders))
+        expected = torch.tensor([_pl_probability(logits.tolist(), o) for o in orders], dtype=torch.float64)
+        torch.testing.assert_close(lp.exp(), expected, rtol=1e-10, atol=0)
+        assert float(lp.exp().sum()) == pytest.approx(1.0, abs=1e-12)  # every ordered k-subset, once
+
+
+def test_set_log_prob_by_enumeration_is_the_sum_over_its_orders():
+    logits = torch.tensor([0.3, -1.2, 2.0, 0.0, 0.7], dtype=torch.float64)
+    total = 0.0
+    for subset in itertools.combinations(range(5), 3):
+        by_hand = sum(_pl_probability(logits.tolist(), o) for o in itertools.permutations(subset))
+        assert math.exp(log_prob_of_set_bruteforce(logits, list(subset))) == pytest.approx(by_hand, rel=1e-10)
+        total += by_hand
+    assert total == pytest.approx(1.0, abs=1e-12)
+
+
+def test_gumbel_top_k_samples_the_plackett_luce_distribution():
+    logits = torch.tensor([1.0, 0.0, -0.5, 0.5])
+    draws = 40_000
+    orders = gumbel_top_k(logits.expand(draws, -1), 2, torch.Generator().manual_seed(0))
+    pairs = list(itertools.permutations(range(4), 2))
+    counts = torch.zeros(len(pairs))
+    codes = orders[:, 0] * 4 + orders[:, 1]
+    for j, (a, b) in enumerate(pairs):
+        counts[j] = int((codes == a * 4 + b).sum())
+    expected = torch.tensor([_pl_probability(logits.tolist(), p) for p in pairs]) * draws
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 32.9  # 99.95% quantile of chi-square with 11 degrees of freedom
+
+
+def test_log_prob_with_excluded_entries_has_finite_gradients():
+    logits = torch.tensor([[0.5, 1.0, -0.3, 0.2, 0.0]], requires_grad=True)
+    excluded = torch.tensor([False, True, False, False, True])
+    masked = logits.masked_fill(excluded, float("-inf"))
+    lp = log_prob_of_ordered(masked, torch.tensor([[3, 0, 2]]))  # every free entry drawn: nothing left over
+    (lp.sum() + first_choice_entropy(masked).sum()).backward()
+    assert torch.isfinite(logits.grad).all() and float(logits.grad[0, 1]) == 0.0
+    free = [0.5, -0.3, 0.2]  # the order restricted to the free entries 0, 2, 3
+    assert float(lp.detach().exp()) == pytest.approx(_pl_probability(free, (2, 0, 1)), rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- reward
+
+
+def test_kl_of_equal_logits_is_exactly_zero_and_positive_otherwise():
+    logits = torch.randn(6, 128, generator=torch.Generator().manual_seed(0))
+    for top_k in (None, 8):
+        teacher = teacher_from_logits(logits, top_k=top_k)
+        assert torch.equal(kl_per_position(teacher, logits.clone()), torch.zeros(6))
+        assert bool((kl_per_position(teacher, logits + torch.randn(6, 128)) > 0).all())
+    full = kl_per_position(teacher_from_logits(logits, top_k=None), logits * 2)
+    coarse = kl_per_position(teacher_from_logits(logits, top_k=8), logits * 2)
+    assert bool((coarse <= full + 1e-6).all())  # binning never raises a KL
+
+
+def _episode(seed: int, n: int = 96, m: int = 24) -> Episode:
+    g = torch.Generator().manual_seed(seed)
+    return Episode(torch.randint(1, 128, (1, n), generator=g), torch.randint(1, 128, (1, m), generator=g), f"ep{seed}")
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_kl_reward_is_zero_when_nothing_is_evicted(llama, mode):
+    episode, net = _episode(0), KeepNet()
+    shape = ModelShape.of(llama, "tiny-llama")
+    teacher = teacher_for(llama, episode, mode, 8, 16, 32)
+    keep_all = episode.context.shape[1] if mode == "prefill" else episode.ids.shape[1]
+    policy = RolloutPolicy(net, shape, 8, torch.Generator().manual_seed(0))
+    nothing = rollout(llama, episode, policy, mode, keep_all, 16, teacher)
+    assert not nothing.decisions and nothing.reward == 0.0 and torch.equal(nothing.kl, torch.zeros_like(nothing.kl))
+    evicting = rollout(llama, episode, policy, mode, 40, 16, teacher)
+    assert evicting.decisions and evicting.reward < 0
+
+
+# ---------------------------------------------------------------------------------------------- network, features
+
+
+def test_network_is_small_and_scores_every_entry():
+    net = KeepNet()
+    assert net.num_parameters() == 5889 < 50_000
+    features = torch.randn(2, 3, 7, len(FEATURES))
+    features[..., -1] = 5.0  # layer index
+    assert net(features).shape == (2, 3, 7)
+    features[..., -1] = 64.0
+    with pytest.raises(ValueError, match="outside the network's 64 layer embeddings"):
+        net(features)
+
+
+@torch.no_grad()
+def test_features_are_finite_and_scaled(llama, prompt_ids):
+    with kvsieve.attach(llama, FullCache(window=8), ratio=0.0):
+        cache = llama(input_ids=prompt_ids, use_cache=True).cache
+    layers = sieve_layers(cache)
+    for idx, layer in layers:
+        f = extract(layer_signals(layer, idx, len(layers), window=8))
+        assert f.shape == (1, 2, 96, len(FEATURES)) and f.dtype == torch.float32 and torch.isfinite(f).all()
+        named = dict(zip(FEATURES, f.unbind(-1)))
+        assert bool((named["layer"] == idx).all()) and bool((named["depth"] == idx / 2).all())
+        assert 0 <= float(named["rel_position"].min()) and float(named["rel_position"].max()) == 1.0
+        assert float(named["recency"][..., -1].max()) == 0.0 and float(named["recency"].max()) <= 1.0
+        assert 0 <= float(named["attn_entropy"].min()) and float(named["attn_entropy"].max()) <= 1.0 + 1e-5
+        assert abs(float(named["value_norm"].exp().mean(-1).mean()) - 1) < 1e-4  # norm over its layer mean
+
+
+# ---------------------------------------------------------------------------------------------- REINFORCE on a toy
+
+
+def _bandit(generator: torch.Generator) -> tuple[torch.Tensor, int]:
+    features = torch.randn(1, 1, 12, len(FEATURES), generator=generator) * 0.3
+    features[..., -1] = 0.0
+    key = int(torch.randint(0, 10, (), generator=generator))
+    features[0, 0, key, FEATURES.index("value_norm")] = 2.0
+    return features, key
+
+
+def _keep_probability(net: KeepNet, generator: torch.Generator, trials: int = 200) -> float:
+    """Exact probability that the one free draw is the key entry, averaged over fresh bandits."""
+    total = 0.0
+    with torch.no_grad():
+        for _ in range(trials):
+            features, key = _bandit(generator)
+            total += math.exp(log_prob_of_set_bruteforce(net(features)[0, 0, :10], [key]))
+    return total / trials
+
+
+def test_reinforce_learns_to_keep_the_one_informative_entry():
+    """A bandit with a known answer: 12 entries, keep 3 (the last 2 protected, 1 free draw among 10); the
+    reward is -1 unless the entry whose value norm stands out is kept (the KL that only it removes). The
+    draws go through the same selection, network and loss as training, with a running-mean baseline."""
+    torch.manual_seed(0)
+    net = KeepNet()
+    optimizer = torch.optim.Adam(net.parameters(), lr=0.02)
+    noise = torch.Generator().manual_seed(1)
+    before = _keep_probability(net, torch.Generator().manual_seed(2))
+    selection, rewards = _RecordingSelection(recent=2), []
+    for _ in range(40):
+        features, key = _bandit(noise)
+        selection.decisions.clear()
+        selection.decisions.append(Decision(time=12, layer=0, features=features))
+        with torch.no_grad():
+            scores = net(features) + gumbel_noise((1, 1, 12), noise)
+        indices, _ = selection.kept_indices(scores, 3)
+        reward = 0.0 if key in indices.flatten().tolist() else -1.0
+        baseline = sum(rewards[-10:]) / len(rewards[-10:]) if rewards else 0.0
+        loss, _ = reinforce_loss(net, selection.decisions, {12: reward}, {12: baseline}, entropy_coef=0.0)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        rewards.append(reward)
+    after = _keep_probability(net, torch.Generator().manual_seed(2))
+    assert before < 0.3 and after > 0.9, (before, after)  # a uniform draw keeps it 1 time in 10
+    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10
+
+
+# ---------------------------------------------------------------------------------------------- policy, checkpoints
+
+CONFIG = dict(model="tiny-llama", chunk_size=16, window=8, ratios=[0.5, 0.75], save_every=1, rollouts=2)
+
+
+@pytest.fixture(scope="module")
+def trained(llama, tmp_path_factory):
+    out = tmp_path_factory.mktemp("learned")
+    result = train(TrainConfig(steps=2, mode="prefill", out=str(out), **CONFIG), model=llama,
+                   episodes=[_episode(i) for i in range(3)], progress=False)
+    return result
+
+
+def test_training_writes_a_log_a_curve_and_a_checkpoint_that_round_trips(trained):
+    assert trained.step == 2 and len(trained.history) == 2
+    assert trained.log.read_text().splitlines()[0].startswith("step,episode,ratio,reward,kl,greedy_reward")
+    assert trained.curve.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = load_checkpoint(trained.policy)
+    assert saved.meta["model"] == {"name": "tiny-llama", "num_layers": 3, "num_kv_heads": 2, "head_dim": 16}
+    assert saved.meta["features"] == list(FEATURES) and saved.meta["window"] == 8 and saved.meta["step"] == 2
+    assert saved.meta["train"]["mode"] == "prefill" and not saved.group("optim")
+    state = load_checkpoint(trained.checkpoint)
+    assert state.group("optim") and "baseline.mean" in state.tensors
+    policy = LearnedPolicy(checkpoint=str(trained.out))  # the run folder finds policy.safetensors
+    for name, value in policy.net.state_dict().items():
+        assert torch.equal(value, saved.tensors[f"net.{name}"]) and torch.equal(value, state.tensors[f"net.{name}"])
+    assert policy.window == 8 and policy.trained_for.name == "tiny-llama"
+    spec = from_spec(f"learned(checkpoint='{trained.policy}')")
+    assert spec.net.state_dict().keys() == policy.net.state_dict().keys()
+
+
+@torch.no_grad()
+def test_learned_policy_compresses_in_prefill_mode_and_reports_its_overhead(llama, prompt_ids, trained):
+    policy = LearnedPolicy(checkpoint=str(trained.policy), model="tiny-llama")
+    with kvsieve.attach(llama, policy, ratio=0.5):
+        cache = llama(input_ids=prompt_ids, use_cache=True).cache
+    for _, layer in sieve_layers(cache):
+        assert layer.physical_length == 48
+        assert set(range(88, 96)) <= set(layer.positions[0, 0].tolist())  # the window is kept
+    assert policy.overhead_calls == 3 and policy.overhead_seconds > 0 and policy.overhead_ms_per_call > 0
+
+
+@torch.no_grad()
+def test_decode_time_eviction_with_the_learned_policy_stays_under_budget_plus_chunk(llama, prompt_ids, trained):
+    budget, chunk = 32, 16
+    seen = []
+
+    def record(module, args, output):
+        seen.append((module.layer_idx, session.cache.layers[module.layer_idx].physical_length))
+
+    hooks = [m.self_attn.register_forward_hook(record) for m in llama.model.layers]
+    try:
+        policy = LearnedPolicy(checkpoint=str(trained.policy))
+        with kvsieve.attach(llama, policy, kept=budget, mode="decode", chunk_size=chunk) as session:
+            out = llama.generate(prompt_ids, max_new_tokens=10, do_sample=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert out.shape[1] == 106 and len(seen) >= 3 * (96 // chunk + 9)
+    assert max(length for _, length in seen) <= budget + chunk
+    assert session.report.events >= 4 and policy.overhead_calls >= 3 * 4
+
+
+def _damaged(path, tmp_path, name, edit):
+    data = bytearray(path.read_bytes())
+    target = tmp_path / name
+    target.write_bytes(bytes(edit(data)))
+    return str(target)
+
+
+def test_corrupt_truncated_and_foreign_checkpoints_are_refused(trained, tmp_path):
+    good = trained.policy
+
+    def flip_last_byte(data):
+        data[-1] ^= 0xFF
+        return data
+
+    corrupt = _damaged(good, tmp_path, "corrupt.safetensors", flip_last_byte)
+    with pytest.raises(ValueError, match="is corrupt: its tensors do not match the checksum"):
+        LearnedPolicy(checkpoint=corrupt)
+    truncated = _damaged(good, tmp_path, "truncated.safetensors", lambda d: d[: len(d) // 2])
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        LearnedPolicy(checkpoint=truncated)
+    garbage = _damaged(good, tmp_path, "garbage.safetensors", lambda d: b"\x00\x01 not a checkpoint" * 3)
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        LearnedPolicy(checkpoint=garbage)
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(ValueError, match="not a kvsieve learned-policy checkpoint"):
+        LearnedPolicy(checkpoint=str(tmp_path / "other.safetensors"))
+    with pytest.raises(ValueError, match="neither a file nor a shipped name"):
+        LearnedPolicy(checkpoint=str(tmp_path / "missing.safetensors"))
+
+
+@torch.no_grad()
+def test_a_checkpoint_refuses_another_model(trained, prompt_ids):
+    with pytest.raises(ValueError, match="trained for model 'tiny-llama', not 'qwen2.5-0.5b'"):
+        LearnedPolicy(checkpoint=str(trained.policy), model="qwen2.5-0.5b")
+    torch.manual_seed(0)
+    other = AutoModelForCausalLM.from_config(LlamaConfig(**dict(COMMON, num_key_value_heads=1)),
+                                             attn_implementation="sdpa").eval()
+    policy = LearnedPolicy(checkpoint=str(trained.policy))
+    with pytest.raises(ValueError, match=r"trained for model 'tiny-llama' \(3 layers, 2 KV heads, head dim 16\); "
+                                         r"the model it is applied to has 3 layers, 1 KV heads"):
+        with kvsieve.attach(other, policy, ratio=0.5):
+            other(input_ids=prompt_ids, use_cache=True)
+
+
+def test_learned_without_a_checkpoint_says_what_is_shipped_and_how_to_train():
+    with pytest.raises(ValueError, match=r"shipped: none yet\); train one with `kvsieve train"):
+        from_spec("learned")
+    assert "learned" not in kvsieve.policies.names()  # needs a file, like program:PATH
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+def test_decode_training_resumes_to_the_same_weights(llama, tmp_path):
+    episodes = [_episode(i) for i in range(3)]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    config = dict(CONFIG, mode="decode", baseline="greedy")
+    train(TrainConfig(steps=4, out=str(straight), **config), model=llama, episodes=episodes, progress=False)
+    train(TrainConfig(steps=2, out=str(resumed), **config), model=llama, episodes=episodes, progress=False)
+    train(TrainConfig(steps=4, out=str(resumed), **config), model=llama, episodes=episodes, progress=False)
+    a, b = load_checkpoint(straight / "checkpoint.safetensors"), load_checkpoint(resumed / "checkpoint.safetensors")
+    assert a.meta["step"] == b.meta["step"] == 4 and a.tensors.keys() == b.tensors.keys()
+    assert all(torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
+    logged = (resumed / "log.csv").read_text().splitlines()
+    assert [line.split(",")[0] for line in logged[1:]] == ["0", "1", "2", "3"]
+    with pytest.raises(ValueError, match=r"other settings \(lr: 0.003 there, 0.01 now\)"):
+        train(TrainConfig(steps=5, out=str(resumed), lr=0.01, **config), model=llama, episodes=episodes,
+              progress=False)
+    shutil.rmtree(tmp_path)
+
+
+def test_mean_baseline_training_keeps_its_running_mean_in_the_checkpoint(llama, tmp_path):
+    result = train(TrainConfig(steps=2, out=str(tmp_path), mode="decode", baseline="mean", **CONFIG), model=llama,
+                   episodes=[_episode(i) for i in range(2)], progress=False)
+    assert all(math.isnan(row["greedy_reward"]) for row in result.history)
+    assert all(row["reward"] < 0 and row["decisions"] > 0 for row in result.history)
+    mean = load_checkpoint(result.checkpoint).tensors["baseline.mean"]
+    assert mean.numel() > 0 and float(mean.max()) < 0  # returns are minus a KL
+
+
+def test_bad_train_settings_name_the_value_and_what_is_allowed():
+    with pytest.raises(ValueError, match=r"compression ratio 1.5 is outside \(0, 1\)"):
+        TrainConfig(ratios=[1.5])
+    with pytest.raises(ValueError, match="mode 'fast' is not one of decode, prefill"):
+        TrainConfig(mode="fast")
+    with pytest.raises(ValueError, match="baseline 'best' is not one of greedy, mean"):
+        TrainConfig(baseline="best")
+    with pytest.raises(ValueError, match=r"unknown task\(s\) \['nope'\]"):
+        TrainConfig(tasks=["nope"])
+    from kvsieve.cli import main
+
+    assert main(["train", "--ratios", "0.5,x"]) == 2
+    assert main(["train", "--chunk-size", "0"]) == 2
