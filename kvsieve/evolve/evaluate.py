@@ -103,7 +103,7 @@ class DevSet:
 
     @property
     def full_score(self) -> float:
-        return 100 * statistics.fmean(item.full_score for item in self.items)
+        return statistics.fmean(item.full_score for item in self.items)  # metric scores are 0..100
 
     @torch.no_grad()
     def _answer_logprob(self, item: _DevSample, cache) -> float:
@@ -140,7 +140,7 @@ class Evaluation:
     stage: int
     reason: str = ""
     proxy: float | None = None  # mean answer log-likelihood gap to the full cache (nats/token, lower is better)
-    score: float | None = None  # mean task score x100 over dev samples and ratios
+    score: float | None = None  # mean task score (0..100) over dev samples and ratios
     cells: dict[str, float] = field(default_factory=dict)  # "sample/ratio" -> task score
     degenerate: bool = False  # constant scores in every layer: the selection falls back to tie order
     seconds: float = 0.0
@@ -176,6 +176,6 @@ def evaluate_program(program: Program, dev: DevSet, limits: SandboxLimits | None
     for i, item in enumerate(dev.items):
         for ratio in dev.ratios:
             cells[f"{i}/{ratio}"] = dev._task_score(item, dev.compressed(i, policies[i], ratio))
-    score = 100 * statistics.fmean(cells.values())
+    score = statistics.fmean(cells.values())
     return Evaluation("ok", 3, proxy=proxy, score=score, cells=cells, degenerate=degenerate,
                       seconds=time.perf_counter() - start, sandbox_seconds=result.seconds)
