@@ -83,11 +83,32 @@ def _add_grid_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--per-cell", action="store_true", help="naive loop: one prefill per cell (for checks)")
 
 
-def cmd_eval(args) -> int:
+def _add_executor_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--executor", choices=["local", "ray"], help="local (default: this process) or ray "
+                        "(long-lived worker processes that each load the model once; pip install 'kvsieve[ray]')")
+    parser.add_argument("--ray-address", help="with --executor ray: auto (the cluster this machine is a node of) or "
+                        "HOST:PORT of its head; default: start a local Ray instance with this machine's CPUs")
+    parser.add_argument("--workers", type=int, help="with --executor ray: worker processes, each holding one copy "
+                        "of the model (default: the cluster's CPUs)")
+
+
+def _run_grid(config: GridConfig, args):
+    """``run_grid`` through the executor the flags name (the local one when none is named)."""
+    from kvsieve.harness.executor import make_grid_executor
     from kvsieve.harness.runner import run_grid
 
+    executor = make_grid_executor(args.executor or "local", args.ray_address, args.workers)
+    if args.executor != "ray":
+        return run_grid(config)
+    try:
+        return run_grid(config, executor=executor)
+    finally:
+        executor.close()
+
+
+def cmd_eval(args) -> int:
     config = _grid(args)
-    store = run_grid(config)
+    store = _run_grid(config, args)
     _print_tables(store, config.model)
     return 0
 
@@ -155,8 +176,6 @@ def cmd_certify(args) -> int:
     lengths = _csv(args.lengths, int) if args.lengths else None
     edges = _csv(args.length_edges, int) if args.length_edges else None
     if args.run:
-        from kvsieve.harness.runner import run_grid
-
         if not tasks or not lengths:
             raise ValueError("--run needs --tasks and --lengths to know which calibration cells to evaluate")
         grid = GridConfig(model=args.model, tasks=tasks, lengths=lengths, policies=["full", *compressing],
@@ -164,7 +183,7 @@ def cmd_certify(args) -> int:
                           question_aware=args.question_aware)
         if args.question_aware:  # only the question-aware variants are candidates
             grid.policies, grid.qa_policies = ["full"], compressing
-        run_grid(grid).close()
+        _run_grid(grid, args).close()
     if not Path(args.store).is_file():
         raise ValueError(f"results store {args.store} does not exist (add --run to evaluate the calibration cells)")
     candidates = [Candidate(p, r, args.question_aware) for p in compressing for r in ratios]
@@ -198,7 +217,8 @@ def cmd_evolve(args) -> int:
     config = load_config(args.config, model=args.model, candidates=args.candidates, seed=args.seed,
                          strategy=args.strategy, mutator=args.llm, llm_base_url=args.llm_base_url,
                          llm_model=args.llm_model, llm_api_key_env=args.llm_api_key_env, db=args.db, out=args.out,
-                         time_budget_s=args.time_budget)
+                         time_budget_s=args.time_budget, executor=args.executor, ray_address=args.ray_address,
+                         workers=args.workers)
     result = run_evolution(config)
     if result.best is not None:
         print(f"best program #{result.best.id}: dev score {result.best.score:.1f}, held-out "
@@ -252,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("eval", help="run an evaluation grid into the results store")
     _add_grid_flags(p)
+    _add_executor_flags(p)
     p.set_defaults(func=cmd_eval)
     p = sub.add_parser("report", help="tables and plots from a results store")
     p.add_argument("--store", default="results/results.sqlite")
@@ -287,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=25, help="with --run: samples per task and length")
     p.add_argument("--seed", type=int, default=0, help="with --run: first sample seed")
     p.add_argument("--out", default="contract.json", help="contract file to write")
+    _add_executor_flags(p)  # with --run
     p.set_defaults(func=cmd_certify)
     p = sub.add_parser("evolve", help="discover an eviction policy by program evolution (resumes from --db)")
     p.add_argument("--config", help="TOML or JSON file with EvolveConfig keys (kvsieve/evolve/search.py)")
@@ -301,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llm-api-key-env", help="environment variable holding the API key (default OPENAI_API_KEY)")
     p.add_argument("--db", help="program database (SQLite); rerun the same command to resume")
     p.add_argument("--out", help="folder for best.py, report.md, progress.png")
+    _add_executor_flags(p)
     p.set_defaults(func=cmd_evolve)
     p = sub.add_parser("train", help="train a learned eviction policy (REINFORCE on a per-step KL reward; resumes "
                        "from --out)")

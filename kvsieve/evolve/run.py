@@ -59,7 +59,12 @@ def run_evolution(config: EvolveConfig, progress: bool = True, model=None, token
         dev = DevSet(model, tokenizer, dev_samples(config, tokenizer, config.dev_seed, config.dev_samples),
                      config.ratios, config.window, workdir, progress=progress)
         limits = SandboxLimits(timeout_s=config.sandbox_timeout_s, memory_mb=config.sandbox_memory_mb)
-        executor = LocalExecutor(dev, limits)
+        if config.executor == "ray":  # actors build their own model and dev set; the database stays here
+            from kvsieve.evolve.ray_executor import RayExecutor
+
+            executor = RayExecutor(config, limits, address=config.ray_address, workers=config.workers)
+        else:
+            executor = LocalExecutor(dev, limits)
         mutator = make_mutator(config, model, tokenizer)
         if hasattr(mutator, "score_of"):  # LLM prompts show the parent's and inspirations' dev scores
 
@@ -68,8 +73,10 @@ def run_evolution(config: EvolveConfig, progress: bool = True, model=None, token
                 return None if record is None else record.score
 
             mutator.score_of = score_of
-        best = evolve(config, executor, mutator, db, progress=progress)
-        executor.close()
+        try:
+            best = evolve(config, executor, mutator, db, progress=progress)
+        finally:
+            executor.close()  # Ray: its actors, and the Ray instance it started
         heldout = _heldout_scores(db, config, model, tokenizer, limits, progress)
         reference = {"full cache (dev)": dev.full_score}
         for record in db.records("generation = 0 AND island = 0"):

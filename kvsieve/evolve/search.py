@@ -69,6 +69,9 @@ class EvolveConfig:
     plateau_generations: int = 5
     db: str = "results/evolve/run.sqlite"
     out: str = "results/evolve"
+    executor: str = "local"  # "local" (this process) or "ray" (evolve/ray_executor.py); not part of the run's identity
+    ray_address: str | None = None  # with executor "ray": None starts a local Ray instance; "auto" or "HOST:PORT"
+    workers: int | None = None  # with executor "ray": actors (default: the cluster's CPUs)
 
     def __post_init__(self) -> None:
         if self.strategy not in ("evolve", "best_of_n"):
@@ -86,10 +89,18 @@ class EvolveConfig:
             raise ValueError(f"seed programs {unknown or '[]'} are neither seed names ({', '.join(SEEDS)}) nor files")
         if not 0.0 <= self.exploit <= 1.0:
             raise ValueError(f"exploit must be in [0, 1], got {self.exploit!r}")
+        if self.executor not in ("local", "ray"):
+            raise ValueError(f"executor must be 'local' or 'ray', got {self.executor!r}")
+        if self.executor == "local" and (self.ray_address is not None or self.workers is not None):
+            raise ValueError("ray_address and workers need executor 'ray' (--executor ray)")
+        if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)
+                                         or self.workers < 1):
+            raise ValueError(f"workers must be an int >= 1, got {self.workers!r}")
 
     def identity(self) -> dict:
         """What makes two runs the same run (the database refuses to resume under another)."""
-        return {k: v for k, v in asdict(self).items() if k not in ("db", "out", "llm_api_key_env")}
+        where = ("db", "out", "llm_api_key_env", "executor", "ray_address", "workers")  # same results anywhere
+        return {k: v for k, v in asdict(self).items() if k not in where}
 
 
 def load_config(path: str | None, **overrides) -> EvolveConfig:

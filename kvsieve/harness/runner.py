@@ -25,8 +25,7 @@ from kvsieve.engine.compress import compress_cache
 from kvsieve.engine.generate import Prompt, build_prompt, generate, greedy_decode
 from kvsieve.engine.reconstruct import ReconstructionPrompt, compress_with_reconstruction, reconstruction_scores
 from kvsieve.harness.store import CellKey, CellResult, ResultsStore
-from kvsieve.harness.validate import load_samples, validate
-from kvsieve.models import load
+from kvsieve.harness.validate import validate
 from kvsieve.policies import FullCache, Policy, from_spec, parse_spec
 from kvsieve.selection import Budget
 from kvsieve.tasks.metrics import score as metric_score
@@ -238,28 +237,44 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
     return sorted(results, key=lambda r: order[Cell(r.key.policy, r.key.ratio, r.key.question_aware)])
 
 
-def run_grid(config: GridConfig, progress: bool = True) -> ResultsStore:
-    """Evaluate every missing cell of the grid; rows land in the store after each sample."""
+def run_grid(config: GridConfig, progress: bool = True, executor=None) -> ResultsStore:
+    """Evaluate every missing cell of the grid; rows land in the store after each sample.
+
+    ``executor`` (``harness/executor.py``) computes the samples: in this process (``None``: a
+    ``LocalGridExecutor``, closed here) or on Ray actors (``RayGridExecutor``; the caller closes it).
+    Only this process writes the store.
+    """
     from tqdm import tqdm
+
+    from kvsieve.harness.executor import LocalGridExecutor
 
     validate(config)
     cells = cells_for(config)
     store = ResultsStore(config.store)
-    model, tokenizer = load(config.model, dtype=config.dtype)
-    todo = []
-    for sample in load_samples(config, tokenizer):
-        keys = [CellKey(config.model, sample.task, sample.length, sample.id, c.policy, c.ratio, c.question_aware)
-                for c in cells]
-        missing = {(k.policy, k.ratio, k.question_aware) for k in store.missing(keys)}
-        todo_cells = [c for c in cells if (c.policy, round(c.ratio, 6), c.question_aware) in missing]
-        if todo_cells:
-            todo.append((sample, todo_cells))
-    total = sum(len(c) for _, c in todo)
-    bar = tqdm(total=total, unit="cell", disable=not progress, desc=f"{config.model}")
-    run_config = {k: v for k, v in asdict(config).items() if k not in ("store",)}
-    for sample, todo_cells in todo:
-        results = evaluate_sample(model, tokenizer, sample, todo_cells, config.model, config.shared, run_config)
-        store.add_many(results)
-        bar.update(len(results))
-    bar.close()
+    owned = executor is None
+    executor = LocalGridExecutor() if owned else executor
+    try:
+        todo = []
+        for sample in executor.samples(config):
+            keys = [CellKey(config.model, sample.task, sample.length, sample.id, c.policy, c.ratio, c.question_aware)
+                    for c in cells]
+            missing = {(k.policy, k.ratio, k.question_aware) for k in store.missing(keys)}
+            todo_cells = [c for c in cells if (c.policy, round(c.ratio, 6), c.question_aware) in missing]
+            if todo_cells:
+                todo.append((sample, todo_cells))
+        total = sum(len(c) for _, c in todo)
+        bar = tqdm(total=total, unit="cell", disable=not progress, desc=f"{config.model}")
+        run_config = {k: v for k, v in asdict(config).items() if k not in ("store",)}
+
+        def on_sample(results: list[CellResult]) -> None:
+            store.add_many(results)  # one transaction: a sample's rows land together
+            bar.update(len(results))
+
+        try:
+            executor.run(config, todo, run_config, on_sample)
+        finally:
+            bar.close()
+    finally:
+        if owned:
+            executor.close()
     return store

@@ -1,0 +1,51 @@
+"""Connect this process (the driver) to Ray: a local instance, or an existing cluster.
+
+``address=None`` starts a local Ray instance with this machine's CPUs; ``"auto"`` joins the cluster this
+machine is a node of (``ray start`` was run here); ``"HOST:PORT"`` joins the cluster whose head's GCS
+listens there. Whatever :func:`connect` started or joined, :meth:`RayConnection.close` leaves; a Ray
+session the caller had already opened is left alone.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["RayConnection", "connect", "import_ray"]
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError as err:  # an optional dependency
+        raise ValueError("the Ray executor needs ray: pip install 'kvsieve[ray]' (ray==2.60.0)") from err
+    return ray
+
+
+@dataclass
+class RayConnection:
+    owned: bool  # this connection called ray.init, so close() calls ray.shutdown
+    address: str | None
+
+    def cpus(self) -> int:
+        """CPUs of the whole cluster (every node's), as Ray counts them."""
+        return max(1, int(import_ray().cluster_resources().get("CPU", 1)))
+
+    def close(self) -> None:
+        if self.owned:
+            ray = import_ray()
+            if ray.is_initialized():
+                ray.shutdown()
+            self.owned = False
+
+
+def connect(address: str | None = None, num_cpus: int | None = None) -> RayConnection:
+    """Start or join Ray (see the module docstring). ``num_cpus`` only applies to a started instance."""
+    ray = import_ray()
+    if ray.is_initialized():
+        return RayConnection(False, address)
+    if address is None:
+        ray.init(num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=False)
+    else:
+        ray.init(address=address)
+    return RayConnection(True, address)

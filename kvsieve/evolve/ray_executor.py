@@ -1,0 +1,120 @@
+"""Candidate evaluation on Ray: the evolve ``Executor`` interface (``executor.py``) over long-lived actors.
+
+Each actor builds the model and its own :class:`~kvsieve.evolve.evaluate.DevSet` once (the dev samples
+prefilled on the full cache, their features saved in the actor's temporary folder), then runs
+:func:`~kvsieve.evolve.evaluate.evaluate_program` for one candidate at a time. So a candidate's code
+still runs only inside the sandbox subprocess, started by the actor on the worker's machine: a candidate
+that crashes or hangs its sandbox costs that sandbox, not the actor. The loop, the mutator and the
+program database stay with the driver; results reach it through ``on_result(i, evaluation)`` as they
+finish (the loop stores them by slot, so finishing order does not change the database). A worker process
+that dies costs only its candidate, which is retried once on another worker (``distributed/pool.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+
+from kvsieve.evolve.evaluate import DevSet, Evaluation, evaluate_program
+from kvsieve.evolve.program import Program
+from kvsieve.evolve.sandbox import SandboxLimits
+from kvsieve.evolve.search import EvolveConfig
+from kvsieve.models import load
+
+__all__ = ["RayExecutor", "EvolveWorker"]
+
+
+class EvolveWorker:
+    """The body of one Ray actor: the model and the dev set, built once; one candidate per call."""
+
+    def __init__(self, factory: Callable, config: EvolveConfig, threads: int) -> None:
+        import torch
+
+        from kvsieve.evolve.run import dev_samples
+
+        torch.set_num_threads(max(1, int(threads)))
+        model, tokenizer = factory()
+        samples = dev_samples(config, tokenizer, config.dev_seed, config.dev_samples)
+        self.dev = DevSet(model, tokenizer, samples, config.ratios, config.window)  # features in a temp folder
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def evaluate(self, source: str, max_gap: float | None, limits: SandboxLimits) -> Evaluation:
+        return evaluate_program(Program(source), self.dev, limits, max_gap)
+
+
+class RayExecutor:
+    """Evaluates candidates on Ray actors; the same interface and results as ``LocalExecutor``.
+
+    ``address``: ``None`` starts a local Ray instance with this machine's CPUs (shut down on
+    :meth:`close`); ``"auto"`` or ``"HOST:PORT"`` joins a running cluster. ``workers``: actors (default:
+    the cluster's CPUs divided by ``cpus_per_worker``, at most one generation's candidates).
+    ``factory``: a picklable callable returning ``(model, tokenizer)`` (default
+    ``load(config.model, dtype=config.dtype)``). ``limits`` may be changed between calls.
+    ``on_dispatch(pid, program)`` runs in the driver when a candidate is sent to the worker with that
+    process id. ``retried`` lists ``(code hash, dead pid)`` per retry after a worker died.
+    """
+
+    def __init__(self, config: EvolveConfig, limits: SandboxLimits | None = None, address: str | None = None,
+                 workers: int | None = None, cpus_per_worker: int = 1, factory: Callable | None = None,
+                 on_dispatch: Callable[[int, Program], None] | None = None) -> None:
+        if workers is not None and workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        if cpus_per_worker < 1:
+            raise ValueError(f"cpus_per_worker must be >= 1, got {cpus_per_worker}")
+        self.config = config
+        self.limits = limits or SandboxLimits()
+        self.address, self.workers, self.cpus_per_worker = address, workers, int(cpus_per_worker)
+        self.factory = factory if factory is not None else functools.partial(load, config.model, dtype=config.dtype)
+        self.on_dispatch = on_dispatch
+        self.retried: list[tuple[str, int]] = []
+        self._connection = None
+        self._pool = None
+
+    def _ensure(self):
+        from kvsieve.distributed import WorkerPool, connect
+
+        if self._connection is None:
+            self._connection = connect(self.address)
+        if self._pool is None:
+            self._pool = WorkerPool(EvolveWorker, (self.factory, self.config, self.cpus_per_worker),
+                                    cpus_per_worker=self.cpus_per_worker)
+            size = self.workers or max(1, self._connection.cpus() // self.cpus_per_worker)
+            self._pool.grow(min(size, self.config.islands * self.config.per_island))
+        return self._pool
+
+    def pids(self) -> list[int]:
+        """The workers' process ids (starts them if needed, and waits until they are built)."""
+        return self._ensure().pids()
+
+    def evaluate(self, programs: list[Program], max_gap: float | None = None,
+                 on_result: Callable[[int, Evaluation], None] | None = None) -> list[Evaluation]:
+        pool = self._ensure()
+        out: list[Evaluation | None] = [None] * len(programs)
+
+        def done(i: int, evaluation: Evaluation) -> None:
+            out[i] = evaluation
+            if on_result is not None:
+                on_result(i, evaluation)
+
+        dispatch = None
+        if self.on_dispatch is not None:
+            def dispatch(pid: int, i: int) -> None:
+                self.on_dispatch(pid, programs[i])
+        before = len(pool.retried)
+        try:
+            pool.run("evaluate", [(p.source, max_gap, self.limits) for p in programs], done, dispatch,
+                     describe=lambda i: f"candidate {programs[i].code_hash}")
+        finally:
+            self.retried += [(programs[i].code_hash, pid) for i, pid in pool.retried[before:]]
+        return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
