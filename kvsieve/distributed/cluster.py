@@ -1,9 +1,10 @@
 """Connect this process (the driver) to Ray: a local instance, or an existing cluster.
 
-``address=None`` starts a local Ray instance with this machine's CPUs; ``"auto"`` joins the cluster this
-machine is a node of (``ray start`` was run here); ``"HOST:PORT"`` joins the cluster whose head's GCS
-listens there. Whatever :func:`connect` started or joined, :meth:`RayConnection.close` leaves; a Ray
-session the caller had already opened is left alone.
+``address=None`` starts a local Ray instance with this machine's CPUs (unless Ray's own ``RAY_ADDRESS``
+environment variable names a cluster); ``"auto"`` joins the cluster this machine is a node of (``ray
+start`` was run here); ``"HOST:PORT"`` joins the cluster whose head's GCS listens there. Whatever
+:func:`connect` started or joined, :meth:`RayConnection.close` leaves; a Ray session the caller had
+already opened is left alone.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> RayConne
     ray = import_ray()
     if ray.is_initialized():
         return RayConnection(False, address)
+    address = address or os.environ.get("RAY_ADDRESS") or None
     if address is None:
         ray.init(num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=False)
     else:

@@ -20,7 +20,7 @@ from kvsieve.evolve.evaluate import DevSet, Evaluation, evaluate_program
 from kvsieve.evolve.program import Program
 from kvsieve.evolve.sandbox import SandboxLimits
 from kvsieve.evolve.search import EvolveConfig
-from kvsieve.models import load
+from kvsieve.models import load, resolve_dtype
 
 __all__ = ["RayExecutor", "EvolveWorker"]
 
@@ -52,7 +52,8 @@ class RayExecutor:
     :meth:`close`); ``"auto"`` or ``"HOST:PORT"`` joins a running cluster. ``workers``: actors (default:
     the cluster's CPUs divided by ``cpus_per_worker``, at most one generation's candidates).
     ``factory``: a picklable callable returning ``(model, tokenizer)`` (default
-    ``load(config.model, dtype=config.dtype)``). ``limits`` may be changed between calls.
+    ``load(config.model, dtype=config.dtype)``, with ``"auto"`` resolved in the driver). ``limits`` may be
+    changed between calls.
     ``on_dispatch(pid, program)`` runs in the driver when a candidate is sent to the worker with that
     process id. ``retried`` lists ``(code hash, dead pid)`` per retry after a worker died.
     """
@@ -67,7 +68,9 @@ class RayExecutor:
         self.config = config
         self.limits = limits or SandboxLimits()
         self.address, self.workers, self.cpus_per_worker = address, workers, int(cpus_per_worker)
-        self.factory = factory if factory is not None else functools.partial(load, config.model, dtype=config.dtype)
+        if factory is None:  # "auto" decided here, so every worker computes in the driver's dtype
+            factory = functools.partial(load, config.model, dtype=resolve_dtype(config.dtype))
+        self.factory = factory
         self.on_dispatch = on_dispatch
         self.retried: list[tuple[str, int]] = []
         self._connection = None

@@ -14,7 +14,8 @@ bar; an executor only computes. The unit of work is one sample with all its miss
 
 A model is given by a *factory*: a picklable callable returning ``(model, tokenizer)`` (Ray sends it to
 the actors; a model itself is not sent). The default is ``kvsieve.models.load(config.model,
-dtype=config.dtype)``.
+dtype=config.dtype)``; for Ray, ``dtype="auto"`` is resolved in the driver first, so every worker uses
+the same dtype.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Protocol
 from kvsieve.harness.runner import Cell, GridConfig, evaluate_sample
 from kvsieve.harness.store import CellResult
 from kvsieve.harness.validate import load_samples
-from kvsieve.models import load
+from kvsieve.models import load, resolve_dtype
 from kvsieve.tasks.sample import Sample
 
 __all__ = ["GridExecutor", "LocalGridExecutor", "RayGridExecutor", "GridWorker", "make_grid_executor",
@@ -50,8 +51,12 @@ class GridExecutor(Protocol):
     def close(self) -> None: ...
 
 
-def _factory(config: GridConfig, factory: Callable | None) -> Callable:
-    return factory if factory is not None else functools.partial(load, config.model, dtype=config.dtype)
+def _factory(config: GridConfig, factory: Callable | None, resolve: bool = False) -> Callable:
+    """``factory``, else ``load(config.model, dtype)``; ``resolve``: ``"auto"`` is decided here, in the
+    driver, so workers on machines with other CPU features still compute in the same dtype."""
+    if factory is not None:
+        return factory
+    return functools.partial(load, config.model, dtype=resolve_dtype(config.dtype) if resolve else config.dtype)
 
 
 class LocalGridExecutor:
@@ -140,7 +145,7 @@ class RayGridExecutor:
             self._pool.close()
             self._pool = None
         if self._pool is None:
-            self._pool = WorkerPool(GridWorker, (_factory(config, self.factory), self.cpus_per_worker),
+            self._pool = WorkerPool(GridWorker, (_factory(config, self.factory, resolve=True), self.cpus_per_worker),
                                     cpus_per_worker=self.cpus_per_worker)
             self._key = key
         return self._pool
