@@ -58,7 +58,7 @@ def _timings(path) -> dict:
 def cluster():
     with pytest.MonkeyPatch.context() as patch:  # workers (started by the raylet) import test modules by name
         patch.setenv("PYTHONPATH", os.pathsep.join([HERE, *filter(None, [os.environ.get("PYTHONPATH")])]))
-        ray.init(num_cpus=2, include_dashboard=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False)  # never a stale recorded cluster
         try:
             yield ray.get_runtime_context().gcs_address
         finally:

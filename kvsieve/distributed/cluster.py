@@ -47,7 +47,8 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> RayConne
         return RayConnection(False, address)
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address is None:
-        ray.init(num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=False)
+        # "local": always a new instance, never a stale cluster recorded in /tmp/ray/ray_current_cluster
+        ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=False)
     else:
         ray.init(address=address)
     return RayConnection(True, address)
