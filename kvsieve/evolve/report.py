@@ -73,7 +73,7 @@ def plot_progress(generations: list[dict], path: str | Path, title: str) -> Path
     med = [(g["generation"], g["median"]) for g in generations if g["median"] is not None]
     ax.plot([m[0] for m in med], [m[1] for m in med], label="median of generation", color="C1", marker=".", lw=0.8)
     ax.set_xlabel("generation")
-    ax.set_ylabel("dev score (x100)")
+    ax.set_ylabel("dev score (0-100)")
     ax.set_title(title, fontsize=9)
     ax.legend()
     fig.tight_layout()
