@@ -1,6 +1,6 @@
 """Learned eviction (DistillCache): a small policy network over per-entry signals, trained with REINFORCE.
 
-DistillCache (../shared/papers/002, "DistillCache", abstract) casts KV-cache eviction as a sequential
+DistillCache (the paper's abstract) casts KV-cache eviction as a sequential
 decision problem: a lightweight network reads internal model signals (attention statistics, value
 norms, entropy, position) and decides what to evict; REINFORCE trains it on a per-step reward, minus
 the KL divergence between the full-cache and the compressed-cache next-token distributions.

@@ -1,6 +1,6 @@
 """``learned``: the DistillCache policy network as a kvsieve policy.
 
-DistillCache (../shared/papers/002, abstract) learns "a lightweight policy network using rich internal
+DistillCache (the paper's abstract) learns "a lightweight policy network using rich internal
 model signals" to decide what to evict. Here that network (:mod:`kvsieve.learn.network`) scores every
 cached entry of a layer from its features (:mod:`kvsieve.learn.features`); like every policy, which
 entries survive is its :class:`~kvsieve.selection.Selection`'s business: top-k per head, with the

@@ -1,7 +1,7 @@
 """``kvsieve train``: REINFORCE on the per-step KL reward (DistillCache), resumable, seeded.
 
 DistillCache trains its policy network "with REINFORCE via a per-step KL-divergence reward"
-(../shared/papers/002, abstract). One training step here:
+(DistillCache, the paper's abstract). One training step here:
 
 1. picks an episode (a seeded permutation of the training samples per epoch) and a compression ratio
    (``ratios`` in turn); the full-cache teacher of each episode is computed once and cached;

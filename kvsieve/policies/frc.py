@@ -1,5 +1,5 @@
 """FRC (feature-rich compression): the three-signal scorer discovered by CacheCraft, "Discovering KV
-Cache Eviction Policies via LLM-Guided Program Evolution" (../shared/papers/000_e5ec0f80cd259ba7.txt).
+Cache Eviction Policies via LLM-Guided Program Evolution" (its abstract).
 
 The paper's abstract names the three signals and the selection, not the formulas; kvsieve's design
 of each, with fixed weights for every model (no per-model tuning):
