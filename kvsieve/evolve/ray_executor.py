@@ -16,6 +16,7 @@ import functools
 import os
 from collections.abc import Callable
 
+from kvsieve.distributed.actors import RayActors
 from kvsieve.evolve.evaluate import DevSet, Evaluation, evaluate_program
 from kvsieve.evolve.program import Program
 from kvsieve.evolve.sandbox import SandboxLimits
@@ -45,7 +46,7 @@ class EvolveWorker:
         return evaluate_program(Program(source), self.dev, limits, max_gap)
 
 
-class RayExecutor:
+class RayExecutor(RayActors):
     """Evaluates candidates on Ray actors; the same interface and results as ``LocalExecutor``.
 
     ``address``: ``None`` starts a local Ray instance with this machine's CPUs (shut down on
@@ -61,31 +62,21 @@ class RayExecutor:
     def __init__(self, config: EvolveConfig, limits: SandboxLimits | None = None, address: str | None = None,
                  workers: int | None = None, cpus_per_worker: int = 1, factory: Callable | None = None,
                  on_dispatch: Callable[[int, Program], None] | None = None) -> None:
-        if workers is not None and workers < 1:
-            raise ValueError(f"workers must be >= 1, got {workers}")
-        if cpus_per_worker < 1:
-            raise ValueError(f"cpus_per_worker must be >= 1, got {cpus_per_worker}")
+        super().__init__(address, workers, cpus_per_worker, on_dispatch)
         self.config = config
         self.limits = limits or SandboxLimits()
-        self.address, self.workers, self.cpus_per_worker = address, workers, int(cpus_per_worker)
         if factory is None:  # "auto" decided here, so every worker computes in the driver's dtype
             factory = functools.partial(load, config.model, dtype=resolve_dtype(config.dtype))
         self.factory = factory
-        self.on_dispatch = on_dispatch
-        self.retried: list[tuple[str, int]] = []
-        self._connection = None
-        self._pool = None
 
     def _ensure(self):
-        from kvsieve.distributed import WorkerPool, connect
+        from kvsieve.distributed import WorkerPool
 
-        if self._connection is None:
-            self._connection = connect(self.address)
+        self._connect()
         if self._pool is None:
             self._pool = WorkerPool(EvolveWorker, (self.factory, self.config, self.cpus_per_worker),
                                     cpus_per_worker=self.cpus_per_worker)
-            size = self.workers or max(1, self._connection.cpus() // self.cpus_per_worker)
-            self._pool.grow(min(size, self.config.islands * self.config.per_island))
+            self._pool.grow(min(self.size(), self.config.islands * self.config.per_island))
         return self._pool
 
     def pids(self) -> list[int]:
@@ -102,22 +93,6 @@ class RayExecutor:
             if on_result is not None:
                 on_result(i, evaluation)
 
-        dispatch = None
-        if self.on_dispatch is not None:
-            def dispatch(pid: int, i: int) -> None:
-                self.on_dispatch(pid, programs[i])
-        before = len(pool.retried)
-        try:
-            pool.run("evaluate", [(p.source, max_gap, self.limits) for p in programs], done, dispatch,
-                     describe=lambda i: f"candidate {programs[i].code_hash}")
-        finally:
-            self.retried += [(programs[i].code_hash, pid) for i, pid in pool.retried[before:]]
+        self._run(pool, [(p.source, max_gap, self.limits) for p in programs], done, programs,
+                  describe=lambda p: f"candidate {p.code_hash}", ident=lambda p: p.code_hash)
         return out
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
-        if self._connection is not None:
-            self._connection.close()
-            self._connection = None

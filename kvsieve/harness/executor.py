@@ -25,6 +25,7 @@ import os
 from collections.abc import Callable
 from typing import Protocol
 
+from kvsieve.distributed.actors import RayActors
 from kvsieve.harness.runner import Cell, GridConfig, evaluate_sample
 from kvsieve.harness.store import CellResult
 from kvsieve.harness.validate import load_samples
@@ -109,7 +110,7 @@ class GridWorker:
         return evaluate_sample(self.model, self.tokenizer, sample, cells, model_name, shared, run_config)
 
 
-class RayGridExecutor:
+class RayGridExecutor(RayActors):
     """Samples on Ray actors (see the module docstring).
 
     ``address``: ``None`` starts a local Ray instance with this machine's CPUs (shut down on
@@ -124,22 +125,14 @@ class RayGridExecutor:
     def __init__(self, address: str | None = None, workers: int | None = None, cpus_per_worker: int = 1,
                  factory: Callable | None = None,
                  on_dispatch: Callable[[int, Sample], None] | None = None) -> None:
-        if workers is not None and workers < 1:
-            raise ValueError(f"workers must be >= 1, got {workers}")
-        if cpus_per_worker < 1:
-            raise ValueError(f"cpus_per_worker must be >= 1, got {cpus_per_worker}")
-        self.address, self.workers, self.cpus_per_worker = address, workers, int(cpus_per_worker)
-        self.factory, self.on_dispatch = factory, on_dispatch
-        self.retried: list[tuple[str, int]] = []
-        self._connection = None
-        self._pool = None
+        super().__init__(address, workers, cpus_per_worker, on_dispatch)
+        self.factory = factory
         self._key = None
 
     def _ensure(self, config: GridConfig):
-        from kvsieve.distributed import WorkerPool, connect
+        from kvsieve.distributed import WorkerPool
 
-        if self._connection is None:
-            self._connection = connect(self.address)
+        self._connect()
         key = (config.model, config.dtype)
         if self._pool is not None and self.factory is None and key != self._key:
             self._pool.close()
@@ -149,12 +142,6 @@ class RayGridExecutor:
                                     cpus_per_worker=self.cpus_per_worker)
             self._key = key
         return self._pool
-
-    def size(self) -> int:
-        """The number of workers to run (before capping at the samples to do)."""
-        if self.workers is not None:
-            return self.workers
-        return max(1, self._connection.cpus() // self.cpus_per_worker)
 
     def start(self, config: GridConfig) -> list[int]:
         """Start all the workers now and wait until each has built its model (``run`` otherwise starts them
@@ -181,24 +168,9 @@ class RayGridExecutor:
         pool = self._ensure(config)
         pool.grow(min(self.size(), len(work)))
         items = [(sample, cells, config.model, config.shared, run_config) for sample, cells in work]
-        dispatch = None
-        if self.on_dispatch is not None:
-            def dispatch(pid: int, i: int) -> None:
-                self.on_dispatch(pid, work[i][0])
-        before = len(pool.retried)
-        try:
-            pool.run("evaluate", items, lambda i, rows: on_sample(rows), dispatch,
-                     describe=lambda i: f"sample {work[i][0].task}/{work[i][0].length}/{work[i][0].id}")
-        finally:
-            self.retried += [(work[i][0].id, pid) for i, pid in pool.retried[before:]]
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
-        if self._connection is not None:
-            self._connection.close()
-            self._connection = None
+        self._run(pool, items, lambda i, rows: on_sample(rows), [sample for sample, _ in work],
+                  describe=lambda sample: f"sample {sample.task}/{sample.length}/{sample.id}",
+                  ident=lambda sample: sample.id)
 
 
 def make_grid_executor(kind: str = "local", address: str | None = None,
