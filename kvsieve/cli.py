@@ -247,12 +247,13 @@ def cmd_train(args) -> int:
                          ratios=numbers(args.ratios, float, "--ratios"), mode=args.mode, chunk_size=args.chunk_size,
                          window=args.window, rollouts=args.rollouts, entropy_coef=args.entropy_coef,
                          grad_clip=args.grad_clip, baseline=args.baseline, out=args.out, data=args.data,
-                         dtype=args.dtype, save_every=args.save_every, teacher_top_k=top_k or None)
+                         dtype=args.dtype, save_every=args.save_every, teacher_top_k=top_k or None,
+                         objective=args.objective)
     if top_k == 0:  # the whole vocabulary
         config = dataclasses.replace(config, teacher_top_k=None)
     result = train(config)
     last = result.history[-1] if result.history else None
-    if last is not None:
+    if last is not None and "reward" in last:
         print(f"step {result.step}: reward {last['reward']:.5f} (minus KL per token), entropy {last['entropy']:.3f}")
     print(f"policy: {result.policy}\nlog: {result.log}\ncurve: {result.curve}")
     print(f"evaluate it: kvsieve eval --model {config.model} --policies \"full,learned(checkpoint='{result.policy}')\"")
@@ -350,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", help="JSONL samples (kvsieve generate format or LongBench) added to the generated ones")
     p.add_argument("--dtype", help="auto, bfloat16 or float32")
     p.add_argument("--save-every", type=int, help="steps between checkpoints")
+    p.add_argument("--objective", help="reinforce (the KL reward, default) or imitate (regression on KVzip's "
+                   "scores: the supervised ablation)")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("demo", help="the default grid on the bundled SmolLM2 (a few minutes on 2 cores)")
     p.set_defaults(func=cmd_demo)

@@ -19,6 +19,27 @@ COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_
               num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None, bos_token_id=0)
 
 
+class CharTokenizer:
+    """One id per ASCII character, with an optional toy chat template: enough for prompts and decoding."""
+
+    eos_token_id = None
+
+    def __init__(self, template: bool = True) -> None:
+        self.chat_template = "toy" if template else None
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **_):
+        return "\x02sys\x03" + messages[0]["content"] + "\x04" + ("\x05A:" if add_generation_prompt else "")
+
+    def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
+        out = {"input_ids": [ord(c) for c in text]}
+        if return_offsets_mapping:
+            out["offset_mapping"] = [(i, i + 1) for i in range(len(text))]
+        return out
+
+    def decode(self, ids, **_):
+        return "".join(chr(i) for i in ids)
+
+
 def tiny_config(arch: str):
     if arch == "llama":
         return LlamaConfig(**COMMON)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import CharTokenizer, tiny_model
 
 import kvsieve
 from kvsieve.engine import reconstruct
@@ -14,27 +14,6 @@ from kvsieve.selection import Budget
 from kvsieve.signals import Signals
 
 CHUNK = 40  # context tokens per reconstruction forward: 96 (+ header) tokens take 3 chunks
-
-
-class CharTokenizer:
-    """One id per ASCII character, with an optional toy chat template: enough for prompts and decoding."""
-
-    eos_token_id = None
-
-    def __init__(self, template: bool = True) -> None:
-        self.chat_template = "toy" if template else None
-
-    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **_):
-        return "\x02sys\x03" + messages[0]["content"] + "\x04" + ("\x05A:" if add_generation_prompt else "")
-
-    def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
-        out = {"input_ids": [ord(c) for c in text]}
-        if return_offsets_mapping:
-            out["offset_mapping"] = [(i, i + 1) for i in range(len(text))]
-        return out
-
-    def decode(self, ids, **_):
-        return "".join(chr(i) for i in ids)
 
 
 TOKENIZER = CharTokenizer()

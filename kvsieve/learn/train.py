@@ -68,6 +68,7 @@ __all__ = ["TrainConfig", "TrainResult", "train", "load_config", "episodes_from_
 EVAL_SEEDS_NOTE = ("evaluation grids use sample seeds from 0 and evolution dev sets from 1000/2000; training "
                    "defaults to 5000 so its samples are disjoint from both")
 MODES = ("decode", "prefill")
+OBJECTIVES = ("reinforce", "imitate")
 BASELINES = ("greedy", "mean")
 # fields that may change when a run is resumed (how long and where, not what it learns)
 RESUMABLE = ("steps", "out", "save_every")
@@ -101,6 +102,9 @@ class TrainConfig:
     data: str | None = None
     dtype: str = "auto"
     save_every: int = 10
+    # "imitate": the supervised ablation, regression on KVzip's scores (kvsieve.learn.imitate); it
+    # reads model, tasks, length, samples, seed, steps, lr, window, grad_clip, hidden, out, data, dtype
+    objective: str = "reinforce"
 
     def __post_init__(self) -> None:
         def positive_int(name: str, minimum: int = 1) -> None:
@@ -115,6 +119,8 @@ class TrainConfig:
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective {self.objective!r} is not one of {', '.join(OBJECTIVES)}")
         if self.baseline not in BASELINES:
             raise ValueError(f"baseline {self.baseline!r} is not one of {', '.join(BASELINES)}")
         if not isinstance(self.ratios, list) or not self.ratios:
@@ -252,6 +258,7 @@ class _Trainer:
         self.optimizer = torch.optim.Adam(self.net.parameters(), lr=config.lr)
         self.baseline = torch.zeros(0, dtype=torch.float64)  # running mean of G per decision index
         self.teachers: dict[int, Teacher] = {}
+        self.context_caches: dict = {}  # prefill mode: the context's full cache, once per episode (rollouts clone it)
         self.step = 0
 
     # -- checkpoints --------------------------------------------------------------------------------
@@ -274,7 +281,9 @@ class _Trainer:
 
     def resume(self, path: Path) -> None:
         loaded = load_checkpoint(path)
-        saved = {k: v for k, v in loaded.meta.get("train", {}).items() if k not in RESUMABLE}
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING}
+        # a key absent from an older checkpoint had its default then
+        saved = {k: v for k, v in {**defaults, **loaded.meta.get("train", {})}.items() if k not in RESUMABLE}
         now = {k: v for k, v in self.config.to_dict().items() if k not in RESUMABLE}
         changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
         if changed:
@@ -307,7 +316,11 @@ class _Trainer:
         ratio = c.ratios[step % len(c.ratios)]
         kept = Budget(ratio=ratio).resolve(episode.context.shape[1])
         _check_budget(c, episode, kept, ratio)
-        context_cache = context_cache_for(self.model, episode, c.window) if c.mode == "prefill" else None
+        context_cache = None
+        if c.mode == "prefill":
+            if index not in self.context_caches:
+                self.context_caches[index] = context_cache_for(self.model, episode, c.window)
+            context_cache = self.context_caches[index]
         teacher = self.teacher(index, context_cache)
         samples, overhead = [], 0.0
         for r in range(c.rollouts):
@@ -434,6 +447,10 @@ def train(config: TrainConfig, model=None, tokenizer=None, episodes: list[Episod
         episodes = _load_episodes(config, tokenizer)
     if not episodes:
         raise ValueError("no training episodes")
+    if config.objective == "imitate":
+        from kvsieve.learn.imitate import imitate
+
+        return imitate(config, model, tokenizer, episodes, progress)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     trainer = _Trainer(config, model, ModelShape.of(model, config.model), episodes)
