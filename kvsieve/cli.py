@@ -53,7 +53,7 @@ def _grid(args) -> GridConfig:
         "lengths": args.lengths and _csv(args.lengths, int),
         "policies": args.policies and _csv(args.policies), "qa_policies": args.qa_policies and _csv(args.qa_policies),
         "ratios": args.ratios and _csv(args.ratios, float), "samples": args.samples, "seed": args.seed,
-        "store": args.store, "data": args.data, "dtype": args.dtype,
+        "store": args.store, "data": args.data, "dtype": args.dtype, "mode": args.mode, "chunk_size": args.chunk_size,
     }
     values.update({k: v for k, v in flags.items() if v is not None})
     if args.question_aware:
@@ -72,6 +72,10 @@ def _add_grid_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", help="comma-separated policy specs, e.g. full,snapkv,snapkv(window=32)")
     parser.add_argument("--qa-policies", help="policies also run question-aware (reference lines)")
     parser.add_argument("--ratios", help="comma-separated compression ratios in [0, 1)")
+    parser.add_argument("--mode", choices=("prefill", "decode"), help="prefill (default: compress once after the "
+                        "context) or decode (evict while the context is read in chunks; stored as SPEC@decodeN)")
+    parser.add_argument("--chunk-size", type=int, help="decode mode: context tokens read between evictions "
+                        "(default 128)")
     parser.add_argument("--samples", type=int, help="samples per task and length (default 5 generated; with "
                         "--data, every sample of the file)")
     parser.add_argument("--seed", type=int)

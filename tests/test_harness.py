@@ -18,6 +18,10 @@ from kvsieve.harness.validate import validate
     (dict(lengths=[9000]), "above the context of smollm2-135m"),
     (dict(samples=0), "samples"),
     (dict(data="/no/such/file.jsonl"), "does not exist"),
+    (dict(mode="stream"), "mode 'stream' is not one of"),
+    (dict(mode="decode", chunk_size=0), "chunk_size must be a positive int"),
+    (dict(mode="decode", policies=["kvzip"]), "policy 'kvzip' cannot evict in decode mode"),
+    (dict(mode="decode", question_aware=True), "question-aware cells"),
 ])
 def test_bad_grids_fail_before_any_work(changes, message):
     with pytest.raises(ValueError, match=message):
@@ -30,6 +34,12 @@ def test_cells_full_runs_once_and_question_aware_variants():
     assert cells.count(Cell("full", 0.0)) == 1
     assert Cell("snapkv", 0.75, True) in cells and Cell("oracle", 0.5, True) in cells
     assert len(cells) == 1 + 4 + 2
+
+
+def test_decode_cells_are_stored_under_their_own_label():
+    cells = cells_for(GridConfig(policies=["full", "h2o"], ratios=[0.5], mode="decode", chunk_size=64))
+    assert [c.label for c in cells] == ["full@decode64", "h2o@decode64"]
+    assert [c.label for c in cells_for(GridConfig(policies=["h2o"], ratios=[0.5]))] == ["h2o"]
 
 
 def test_cli_reports_errors_without_a_traceback(capsys):
@@ -210,3 +220,25 @@ def test_a_decode_batch_drops_rows_of_caches_captured_with_query_statistics():
         batch = stack_caches([clone_cache(full), clone_cache(full), clone_cache(full)])
         batch.batch_select_indices(torch.tensor([0, 2]))
     assert all(layer.keys.shape[0] == 2 for layer in batch.layers)
+
+
+@pytest.mark.model
+def test_decode_mode_grid_evicts_while_reading_and_shares_the_store_with_prefill_rows(tmp_path):
+    from kvsieve.selection import Budget
+
+    store_path = str(tmp_path / "r.sqlite")
+    base = dict(tasks=["niah_single_1"], lengths=[1024], policies=["full", "h2o"], ratios=[0.75], samples=1,
+                store=store_path)
+    run_grid(GridConfig(**base), progress=False).close()
+    with run_grid(GridConfig(**base, mode="decode", chunk_size=128), progress=False) as store:
+        rows = {r.key.policy: r for r in store.rows()}
+    assert set(rows) == {"full", "h2o", "full@decode128", "h2o@decode128"}
+    context = rows["full"].config["context_tokens"]
+    budget = Budget(ratio=0.75).resolve(context)
+    decoded = rows["h2o@decode128"]
+    # decode-time eviction holds at most the budget plus one chunk; the prefill row keeps exactly the budget
+    assert budget <= decoded.kept_tokens <= budget + 128 and rows["h2o"].kept_tokens == budget
+    # the full-cache bytes are those of the whole context in both modes
+    assert decoded.cache_bytes_full == rows["h2o"].cache_bytes_full == rows["full@decode128"].cache_bytes
+    assert decoded.cache_bytes < 0.5 * decoded.cache_bytes_full
+    assert rows["full@decode128"].kept_tokens == context

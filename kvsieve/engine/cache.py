@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-__all__ = ["SieveLayer", "install", "sieve_layers", "cache_bytes"]
+__all__ = ["SieveLayer", "install", "sieve_layers", "cache_bytes", "full_cache_bytes"]
 
 
 class SieveLayer(DynamicLayer):
@@ -129,5 +129,17 @@ def cache_bytes(cache: DynamicCache) -> int:
     total = 0
     for layer in cache.layers:
         if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
+            total += layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+    return total
+
+
+def full_cache_bytes(cache: DynamicCache) -> int:
+    """Bytes the keys and values would take had no entry been evicted: every token a layer has seen."""
+    total = 0
+    for layer in cache.layers:
+        if isinstance(layer, SieveLayer):
+            if layer.physical_length:
+                total += layer.nbytes() // layer.physical_length * layer.seen
+        elif getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
             total += layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
     return total

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kvsieve.engine.attach import attach
-from kvsieve.engine.cache import cache_bytes
+from kvsieve.engine.cache import cache_bytes, full_cache_bytes
 from kvsieve.engine.compress import CompressionReport
 from kvsieve.policies import get as get_policy
 from kvsieve.policies.base import Policy
@@ -159,7 +159,7 @@ def generate(
         cache = out.cache
         kept_tokens = session.kept_tokens
         bytes_kept = cache_bytes(cache)
-        bytes_full = session.report.bytes_before if session.report and session.report.layers else bytes_kept
+        bytes_full = full_cache_bytes(cache)
         if not question_aware:
             out = model(input_ids=prompt.question_ids, cache=cache, use_cache=True, logits_to_keep=1)
         prefill_seconds = time.perf_counter() - start

@@ -39,6 +39,12 @@ class Cell:
     policy: str  # spec, e.g. "snapkv" or "snapkv(window=32)"
     ratio: float
     question_aware: bool = False
+    chunk_size: int = 0  # > 0: decode-time eviction, the context read in chunks of this many tokens
+
+    @property
+    def label(self) -> str:
+        """The policy as the store keys it: the spec, with ``@decodeN`` for decode-time eviction."""
+        return f"{self.policy}@decode{self.chunk_size}" if self.chunk_size else self.policy
 
 
 @dataclass
@@ -58,17 +64,23 @@ class GridConfig:
     data: str | None = None  # JSONL of samples (kvsieve generate format or LongBench) instead of generating
     dtype: str = "auto"  # bf16 where the CPU computes it natively, else float32 (kvsieve.models.auto_dtype)
     shared: bool = True  # one prefill per sample and batched decoding; False: the naive per-cell loop
+    # "decode": decode-time eviction (kvsieve.attach(mode="decode")): the context is read in chunks of
+    # ``chunk_size`` tokens and the cache held under the budget after each, then the question and the
+    # answer; stored as policy "SPEC@decodeN". Each cell then reads the whole sample itself.
+    mode: str = "prefill"
+    chunk_size: int = 128
 
 
 def cells_for(config: GridConfig) -> list[Cell]:
     cells: list[Cell] = []
+    chunk = config.chunk_size if config.mode == "decode" else 0
     for spec in config.policies:
         name, _ = parse_spec(spec)
         if name == "full":
-            cells.append(Cell(spec, 0.0))
+            cells.append(Cell(spec, 0.0, chunk_size=chunk))
             continue
         for ratio in config.ratios:
-            cells.append(Cell(spec, float(ratio)))
+            cells.append(Cell(spec, float(ratio), chunk_size=chunk))
             if config.question_aware:
                 cells.append(Cell(spec, float(ratio), True))
     for spec in config.qa_policies:
@@ -159,22 +171,30 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
     results: list[CellResult] = []
 
     def record(cell: Cell, text: str, kept: int, kept_bytes: int, full_bytes: int, prefill_s: float, decode_s: float):
-        key = CellKey(model_name, sample.task, sample.length, sample.id, cell.policy, cell.ratio, cell.question_aware)
+        key = CellKey(model_name, sample.task, sample.length, sample.id, cell.label, cell.ratio, cell.question_aware)
         cfg = dict(config or {}, cell=asdict(cell), sample_seed=sample.seed, metric=sample.metric, shared=shared,
                    context_tokens=prompt.context_ids.shape[1], kvsieve=kvsieve.__version__,
                    transformers=transformers.__version__)
         results.append(CellResult(key, text, metric_score(sample.metric, text, sample.answers), list(sample.answers),
                                   kept, kept_bytes, full_bytes, prefill_s, decode_s, cfg))
 
-    if not shared:
-        for cell in cells:
-            policy = _policy_for(cell, sample, prompt, tokenizer)
-            gen = generate(model, tokenizer, sample.context, sample.question, policy, ratio=cell.ratio,
-                           question_aware=cell.question_aware, answer_prefix=sample.answer_prefix,
-                           max_new_tokens=sample.max_new_tokens, stop=stop)
-            record(cell, gen.text, max(gen.kept_tokens), gen.cache_bytes_kept, gen.cache_bytes_full,
-                   gen.prefill_seconds, gen.decode_seconds)
-        return results
+    order = {(c.label, round(c.ratio, 6), c.question_aware): i for i, c in enumerate(cells)}
+
+    def in_cell_order() -> list[CellResult]:
+        return sorted(results, key=lambda r: order[(r.key.policy, round(r.key.ratio, 6), r.key.question_aware)])
+
+    # decode-time eviction happens while the context is read, so nothing is shared between its cells
+    for cell in cells if not shared else [c for c in cells if c.chunk_size]:
+        policy = _policy_for(cell, sample, prompt, tokenizer)
+        mode = dict(mode="decode", chunk_size=cell.chunk_size) if cell.chunk_size else {}
+        gen = generate(model, tokenizer, sample.context, sample.question, policy, ratio=cell.ratio,
+                       question_aware=cell.question_aware, answer_prefix=sample.answer_prefix,
+                       max_new_tokens=sample.max_new_tokens, stop=stop, **mode)
+        record(cell, gen.text, max(gen.kept_tokens), gen.cache_bytes_kept, gen.cache_bytes_full,
+               gen.prefill_seconds, gen.decode_seconds)
+    cells = [c for c in cells if shared and not c.chunk_size]
+    if not cells:
+        return in_cell_order()
 
     policies = {cell: _policy_for(cell, sample, prompt, tokenizer) for cell in cells}
     capture = FullCache(window=max(p.window for p in policies.values()))
@@ -233,8 +253,7 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
                 for (cell, _, compress_s, kept, kept_bytes), row in zip(items, tokens):
                     record(cell, tokenizer.decode(row, skip_special_tokens=True), kept, kept_bytes, full_bytes,
                            prefill_s + compress_s, decode_s)
-    order = {c: i for i, c in enumerate(cells)}
-    return sorted(results, key=lambda r: order[Cell(r.key.policy, r.key.ratio, r.key.question_aware)])
+    return in_cell_order()
 
 
 def run_grid(config: GridConfig, progress: bool = True, executor=None) -> ResultsStore:
@@ -256,10 +275,10 @@ def run_grid(config: GridConfig, progress: bool = True, executor=None) -> Result
     try:
         todo = []
         for sample in executor.samples(config):
-            keys = [CellKey(config.model, sample.task, sample.length, sample.id, c.policy, c.ratio, c.question_aware)
-                    for c in cells]
-            missing = {(k.policy, k.ratio, k.question_aware) for k in store.missing(keys)}
-            todo_cells = [c for c in cells if (c.policy, round(c.ratio, 6), c.question_aware) in missing]
+            keys = {c: CellKey(config.model, sample.task, sample.length, sample.id, c.label, c.ratio,
+                               c.question_aware) for c in cells}
+            missing = set(store.missing(list(keys.values())))
+            todo_cells = [c for c in cells if keys[c] in missing]
             if todo_cells:
                 todo.append((sample, todo_cells))
         total = sum(len(c) for _, c in todo)

@@ -32,6 +32,21 @@ def validate(config) -> None:
         raise ValueError("the grid is empty: give at least one compression ratio")
     for ratio in config.ratios:
         Budget(ratio=ratio)
+    mode = getattr(config, "mode", "prefill")
+    if mode not in ("prefill", "decode"):
+        raise ValueError(f"mode {mode!r} is not one of 'prefill', 'decode'")
+    if mode == "decode":
+        chunk = config.chunk_size
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk!r}")
+        if config.question_aware or config.qa_policies:
+            raise ValueError("question-aware cells read the question with the context, which decode-time eviction "
+                             "has already evicted from: use mode 'prefill' for them")
+        for spec in config.policies:
+            name, params = parse_spec(spec)
+            if name == "oracle" or (name != "full" and get_policy(name, **params).needs_reconstruction):
+                raise ValueError(f"policy {spec!r} cannot evict in decode mode (it needs the whole context after "
+                                 "the prefill); use mode 'prefill' for it")
     if config.samples is not None and (isinstance(config.samples, bool) or not isinstance(config.samples, int)
                                        or config.samples < 1):
         raise ValueError(f"samples must be an int >= 1 (or unset), got {config.samples!r}")
