@@ -9,6 +9,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from kvsieve.harness.runner import GridConfig
+from kvsieve.policies import split_specs
 
 DEMO = GridConfig(
     model="smollm2-135m-instruct",
@@ -51,7 +52,8 @@ def _grid(args) -> GridConfig:
         "model": args.model,
         "tasks": args.tasks and _csv(args.tasks),
         "lengths": args.lengths and _csv(args.lengths, int),
-        "policies": args.policies and _csv(args.policies), "qa_policies": args.qa_policies and _csv(args.qa_policies),
+        "policies": args.policies and split_specs(args.policies),
+        "qa_policies": args.qa_policies and split_specs(args.qa_policies),
         "ratios": args.ratios and _csv(args.ratios, float), "samples": args.samples, "seed": args.seed,
         "store": args.store, "data": args.data, "dtype": args.dtype, "mode": args.mode, "chunk_size": args.chunk_size,
     }
@@ -172,7 +174,7 @@ def cmd_certify(args) -> int:
 
     contract = Contract(alpha=args.alpha, delta=args.delta, epsilon=args.epsilon, loss=args.loss,
                         correction=args.correction)  # checks alpha, delta, epsilon before any work
-    policies, ratios = _csv(args.policies), _csv(args.ratios, float)
+    policies, ratios = split_specs(args.policies), _csv(args.ratios, float)
     compressing = [p for p in policies if parse_spec(p)[0] != "full"]
     if not compressing or not ratios:
         raise ValueError("give at least one compressing policy (--policies) and one ratio (--ratios)")

@@ -242,3 +242,13 @@ def test_decode_mode_grid_evicts_while_reading_and_shares_the_store_with_prefill
     assert decoded.cache_bytes_full == rows["h2o"].cache_bytes_full == rows["full@decode128"].cache_bytes
     assert decoded.cache_bytes < 0.5 * decoded.cache_bytes_full
     assert rows["full@decode128"].kept_tokens == context
+
+
+def test_policy_lists_split_on_top_level_commas_only(capsys):
+    from kvsieve.policies import split_specs
+
+    assert split_specs("full, snapkv(window=32, chunk_size=4),learned(checkpoint='a,b'),") == \
+        ["full", "snapkv(window=32, chunk_size=4)", "learned(checkpoint='a,b')"]
+    # the policies pass validation (checked before the lengths), so the error is the length's
+    assert main(["eval", "--policies", "full,snapkv(window=32, chunk_size=4)", "--lengths", "9000"]) == 2
+    assert "above the context" in capsys.readouterr().err

@@ -20,7 +20,7 @@ from kvsieve.policies.snapkv import SnapKV
 from kvsieve.policies.streaming_llm import StreamingLLM
 from kvsieve.policies.tova import TOVA
 
-__all__ = ["Policy", "get", "names", "register", "from_spec", "REFERENCE"]
+__all__ = ["Policy", "get", "names", "register", "from_spec", "parse_spec", "split_specs", "REFERENCE"]
 
 # Reference lines for reports, never offered as policies for real use.
 REFERENCE = ("oracle",)
@@ -66,6 +66,19 @@ def from_spec(spec: str) -> Policy:
     """Build a policy from ``name``, ``name(key=value, ...)`` (``snapkv(window=32)``) or ``program:PATH``."""
     name, params = parse_spec(spec)
     return get(name, **params)
+
+
+def split_specs(text: str) -> list[str]:
+    """Comma-separated policy specs; a comma inside parentheses belongs to its spec (`snapkv(a=1, b=2)`)."""
+    specs, depth, current = [], 0, ""
+    for char in text:
+        depth += (char == "(") - (char == ")")
+        if char == "," and depth == 0:
+            specs.append(current)
+            current = ""
+        else:
+            current += char
+    return [s.strip() for s in [*specs, current] if s.strip()]
 
 
 def parse_spec(spec: str) -> tuple[str, dict]:
