@@ -15,6 +15,7 @@ import argparse
 from collections import defaultdict
 
 from kvsieve.harness.store import ResultsStore
+from kvsieve.policies import split_specs
 
 REFERENCES = ("full", "oracle", "kvzip")  # kvzip costs several prefills: a reference, not a single-pass policy
 
@@ -25,6 +26,7 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--policies", help="comma-separated specs (default: every query-agnostic policy)")
     parser.add_argument("--ratios", help="comma-separated ratios (default: all)")
+    parser.add_argument("--full", default="full", help="the reference row (full@decode128 for decode-mode rows)")
     args = parser.parse_args()
 
     scores: dict[tuple[str, float], dict[tuple, float]] = defaultdict(dict)
@@ -34,11 +36,12 @@ def main() -> None:
                 scores[(r.key.policy, round(r.key.ratio, 6))][(r.key.task, r.key.length, r.key.sample_id)] = r.score
     if not scores:
         raise SystemExit(f"no rows for model {args.model!r} in {args.store}")
-    policies = args.policies.split(",") if args.policies else sorted({p for p, _ in scores})
+    policies = split_specs(args.policies) if args.policies else sorted({p for p, _ in scores})
     ratios = [float(x) for x in args.ratios.split(",")] if args.ratios else sorted({r for _, r in scores if r > 0})
-    if "full" not in policies:
-        policies.insert(0, "full")
-    cells = [(p, 0.0 if p == "full" else r) for p in policies for r in ratios]
+    if args.full not in policies:
+        policies.insert(0, args.full)
+    references = (args.full, *REFERENCES)
+    cells = [(p, 0.0 if p == args.full else r) for p in policies for r in ratios]
     missing = [c for c in cells if c not in scores]
     if missing:
         raise SystemExit(f"no rows for {missing[:5]}; policies in the store: {sorted({p for p, _ in scores})}")
@@ -51,18 +54,18 @@ def main() -> None:
             by_task[request[0]].append(scores[cell][request])
         return sum(sum(v) / len(v) for v in by_task.values()) / len(by_task)
 
-    full = mean(("full", 0.0))
-    table = {(p, r): mean((p, 0.0 if p == "full" else r)) for p in policies for r in ratios}
-    best = {r: max((table[(p, r)] for p in policies if p not in REFERENCES), default=None) for r in ratios}
+    full = mean((args.full, 0.0))
+    table = {(p, r): mean((p, 0.0 if p == args.full else r)) for p in policies for r in ratios}
+    best = {r: max((table[(p, r)] for p in policies if p not in references), default=None) for r in ratios}
     print(f"{len(requests)} requests, {len(tasks)} tasks ({', '.join(tasks)}); full cache {full:.1f}\n")
     print("| policy | " + " | ".join(f"{r}" for r in ratios) + " |")
     print("|---|" + "---:|" * len(ratios))
-    for p in sorted(policies, key=lambda p: (p != "full", p in REFERENCES, -sum(table[(p, r)] for r in ratios))):
+    for p in sorted(policies, key=lambda p: (p != args.full, p in references, -sum(table[(p, r)] for r in ratios))):
         row = []
         for r in ratios:
             value = table[(p, r)]
             text = f"{value:.1f} ({100 * value / full:.0f}%)" if full else f"{value:.1f}"
-            row.append(f"**{text}**" if p not in REFERENCES and value == best[r] else text)
+            row.append(f"**{text}**" if p not in references and value == best[r] else text)
         print(f"| {p} | " + " | ".join(row) + " |")
 
 

@@ -35,8 +35,12 @@ from kvsieve.signals import Signals
 __all__ = ["SHIPPED", "ModelShape", "LearnedPolicy", "resolve_checkpoint", "shipped_names"]
 
 CHECKPOINT_DIR = Path(__file__).parent / "checkpoints"
-# shipped name -> file in CHECKPOINT_DIR; empty until trained checkpoints are committed
-SHIPPED: dict[str, str] = {}
+# shipped name (the model it was trained for; aliases work too) -> file in CHECKPOINT_DIR.
+# How each was trained (command, wall time) is in the README, "Learn", and in the file's metadata.
+SHIPPED: dict[str, str] = {
+    "smollm2-135m-instruct": "smollm2-135m-instruct.safetensors",
+    "qwen2.5-coder-0.5b-instruct": "qwen2.5-coder-0.5b-instruct.safetensors",
+}
 
 _HOW_TO_TRAIN = ("train one with `kvsieve train --model MODEL --out DIR` and use "
                  "learned(checkpoint='DIR/policy.safetensors')")
@@ -52,8 +56,8 @@ def _shipped_text() -> str:
 
 def resolve_checkpoint(spec: str | Path) -> Path:
     """A checkpoint file from a shipped name, a file path, or a ``kvsieve train`` output folder."""
-    if isinstance(spec, str) and spec in SHIPPED:
-        return CHECKPOINT_DIR / SHIPPED[spec]
+    if isinstance(spec, str) and _canonical(spec) in SHIPPED:
+        return CHECKPOINT_DIR / SHIPPED[_canonical(spec)]
     path = Path(spec)
     if path.is_dir() and (path / "policy.safetensors").is_file():
         return path / "policy.safetensors"
