@@ -254,7 +254,7 @@ def cmd_train(args) -> int:
                          window=args.window, rollouts=args.rollouts, entropy_coef=args.entropy_coef,
                          grad_clip=args.grad_clip, baseline=args.baseline, out=args.out, data=args.data,
                          dtype=args.dtype, save_every=args.save_every, teacher_top_k=top_k or None,
-                         objective=args.objective)
+                         objective=args.objective, init=args.init)
     if top_k == 0:  # the whole vocabulary
         config = dataclasses.replace(config, teacher_top_k=None)
     result = train(config)
@@ -359,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-every", type=int, help="steps between checkpoints")
     p.add_argument("--objective", help="reinforce (the KL reward, default) or imitate (regression on KVzip's "
                    "scores: the supervised ablation)")
+    p.add_argument("--init", help="start from this policy checkpoint's weights (path, run folder or shipped name), "
+                   "e.g. an --objective imitate run")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("demo", help="the default grid on the bundled SmolLM2 (a few minutes on 2 cores)")
     p.set_defaults(func=cmd_demo)

@@ -88,6 +88,25 @@ def test_the_regression_recovers_a_target_that_is_a_feature():
     assert float(loss) < 0.02
 
 
+def test_reinforce_can_start_from_an_imitation_checkpoint(llama, tmp_path):
+    from kvsieve.learn.policy import ModelShape
+    from kvsieve.learn.train import _Trainer
+
+    episodes = [_episode(i) for i in range(2)]
+    imitated = train(TrainConfig(model="tiny-llama", objective="imitate", steps=5, window=8, out=str(tmp_path / "a")),
+                     model=llama, tokenizer=TOKENIZER, episodes=episodes, progress=False)
+    config = TrainConfig(model="tiny-llama", mode="prefill", window=8, init=str(imitated.policy),
+                         out=str(tmp_path / "b"))
+    trainer = _Trainer(config, llama, ModelShape.of(llama, "tiny-llama"), episodes)
+    start = load_checkpoint(imitated.policy).group("net")
+    assert all(torch.equal(trainer.net.state_dict()[k], v) for k, v in start.items())
+    with pytest.raises(ValueError, match="init checkpoint .* was trained for"):
+        _Trainer(config, llama, ModelShape(name="other", num_layers=3, num_kv_heads=2, head_dim=16), episodes)
+    with pytest.raises(ValueError, match="holds a network"):
+        _Trainer(TrainConfig(model="tiny-llama", mode="prefill", window=8, hidden=32, init=str(imitated.policy)),
+                 llama, ModelShape.of(llama, "tiny-llama"), episodes)
+
+
 def test_bad_objective_is_named():
     with pytest.raises(ValueError, match="objective 'distill' is not one of reinforce, imitate"):
         TrainConfig(objective="distill")

@@ -42,7 +42,7 @@ from kvsieve.policies.full import FullCache
 from kvsieve.selection import Budget, Selection
 
 __all__ = ["Episode", "Decision", "Rollout", "RolloutPolicy", "teacher_for", "rollout", "decision_terms",
-           "context_cache_for", "step_returns"]
+           "context_cache_for", "continuation_logits", "step_returns"]
 
 
 @dataclass
@@ -138,7 +138,8 @@ def context_cache_for(model, episode: Episode, window: int):
 
 
 @torch.no_grad()
-def _continue(model, cache, episode: Episode, window: int) -> torch.Tensor:
+def continuation_logits(model, cache, episode: Episode, window: int) -> torch.Tensor:
+    """Logits of the continuation read on ``cache`` (which it extends), nothing evicted."""
     with attach(model, FullCache(window=window), ratio=0.0):
         return model(input_ids=episode.continuation, cache=cache, use_cache=True).logits[0]
 
@@ -159,7 +160,7 @@ def teacher_for(model, episode: Episode, mode: str, window: int, chunk_size: int
     """
     if mode == "prefill":
         cache = clone_cache(context_cache if context_cache is not None else context_cache_for(model, episode, window))
-        return teacher_from_logits(_continue(model, cache, episode, window), episode.context.shape[1], top_k)
+        return teacher_from_logits(continuation_logits(model, cache, episode, window), episode.context.shape[1], top_k)
     total = episode.ids.shape[1]
     if total <= chunk_size:
         raise ValueError(f"episode {episode.name!r} has {total} tokens, not more than one chunk ({chunk_size}): "
@@ -178,7 +179,7 @@ def rollout(model, episode: Episode, policy: RolloutPolicy, mode: str, kept: int
         cache = clone_cache(context_cache if context_cache is not None else context_cache_for(model, episode,
                                                                                            policy.window))
         compress_cache(cache, policy, Budget(kept=kept))
-        logits = _continue(model, cache, episode, policy.window)
+        logits = continuation_logits(model, cache, episode, policy.window)
     else:
         logits = _decode_logits(model, episode, policy, kept, chunk_size)[teacher.start:]
     total = episode.ids.shape[1]

@@ -105,6 +105,9 @@ class TrainConfig:
     # "imitate": the supervised ablation, regression on KVzip's scores (kvsieve.learn.imitate); it
     # reads model, tasks, length, samples, seed, steps, lr, window, grad_clip, hidden, out, data, dtype
     objective: str = "reinforce"
+    # a policy checkpoint (path, run folder or shipped name) whose weights start the run, e.g. an
+    # imitation run's: REINFORCE then fine-tunes it. None: the seeded random initialisation
+    init: str | None = None
 
     def __post_init__(self) -> None:
         def positive_int(name: str, minimum: int = 1) -> None:
@@ -234,6 +237,19 @@ def _check_budget(config: TrainConfig, episode: Episode, kept: int, ratio: float
             + "): nothing would be chosen; use longer samples, a smaller ratio, window or chunk_size")
 
 
+def initial_weights(spec: str, shape: ModelShape, net: NetConfig) -> dict[str, torch.Tensor]:
+    """The network weights of checkpoint ``spec``, checked against the model and the network being trained."""
+    from kvsieve.learn.policy import resolve_checkpoint
+
+    loaded = load_checkpoint(resolve_checkpoint(spec))
+    if loaded.meta["model"] != shape.to_dict():
+        raise ValueError(f"init checkpoint {spec!r} was trained for {loaded.meta['model']}, not {shape.to_dict()}")
+    if loaded.meta["net"] != net.to_dict():
+        raise ValueError(f"init checkpoint {spec!r} holds a network {loaded.meta['net']}, not {net.to_dict()}; "
+                         "use the same hidden size")
+    return loaded.group("net")
+
+
 def reinforce_loss(net: KeepNet, decisions: list[Decision], returns: dict[int, float], baseline: dict[int, float],
                    entropy_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE loss of one rollout and its mean normalised first-draw entropy.
@@ -255,6 +271,8 @@ class _Trainer:
         with torch.random.fork_rng():
             torch.manual_seed(_derived_seed(config.seed, "init"))
             self.net = KeepNet(NetConfig(hidden=config.hidden))
+        if config.init is not None:
+            self.net.load_state_dict(initial_weights(config.init, shape, self.net.config))
         self.optimizer = torch.optim.Adam(self.net.parameters(), lr=config.lr)
         self.baseline = torch.zeros(0, dtype=torch.float64)  # running mean of G per decision index
         self.teachers: dict[int, Teacher] = {}
