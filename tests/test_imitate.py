@@ -9,6 +9,7 @@ from conftest import CharTokenizer
 
 from kvsieve.engine.reconstruct import ReconstructionPrompt
 from kvsieve.learn.checkpoint import load_checkpoint
+from kvsieve.learn.features import FEATURES
 from kvsieve.learn.imitate import collect, imitation_loss, imitation_targets
 from kvsieve.learn.network import KeepNet
 from kvsieve.learn.policy import LearnedPolicy
@@ -74,7 +75,7 @@ def test_imitation_lowers_the_regression_loss_and_writes_a_loadable_policy(llama
 
 def test_the_regression_recovers_a_target_that_is_a_feature():
     g = torch.Generator().manual_seed(0)
-    features = torch.rand(1, 2, 50, 10, generator=g)
+    features = torch.rand(1, 2, 50, len(FEATURES), generator=g)
     features[..., -1] = 1.0  # layer index
     targets, mask = imitation_targets(torch.exp(3 * features[..., 0]), header=2, window=4)
     torch.manual_seed(0)

@@ -132,13 +132,22 @@ def test_kl_reward_is_zero_when_nothing_is_evicted(llama, mode):
 
 def test_network_is_small_and_scores_every_entry():
     net = KeepNet()
-    assert net.num_parameters() == 5889 < 50_000
+    floats = len(FEATURES) - 1  # the last column is the layer index, embedded in 8 dimensions
+    embedding, first, second, out = 64 * 8, (floats + 8) * 64 + 64, 64 * 64 + 64, 64 + 1
+    assert net.num_parameters() == embedding + first + second + out == 5953 < 50_000
     features = torch.randn(2, 3, 7, len(FEATURES))
     features[..., -1] = 5.0  # layer index
     assert net(features).shape == (2, 3, 7)
     features[..., -1] = 64.0
     with pytest.raises(ValueError, match="outside the network's 64 layer embeddings"):
         net(features)
+
+
+def _last_query_logits(layer, idx) -> torch.Tensor:
+    """q . k * scaling of the last captured query of each query head against every cached key (no mask needed)."""
+    query = layer.recent_queries[0, :, -1].float()  # (q_heads, d)
+    keys = layer.keys[0].float().repeat_interleave(query.shape[0] // layer.keys.shape[1], dim=0)  # (q_heads, n, d)
+    return torch.einsum("hd,hnd->hn", query, keys) * layer.scaling
 
 
 @torch.no_grad()
@@ -155,6 +164,10 @@ def test_features_are_finite_and_scaled(llama, prompt_ids):
         assert float(named["recency"][..., -1].max()) == 0.0 and float(named["recency"].max()) <= 1.0
         assert 0 <= float(named["attn_entropy"].min()) and float(named["attn_entropy"].max()) <= 1.0 + 1e-5
         assert abs(float(named["value_norm"].exp().mean(-1).mean()) - 1) < 1e-4  # norm over its layer mean
+        # the last query's attention, averaged over the group's query heads (2 per KV head), times n, log1p
+        probs = torch.softmax(_last_query_logits(layer, idx), dim=-1)  # (q_heads, n)
+        expected = torch.log1p(96 * probs.view(2, 2, 96).mean(dim=1))
+        torch.testing.assert_close(named["attn_last"][0], expected, rtol=1e-4, atol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------- REINFORCE on a toy
@@ -317,9 +330,24 @@ def test_a_checkpoint_refuses_another_model(trained, prompt_ids):
 
 
 def test_learned_without_a_checkpoint_says_what_is_shipped_and_how_to_train():
-    with pytest.raises(ValueError, match=r"shipped: none yet\); train one with `kvsieve train"):
+    with pytest.raises(ValueError, match=r"shipped: qwen2.5-coder-0.5b-instruct, smollm2-135m-instruct\); train one "
+                       r"with `kvsieve train"):
         from_spec("learned")
     assert "learned" not in kvsieve.policies.names()  # needs a file, like program:PATH
+
+
+# the models' published configurations: layers, KV heads, head dim
+@pytest.mark.parametrize("name,alias,other,shape", [
+    ("smollm2-135m-instruct", "smollm2-135m", "qwen2.5-0.5b", (30, 3, 64)),
+    ("qwen2.5-coder-0.5b-instruct", "qwen2.5-0.5b", "smollm2-135m", (24, 2, 64)),
+])
+def test_shipped_checkpoints_load_by_name_for_their_model_only(name, alias, other, shape):
+    policy = from_spec(f"learned(checkpoint={alias!r}, model={name!r})")
+    shipped = policy.trained_for
+    assert shipped.name == name and (shipped.num_layers, shipped.num_kv_heads, shipped.head_dim) == shape
+    assert load_checkpoint(policy.checkpoint).meta["kvsieve_train"] == "reinforce-kl"
+    with pytest.raises(ValueError, match=f"was trained for model {name!r}, not {other!r}"):
+        from_spec(f"learned(checkpoint={name!r}, model={other!r})")
 
 
 # ---------------------------------------------------------------------------------------------- training

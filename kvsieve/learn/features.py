@@ -8,6 +8,8 @@ head, and a checkpoint should transfer between lengths):
 * ``attn_mean``, ``attn_max``: attention the entry receives from the observation window's queries
   (every query head of the KV head's group, every window query), mean and max, times ``n`` (uniform
   attention is 1 at any length), then ``log1p``.
+* ``attn_last``: attention from the last window query alone (mean over the group's query heads), same
+  scale: what TOVA keeps by (Oren et al. 2024), which the window mean and max cannot single out.
 * ``attn_trend``: late-half mean minus early-half mean of the window (same scale): an entry that the
   latest queries turn to is rising (0 for a window of one query).
 * ``attn_entropy``: entropy of the distributions of the window queries that attend the entry,
@@ -35,6 +37,7 @@ __all__ = ["FEATURES", "NUM_FLOAT_FEATURES", "extract"]
 FEATURES: tuple[str, ...] = (
     "attn_mean",
     "attn_max",
+    "attn_last",
     "attn_trend",
     "attn_entropy",
     "value_norm",
@@ -80,6 +83,7 @@ def extract(signals: Signals) -> torch.Tensor:
     columns = [
         torch.log1p(scaled * mean),
         torch.log1p(scaled * top),
+        torch.log1p(scaled * grouped[:, :, :, -1].mean(dim=2)),
         trend,
         entropy,
         _log_relative(signals.value_norms),
