@@ -4,7 +4,8 @@ Speed through sharing: in prefill compression the forward pass over the prompt d
 the policy (each layer attends over its full input; only the cache left behind is pruned). So a
 sample is prefilled once, every (policy, ratio) cell prunes its own copy of that cache and reads the
 question on it, and the cells of one ratio decode their answers together as one batch. Question-aware
-cells continue a copy of the full context cache with the question, and prune that.
+cells continue a copy of the full context cache with the question, and prune that. Decode-time cells
+(``mode="decode"``) evict while the context is read, so each reads its sample alone.
 """
 
 from __future__ import annotations
