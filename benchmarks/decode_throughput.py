@@ -23,44 +23,33 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 
 import torch
+from engine_speed import context_ids, cpu_name  # benchmarks/, run as a script
 
 import kvsieve
 from kvsieve.engine.cache import cache_bytes, full_cache_bytes
-from kvsieve.models import load
+from kvsieve.models import cpu_flags, load
 from kvsieve.policies import from_spec, split_specs
-from kvsieve.tasks.haystack import prose
 
 
 def contexts(tokenizer, length: int, batch: int) -> torch.Tensor:
-    rows = []
-    for seed in range(batch):
-        sentences = 64
-        while True:
-            ids = tokenizer(prose(sentences, seed=seed), add_special_tokens=False)["input_ids"]
-            if len(ids) >= length:
-                rows.append(ids[:length])
-                break
-            sentences *= 2
-    return torch.tensor(rows)
+    """``batch`` prose contexts of exactly ``length`` tokens (seeds 0..batch-1): no padding needed."""
+    return torch.cat([context_ids(tokenizer, length, seed) for seed in range(batch)])
 
 
 @torch.no_grad()
 def measure(model, spec: str, ids: torch.Tensor, ratio: float, chunk_size: int, tokens: int) -> dict:
     policy = from_spec(spec)
-    peak = 0
     with kvsieve.attach(model, policy, ratio=ratio if policy.compresses else 0.0, mode="decode",
                         chunk_size=chunk_size) as session:
         start = time.perf_counter()
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
         prefill_s = time.perf_counter() - start
         cache = out.cache
-        peak = max(peak, cache_bytes(cache))
+        peak = cache_bytes(cache)
         events_before = session.report.events if session.report else 0
-        overhead_before = getattr(policy, "overhead_seconds", 0.0)
         next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
         start = time.perf_counter()
         for _ in range(tokens):
@@ -76,16 +65,15 @@ def measure(model, spec: str, ids: torch.Tensor, ratio: float, chunk_size: int, 
             per_event_ms = 1000 * report.seconds / max(events, 1) if report and events else 0.0
         return {"policy": spec, "batch": ids.shape[0], "prefill_s": prefill_s,
                 "tokens_per_s": ids.shape[0] * tokens / decode_s, "peak_bytes": peak,
-                "full_bytes": full_cache_bytes(cache), "evictions": events, "decode_evictions": events - events_before,
-                "policy_ms_per_eviction": per_event_ms,
-                "decode_policy_s": getattr(policy, "overhead_seconds", 0.0) - overhead_before}
+                "full_bytes": full_cache_bytes(cache), "decode_evictions": events - events_before,
+                "policy_ms_per_eviction": per_event_ms}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--length", type=int, default=8192)
-    parser.add_argument("--policies", default="full,h2o,learned(checkpoint=smollm2-135m-instruct)")
+    parser.add_argument("--policies", default="full,h2o,learned(checkpoint='smollm2-135m-instruct')")
     parser.add_argument("--ratio", type=float, default=0.75, help="compression ratio (0.75: a 25%% budget)")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--chunk-size", type=int, default=512)
@@ -94,9 +82,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_flush_denormal(True)
     model, tokenizer = load(args.model, dtype=args.dtype)
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch threads "
-          f"{torch.get_num_threads()}, dtype {next(model.parameters()).dtype}; {args.model}, context {args.length}, "
-          f"ratio {args.ratio}, chunk {args.chunk_size}, {args.tokens} generated tokens\n")
+    flags = cpu_flags()
+    print(f"machine: {cpu_name()}, {os.cpu_count()} CPUs, avx512_bf16 {'yes' if 'avx512_bf16' in flags else 'no'}, "
+          f"amx_bf16 {'yes' if 'amx_bf16' in flags else 'no'}, torch threads {torch.get_num_threads()}, dtype "
+          f"{next(model.parameters()).dtype}; {args.model}, context {args.length}, ratio {args.ratio}, chunk "
+          f"{args.chunk_size}, {args.tokens} generated tokens\n")
     print("| policy | batch | prefill s | decode tokens/s | peak cache MiB | full cache MiB | evictions while "
           "decoding | policy ms per eviction |")
     print("|---|---|---|---|---|---|---|---|")

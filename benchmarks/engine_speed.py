@@ -40,10 +40,10 @@ from kvsieve.models import auto_dtype, cpu_flags, load, resolve_dtype
 from kvsieve.tasks.haystack import prose
 
 
-def context_ids(tokenizer, length: int) -> torch.Tensor:
+def context_ids(tokenizer, length: int, seed: int = 0) -> torch.Tensor:
     sentences = 64
     while True:
-        ids = tokenizer(prose(sentences, seed=0), add_special_tokens=False)["input_ids"]
+        ids = tokenizer(prose(sentences, seed=seed), add_special_tokens=False)["input_ids"]
         if len(ids) >= length:
             return torch.tensor([ids[:length]])
         sentences *= 2
@@ -59,7 +59,7 @@ def timed(fn, repeats: int) -> tuple[float, object]:
     return statistics.median(times), result
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         for line in open("/proc/cpuinfo"):
             if line.startswith("model name"):
@@ -151,7 +151,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    print(f"# {args.model}, {torch.get_num_threads()} threads, {_cpu_name()}")
+    print(f"# {args.model}, {torch.get_num_threads()} threads, {cpu_name()}")
     lengths = [int(x) for x in args.prefill_lengths.split(",") if x.strip()]
     if lengths:
         prefill_table(args.model, args.dtypes.split(","), lengths, args.repeats)

@@ -32,10 +32,9 @@ def validate(config) -> None:
         raise ValueError("the grid is empty: give at least one compression ratio")
     for ratio in config.ratios:
         Budget(ratio=ratio)
-    mode = getattr(config, "mode", "prefill")
-    if mode not in ("prefill", "decode"):
-        raise ValueError(f"mode {mode!r} is not one of 'prefill', 'decode'")
-    if mode == "decode":
+    if config.mode not in ("prefill", "decode"):
+        raise ValueError(f"mode {config.mode!r} is not one of 'prefill', 'decode'")
+    if config.mode == "decode":
         chunk = config.chunk_size
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk_size must be a positive int, got {chunk!r}")

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from kvsieve.learn.checkpoint import load_checkpoint, save_checkpoint
-from kvsieve.learn.features import extract
+from kvsieve.learn.features import FEATURES, extract
 from kvsieve.learn.network import KeepNet, NetConfig
 from kvsieve.learn.policy import ModelShape
 from kvsieve.learn.rollout import Episode, context_cache_for
@@ -80,8 +80,9 @@ def collect(model, tokenizer, episode: Episode, window: int) -> list[tuple[torch
 
 
 def _data_key(config) -> str:
+    """What the collected set depends on; the feature list too, so a set from older features is recomputed."""
     keep = ("model", "tasks", "length", "samples", "seed", "window", "data", "dtype")
-    return repr({k: getattr(config, k) for k in keep})
+    return repr({**{k: getattr(config, k) for k in keep}, "features": list(FEATURES)})
 
 
 def _collect_all(config, model, tokenizer, episodes: list[Episode], out: Path, progress: bool) -> tuple[list, float]:
