@@ -27,11 +27,20 @@ def haystack_with_needle(sentences: int, depth: float, seed: int = 0) -> str:
     return " ".join(text)
 
 
-@pytest.fixture(scope="module")
-def smollm2():
+def _dtypes() -> list[str]:
+    """The dtype a user gets here (auto) and float32, the one every AVX2-only CPU gets: on a machine with
+    native bf16 both paths run; where auto already is float32 it runs once."""
+    from kvsieve.models import resolve_dtype
+
+    auto = str(resolve_dtype("auto")).removeprefix("torch.")
+    return sorted({auto, "float32"})
+
+
+@pytest.fixture(scope="module", params=_dtypes())
+def smollm2(request):
     from kvsieve.models import load
 
-    return load("smollm2-135m")
+    return load("smollm2-135m", dtype=request.param)
 
 
 @pytest.mark.parametrize("depth", [0.25, 0.75])
