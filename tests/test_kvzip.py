@@ -63,12 +63,23 @@ def test_prompt_and_chunks_follow_the_authors_strings(ids):
     assert reconstruction_chunks(ids, PROMPT, 5, 90, CHUNK)[-1].end == 90
 
 
+def sharpened(model):
+    """Random init gives near-uniform attention, under which a wrongly scaled query goes unseen: make it peaked."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(12.0)
+            layer.self_attn.k_proj.weight.mul_(12.0)
+    return model
+
+
+@pytest.mark.parametrize("sharp", [False, True])
 @pytest.mark.parametrize("normalization", ["chunk", "full"])
 @torch.no_grad()
-def test_scores_equal_the_max_of_eager_attention_weights(ids, normalization, monkeypatch):
+def test_scores_equal_the_max_of_eager_attention_weights(ids, normalization, sharp, monkeypatch):
     """Per entry: max over the group's query heads and the reconstruction queries of the eager softmax."""
     monkeypatch.setattr(reconstruct, "QUERY_BLOCK", 16)  # several query blocks per chunk
-    model = tiny_model("llama")
+    prepare = sharpened if sharp else (lambda m: m)
+    model = prepare(tiny_model("llama"))
     cache = full_cache(model, ids)
     keys_before = [layer.keys for _, layer in sieve_layers(cache)]
     rec = reconstruction_scores(model, cache, ids, PROMPT, chunk_size=CHUNK, normalization=normalization)
@@ -77,7 +88,7 @@ def test_scores_equal_the_max_of_eager_attention_weights(ids, normalization, mon
     assert [layer.keys for _, layer in sieve_layers(cache)] == keys_before
     assert all(layer.seen == 101 and layer.physical_length == 101 for _, layer in sieve_layers(cache))
 
-    eager = tiny_model("llama")
+    eager = prepare(tiny_model("llama"))
     eager.set_attn_implementation("eager")
     n, header = ids.shape[1], rec.header
     expected = [torch.zeros(1, 2, n) for _ in range(3)]
@@ -98,6 +109,37 @@ def test_scores_equal_the_max_of_eager_attention_weights(ids, normalization, mon
                     sub[..., header : header + m].reshape(1, 2, 2, q, m).amax(dim=(2, 3)))
     for layer in range(3):
         torch.testing.assert_close(rec.scores[layer], expected[layer], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_recording_leaves_the_attention_it_wraps_unchanged(dtype):
+    """kvzip_attention returns plain causal attention and leaves its query as it was, in every dtype.
+
+    The query arrives as a strided view (projection, transpose, RoPE); in float32 ``.float()`` is that
+    same tensor, so an in-place scale while recording changed the forward's own attention.
+    """
+    b, hq, h, q_len, n, d = 1, 4, 2, 6, 10, 16
+    g = torch.Generator().manual_seed(3)
+    query = (3 * torch.randn(b, q_len, hq, d, generator=g)).to(dtype).transpose(1, 2)  # (b, hq, q, d), strided
+    key = (3 * torch.randn(b, h, n + q_len, d, generator=g)).to(dtype)
+    value = torch.randn(b, h, n + q_len, d, generator=g).to(dtype)
+    before = query.clone()
+    module = torch.nn.Module()
+    module.layer_idx, module.is_causal, module.num_key_value_groups = 0, True, hq // h
+    state = reconstruct._State(n, 2, 2, n, "chunk", {0: torch.zeros(b, h, n)})
+    module._kvsieve_kvzip = state
+    out, _ = reconstruct.kvzip_attention(module, query, key, value, None, scaling=d**-0.5)
+    assert torch.equal(query, before)
+    assert bool(state.scores[0][..., 2:n].gt(0).all())  # it did record
+    # reference: softmax(q k^T / sqrt(d)) v in float64, query i sees the n cached keys and new keys <= i
+    qf, kf, vf = (t.double().repeat_interleave(hq // h, dim=1) if t is not query else t.double()
+                  for t in (query, key, value))
+    logits = qf @ kf.transpose(-1, -2) * d**-0.5
+    future = torch.arange(n + q_len)[None, :] > (n + torch.arange(q_len))[:, None]
+    expected = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1) @ vf  # (b, hq, q, d)
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(out.double(), expected.transpose(1, 2), **tol)
 
 
 @pytest.mark.parametrize("allocation", ["global", "uniform"])

@@ -175,7 +175,9 @@ def _record_max_attention(state: _State, best: torch.Tensor, query, key, scaling
     for start in range(0, q_len, QUERY_BLOCK):
         stop = min(q_len, start + QUERY_BLOCK)
         visible = prefix + stop  # later reconstruction tokens are in every query's future
-        block = grouped[:, :, :, start:stop].float().mul_(scaling).reshape(b, h, groups * (stop - start), d)
+        # out of place: in float32 .float() returns the query itself, and an in-place scale would reach
+        # the forward's own attention (scaled twice: KVzip's float32 scores and reconstruction were wrong)
+        block = (grouped[:, :, :, start:stop].float() * scaling).reshape(b, h, groups * (stop - start), d)
         logits = torch.matmul(block, keys[..., :visible])  # (b, h, g * block, visible)
         at = torch.arange(stop, device=query.device)
         future = at[None, :] > at[start:, None]  # a reconstruction key after the query
