@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import shutil
@@ -24,6 +25,7 @@ from kvsieve.learn.rollout import (
     Episode,
     RolloutPolicy,
     _RecordingSelection,
+    decision_terms,
     rollout,
     teacher_for,
 )
@@ -393,3 +395,103 @@ def test_bad_train_settings_name_the_value_and_what_is_allowed():
 
     assert main(["train", "--ratios", "0.5,x"]) == 2
     assert main(["train", "--chunk-size", "0"]) == 2
+
+
+# ---------------------------------------------------------------------------------------------- mutants of training
+# Each test below fails for one plausible break of the training maths (issue 17): the KL taken the wrong
+# way round, the protected entries left in the Plackett-Luce denominators, a zero advantage.
+
+
+def _softmax(row: list[float]) -> list[float]:
+    top = max(row)
+    weights = [math.exp(x - top) for x in row]
+    return [w / sum(weights) for w in weights]
+
+
+def _kl(p: list[float], q: list[float]) -> float:
+    """KL(p || q) written out: sum p log(p / q)."""
+    return sum(a * math.log(a / b) for a, b in zip(p, q) if a > 0)
+
+
+def test_kl_reward_is_teacher_to_student_not_the_reverse():
+    g = torch.Generator().manual_seed(3)
+    teacher_logits = torch.randn(4, 16, generator=g, dtype=torch.float64) * 2
+    student_logits = torch.randn(4, 16, generator=g, dtype=torch.float64) * 2
+    got = kl_per_position(teacher_from_logits(teacher_logits, top_k=None), student_logits)
+    for t in range(4):
+        p, q = _softmax(teacher_logits[t].tolist()), _softmax(student_logits[t].tolist())
+        assert abs(_kl(p, q) - _kl(q, p)) > 0.05  # the two directions differ here
+        assert float(got[t]) == pytest.approx(_kl(p, q), rel=1e-5)
+    # binned: the teacher's 3 most likely tokens and one bin for the rest, the same bins for both
+    binned = kl_per_position(teacher_from_logits(teacher_logits, top_k=3), student_logits)
+    for t in range(4):
+        p, q = _softmax(teacher_logits[t].tolist()), _softmax(student_logits[t].tolist())
+        top = sorted(range(16), key=lambda i: -p[i])[:3]
+        p_bins = [p[i] for i in top] + [1 - sum(p[i] for i in top)]
+        q_bins = [q[i] for i in top] + [1 - sum(q[i] for i in top)]
+        assert float(binned[t]) == pytest.approx(_kl(p_bins, q_bins), rel=1e-5)
+
+
+def test_decision_log_prob_draws_from_the_free_entries_only():
+    """The ordered draw's probability over the unprotected entries, written out; protected entries never
+    enter a denominator (they are kept whatever the draw)."""
+    torch.manual_seed(0)
+    net = KeepNet()
+    features = torch.randn(1, 2, 7, len(FEATURES)) * 0.5
+    features[..., -1] = 1.0  # layer 1
+    protected = torch.tensor([True, False, False, False, False, True, True])
+    order = torch.tensor([[[3, 1]], [[2, 4]]]).view(1, 2, 2)
+    log_probs, _, draws = decision_terms(net, [Decision(time=7, layer=1, features=features, protected=protected,
+                                                        order=order)])
+    with torch.no_grad():
+        logits = net(features)[0]
+    free = [i for i in range(7) if not bool(protected[i])]
+    expected = 0.0
+    for head in range(2):
+        row = {i: float(logits[head, i]) for i in free}
+        left, p = sum(math.exp(v) for v in row.values()), 1.0
+        for i in order[0, head].tolist():
+            p *= math.exp(row[i]) / left
+            left -= math.exp(row[i])
+        expected += math.log(p)
+    assert draws == 4 and float(log_probs[7].detach()) == pytest.approx(expected, rel=1e-5)
+
+
+def _policy_log_prob(net: KeepNet, decisions: list[Decision]) -> dict[int, float]:
+    """Per decision time, log p of the drawn orders under ``net``, from plain Python sums."""
+    out: dict[int, float] = {}
+    with torch.no_grad():
+        for d in decisions:
+            logits = net(d.features)
+            free = (~d.protected).nonzero().flatten().tolist()
+            for b in range(logits.shape[0]):
+                for h in range(logits.shape[1]):
+                    left = sum(math.exp(float(logits[b, h, i])) for i in free)
+                    for i in d.order[b, h].tolist():
+                        w = math.exp(float(logits[b, h, i]))
+                        out[d.time] = out.get(d.time, 0.0) + math.log(w / left)
+                        left -= w
+    return out
+
+
+def test_a_training_step_moves_the_policy_along_the_advantage(llama, tmp_path, monkeypatch):
+    """One REINFORCE step with the running-mean baseline (zero before the first step) and no entropy
+    bonus: every decision's advantage is its reward-to-go, minus a KL, so negative; the step must change
+    the weights and lower sum_t -A_t log p_t (make the drawn, penalised keep sets less likely)."""
+    import kvsieve.learn.train as train_module
+
+    config = TrainConfig(steps=1, mode="prefill", baseline="mean", entropy_coef=0.0, rollouts=1, lr=1e-3,
+                         out=str(tmp_path), **{k: v for k, v in CONFIG.items() if k not in ("rollouts",)})
+    trainer = train_module._Trainer(config, llama, ModelShape.of(llama, "tiny-llama"), [_episode(0)])
+    seen = []
+    real = train_module.reinforce_loss
+    monkeypatch.setattr(train_module, "reinforce_loss", lambda *a, **k: seen.append(a) or real(*a, **k))
+    before = copy.deepcopy(trainer.net)
+    row = trainer.run_step()
+    (_, decisions, returns, baseline, _), = seen
+    assert decisions and returns and all(r < 0 for r in returns.values()) and not any(baseline.values())
+    assert row["grad_norm"] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before.state_dict().values(), trainer.net.state_dict().values()))
+    old, new = _policy_log_prob(before, decisions), _policy_log_prob(trainer.net, decisions)
+    objective = {name: -sum(returns[t] * lp[t] for t in returns) for name, lp in (("old", old), ("new", new))}
+    assert objective["new"] < objective["old"], objective

@@ -64,6 +64,23 @@ def test_hoeffding_bentkus_never_less_conservative_than_binomial(n):
             assert hoeffding_bentkus_pvalue(k / n, n, alpha) >= binomial_pvalue(k, n, alpha) - 1e-12
 
 
+def _hb_by_hand(mean: float, n: int, alpha: float) -> float:
+    """Bates et al. / Learn-then-Test's Hoeffding-Bentkus p-value, written out with exact binomial terms:
+    min(exp(-n h1(min(mean, alpha), alpha)), e * P(Bin(n, alpha) <= ceil(n mean)))."""
+    a = min(mean, alpha)
+    h1 = a * math.log(a / alpha) + (1 - a) * math.log((1 - a) / (1 - alpha))
+    tail = sum(math.comb(n, i) * alpha**i * (1 - alpha) ** (n - i) for i in range(math.ceil(round(n * mean, 9)) + 1))
+    return min(1.0, math.exp(-n * h1), math.e * tail)
+
+
+@pytest.mark.parametrize("mean,n,alpha,pinned", [(0.05, 60, 0.1, 0.3670), (0.025, 200, 0.1, 1.0523e-4)])
+def test_hoeffding_bentkus_pinned_values(mean, n, alpha, pinned):
+    # (0.05, 60): the Hoeffding term wins (0.36700; e * tail = 0.37349, the tail alone 0.13740);
+    # (0.025, 200): the Bentkus term wins (e * 3.8712e-5; Hoeffding gives 1.7049e-4)
+    assert _hb_by_hand(mean, n, alpha) == pytest.approx(pinned, rel=1e-4)
+    assert hoeffding_bentkus_pvalue(mean, n, alpha) == pytest.approx(pinned, rel=1e-4)
+
+
 def test_clopper_pearson_brackets_the_proportion():
     lo, hi = clopper_pearson(5, 100)
     assert lo == pytest.approx(0.0164, abs=1e-3) and hi == pytest.approx(0.1128, abs=1e-3)
