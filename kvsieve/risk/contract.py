@@ -4,21 +4,33 @@ An unconditional contract has one bucket, ``all``. A conditional contract certif
 family or context-length bucket on its own requests. Its guarantee is simultaneous over the buckets: each
 bucket is certified at delta / B (Bonferroni over B buckets), so with probability >= 1 - delta every
 bucket's operating point has risk <= alpha on its own population.
+
+Length buckets are defined on one quantity at both ends: the request's *context tokens* (the prompt's
+compressed part, ``build_prompt(...).context_ids``), which every results row records in its config and which
+the runtime counts on the request. A contract bucketed on the generator's nominal length (written before
+that, or without the token counts) says so in ``length_quantity`` and the runtime warns when it routes one.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvsieve.risk.certify import Certification, Contract, InsufficientCalibrationError, certify
-from kvsieve.risk.losses import LossTable
+import numpy as np
 
-__all__ = ["CONTRACT_VERSION", "ContractFile", "certify_buckets"]
+from kvsieve.harness.store import ResultsStore
+from kvsieve.policies import parse_spec
+from kvsieve.risk.certify import Certification, Contract, InsufficientCalibrationError, certify
+from kvsieve.risk.losses import BUCKETINGS, Candidate, LossTable, Request, length_bucket
+
+__all__ = ["CONTRACT_VERSION", "LENGTH_QUANTITIES", "ContractFile", "certify_buckets", "request_context_tokens"]
 
 CONTRACT_VERSION = 1
+LENGTH_QUANTITIES = ("context_tokens", "nominal")  # what a length bucket's edges count
 
 
 @dataclass
@@ -31,13 +43,14 @@ class ContractFile:
     length_edges: list[int] = field(default_factory=list)
     buckets: dict[str, Certification] = field(default_factory=dict)
     source: dict = field(default_factory=dict)  # store path, policies, ratios: how to reproduce
+    length_quantity: str = "context_tokens"  # see the module docstring; "nominal" in contracts that predate it
 
     def write(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         data = {"kvsieve_contract": CONTRACT_VERSION, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "contract": asdict(self.contract), "model": self.model, "by": self.by,
-                "length_edges": self.length_edges, "source": self.source,
+                "length_edges": self.length_edges, "length_quantity": self.length_quantity, "source": self.source,
                 "buckets": {name: cert.to_dict() for name, cert in self.buckets.items()}}
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
@@ -56,21 +69,98 @@ class ContractFile:
         version = data.get("kvsieve_contract") if isinstance(data, dict) else None
         if version != CONTRACT_VERSION:
             raise ValueError(f"{path} is not a kvsieve contract of version {CONTRACT_VERSION} (found {version!r})")
-        return cls(Contract(**data["contract"]), data["model"], data["by"], list(data["length_edges"]),
-                   {name: Certification.from_dict(c) for name, c in data["buckets"].items()}, data.get("source", {}))
+        missing = [key for key in ("contract", "model", "by", "length_edges", "buckets") if key not in data]
+        if missing:
+            raise ValueError(f"contract file {path} lacks {', '.join(missing)}")
+        try:
+            out = cls(Contract(**data["contract"]), data["model"], data["by"], list(data["length_edges"]),
+                      {name: Certification.from_dict(c) for name, c in data["buckets"].items()}, data.get("source", {}),
+                      data.get("length_quantity", "nominal"))  # files without it bucketed on the nominal length
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"contract file {path} is malformed: {err}") from err
+        try:
+            out.validate()
+        except ValueError as err:
+            raise ValueError(f"contract file {path}: {err}") from err
+        return out
+
+    def validate(self) -> None:
+        """Refuse what no certification can produce: a ratio outside [0, 1), an unknown bucketing, bad edges."""
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a non-empty name, got {self.model!r}")
+        if self.by not in BUCKETINGS:
+            raise ValueError(f"by={self.by!r} is not one of {', '.join(BUCKETINGS)}")
+        if self.length_quantity not in LENGTH_QUANTITIES:
+            raise ValueError(f"length_quantity={self.length_quantity!r} is not one of {', '.join(LENGTH_QUANTITIES)}")
+        edges = self.length_edges
+        if any(isinstance(e, bool) or not isinstance(e, int) or e <= 0 for e in edges) or edges != sorted(set(edges)):
+            raise ValueError(f"length_edges must be increasing positive integers, got {edges!r}")
+        if self.by == "length" and not edges:
+            raise ValueError("a contract bucketed by length needs length_edges")
+        if not self.buckets:
+            raise ValueError("the contract has no buckets")
+        for name, cert in self.buckets.items():
+            points = [(f"candidate {c.candidate}", c.candidate) for c in cert.candidates]
+            if cert.chosen is not None:
+                points.insert(0, ("chosen point", cert.chosen))
+            for what, cand in points:
+                _check_candidate(cand, f"bucket {name!r}: {what}")
+
+
+def _check_candidate(cand: Candidate, where: str) -> None:
+    ratio = cand.ratio
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio) or not 0 <= ratio < 1:
+        raise ValueError(f"{where} has ratio {ratio!r}; a compression ratio is in [0, 1) (the fraction removed)")
+    if not isinstance(cand.question_aware, bool):
+        raise ValueError(f"{where} has question_aware {cand.question_aware!r}; allowed: true, false")
+    try:
+        parse_spec(cand.policy)
+    except (ValueError, SyntaxError) as err:
+        raise ValueError(f"{where} has policy {cand.policy!r}, which is not a policy spec: {err}") from err
+
+
+def request_context_tokens(store: ResultsStore, model: str, requests: list[Request]) -> dict[Request, int]:
+    """Context tokens of each request, from its full-KV row's config (what length buckets route on)."""
+    wanted = set(requests)
+    out: dict[Request, int] = {}
+    for row in store.rows(policy="full", model=model):
+        request = (row.key.task, row.key.length, row.key.sample_id)
+        if request in wanted and isinstance(row.config.get("context_tokens"), int):
+            out[request] = int(row.config["context_tokens"])
+    missing = sorted(wanted - set(out))
+    if missing:
+        raise ValueError(f"{len(missing)} full-KV row(s) of model {model!r} do not record context_tokens "
+                         f"(first: {missing[0]}); length buckets need them: re-evaluate those samples")
+    return out
 
 
 def certify_buckets(table: LossTable, contract: Contract, model: str, by: str = "none",
-                    length_edges: list[int] | None = None, seed: int = 0) -> ContractFile:
+                    length_edges: list[int] | None = None, seed: int = 0,
+                    context_tokens: Mapping[Request, int] | None = None) -> ContractFile:
     """Certify each bucket of ``table`` at delta / (number of buckets).
 
     Unbucketed (``by="none"``) with too few requests raises InsufficientCalibrationError. A bucket of a
     conditional contract with too few requests falls back to full KV, with the reason recorded.
+    ``context_tokens`` (see :func:`request_context_tokens`) makes length buckets count each request's context
+    tokens, the quantity the runtime routes on; without it they count the nominal length and say so.
     """
-    buckets = table.buckets(by, length_edges)
+    quantity = "nominal"
+    if by == "length" and context_tokens is not None:
+        if not length_edges:
+            raise ValueError("bucketing by length needs length_edges, e.g. [2048, 4096]")
+        missing = [r for r in table.requests if r not in context_tokens]
+        if missing:
+            raise ValueError(f"context_tokens lacks {len(missing)} request(s) of the table (first: {missing[0]})")
+        names = [length_bucket(int(context_tokens[r]), length_edges) for r in table.requests]
+        buckets = {name: np.flatnonzero(np.array(names) == name) for name in sorted(set(names))}
+        quantity = "context_tokens"
+    else:
+        buckets = table.buckets(by, length_edges)
+    if by != "length":
+        quantity = "context_tokens"  # no length buckets: nothing to disagree about
     share = Contract(contract.alpha, contract.delta / len(buckets), contract.epsilon, contract.loss,
                      contract.correction, contract.split_fraction)
-    out = ContractFile(contract, model, by or "none", sorted(length_edges or []))
+    out = ContractFile(contract, model, by or "none", sorted(length_edges or []), length_quantity=quantity)
     for name, rows in buckets.items():
         try:
             out.buckets[name] = certify(table.subset(rows), share, seed=seed)

@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvsieve.engine.attach import Session, attach
+from kvsieve.engine.generate import Generation, build_prompt, generate
+from kvsieve.models import bundled
 from kvsieve.policies import Policy, from_spec
 from kvsieve.policies.full import FullCache
 from kvsieve.risk.contract import ContractFile
 from kvsieve.risk.losses import length_bucket
 from kvsieve.tasks import task_family
 
-__all__ = ["OperatingPoint", "CertifiedPolicy"]
+__all__ = ["OperatingPoint", "CertifiedPolicy", "CertifiedSession", "canonical_model"]
+
+
+def canonical_model(name: str) -> str:
+    """A bundled model's canonical name for any of its aliases; other names as given."""
+    entry = bundled(name)
+    return entry.name if entry is not None else name
 
 
 @dataclass(frozen=True)
@@ -32,22 +41,57 @@ class OperatingPoint:
     def policy(self) -> Policy:
         return from_spec(self.policy_spec) if not self.fell_back else FullCache()
 
+    def protected_tail(self, question_tokens: int) -> int:
+        """Tokens kept on top of the budget: the question, when the point was certified question-aware."""
+        if isinstance(question_tokens, bool) or not isinstance(question_tokens, int) or question_tokens < 0:
+            raise ValueError(f"question_tokens must be an int >= 0, got {question_tokens!r}")
+        return question_tokens if self.question_aware and not self.fell_back else 0
+
+    @contextlib.contextmanager
+    def attach(self, model, question_tokens: int) -> Iterator[Session]:
+        """``kvsieve.attach`` at this point. A question-aware point compresses the first forward (context and
+        question together) keeping its last ``question_tokens``; a query-agnostic one compresses the context
+        alone (feed the question in a second forward)."""
+        with attach(model, self.policy, ratio=self.ratio, protected_tail=self.protected_tail(question_tokens)) as s:
+            yield s
+
+
+@dataclass
+class CertifiedSession:
+    """What :meth:`CertifiedPolicy.attach` yields: the request's point and the engine session."""
+
+    point: OperatingPoint
+    session: Session
+
+    @property
+    def prefill_question(self) -> bool:
+        """Whether the first forward must be context + question (question-aware) or the context alone."""
+        return self.point.question_aware and not self.point.fell_back
+
 
 class CertifiedPolicy:
     """The runtime side of a contract file (see ``kvsieve certify``).
 
-    >>> certified = CertifiedPolicy.from_contract("contract.json")
-    >>> point = certified.operating_point(task="niah_single_1", context_tokens=4000)
-    >>> generate(model, tokenizer, context, question, point.policy, ratio=point.ratio,
-    ...          question_aware=point.question_aware)
+    >>> certified = CertifiedPolicy.from_contract("contract.json", model="smollm2-135m-instruct")
+    >>> g = certified.generate(model, tokenizer, context, question, task="niah_single_1")
+
+    ``model`` is checked against the model the contract was certified for (aliases resolve); a contract
+    says nothing about another model, so that is an error.
     """
 
-    def __init__(self, contract: ContractFile) -> None:
+    def __init__(self, contract: ContractFile, model: str | None = None) -> None:
         self.contract = contract
+        if model is not None:
+            self.check_model(model)
 
     @classmethod
-    def from_contract(cls, path: str | Path) -> CertifiedPolicy:
-        return cls(ContractFile.read(path))
+    def from_contract(cls, path: str | Path, model: str | None = None) -> CertifiedPolicy:
+        return cls(ContractFile.read(path), model)
+
+    def check_model(self, model: str) -> None:
+        if canonical_model(model) != canonical_model(self.contract.model):
+            raise ValueError(f"the contract was certified for model {self.contract.model!r}, not {model!r}: "
+                             "its guarantee does not carry over to another model; certify one for it")
 
     def bucket_for(self, task: str | None = None, context_tokens: int | None = None) -> str:
         by = self.contract.by
@@ -59,10 +103,17 @@ class CertifiedPolicy:
             return task if by == "task" else task_family(task)
         if context_tokens is None:
             raise ValueError("this contract is conditional on the context length: pass context_tokens=")
+        if self.contract.length_quantity != "context_tokens":
+            warnings.warn("this contract's length buckets were calibrated on the nominal length, and a request is "
+                          "routed on its context tokens: recertify with kvsieve certify to bucket both the same way",
+                          stacklevel=2)
         return length_bucket(int(context_tokens), self.contract.length_edges)
 
     def operating_point(self, task: str | None = None, context_tokens: int | None = None) -> OperatingPoint:
-        """The certified point of the request's bucket; full KV when it fell back or was never calibrated."""
+        """The certified point of the request's bucket; full KV when it fell back or was never calibrated.
+
+        ``context_tokens`` is the prompt's context part in tokens (``build_prompt(...).context_ids``), the
+        quantity length buckets were certified on."""
         bucket = self.bucket_for(task, context_tokens)
         cert = self.contract.buckets.get(bucket)
         if cert is None:
@@ -73,9 +124,22 @@ class CertifiedPolicy:
         return OperatingPoint(chosen.policy, chosen.ratio, chosen.question_aware, bucket, False)
 
     @contextlib.contextmanager
-    def attach(self, model, task: str | None = None, context_tokens: int | None = None,
-               protected_tail: int = 0) -> Iterator[Session]:
-        """``kvsieve.attach`` with the request's certified operating point (prefill compression)."""
+    def attach(self, model, question_tokens: int, task: str | None = None,
+               context_tokens: int | None = None) -> Iterator[CertifiedSession]:
+        """``kvsieve.attach`` at the request's certified point (prefill compression).
+
+        ``question_tokens`` is the length of the prompt's question part. When the point is question-aware
+        (``yielded.prefill_question``) run context + question as the first forward: the question is kept on
+        top of the budget, as it was when the point was certified. Otherwise run the context first.
+        """
         point = self.operating_point(task, context_tokens)
-        with attach(model, point.policy, ratio=point.ratio, protected_tail=protected_tail) as session:
-            yield session
+        with point.attach(model, question_tokens) as session:
+            yield CertifiedSession(point, session)
+
+    def generate(self, model, tokenizer, context: str, question: str, task: str | None = None,
+                 **options) -> Generation:
+        """``kvsieve.engine.generate.generate`` at the request's certified point, question-awareness included."""
+        context_tokens = build_prompt(tokenizer, context, question, options.get("answer_prefix", "")).context_ids
+        point = self.operating_point(task, int(context_tokens.shape[1]))
+        return generate(model, tokenizer, context, question, point.policy, ratio=point.ratio,
+                        question_aware=point.question_aware and not point.fell_back, **options)
