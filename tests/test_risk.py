@@ -22,6 +22,7 @@ from kvsieve.risk import (
     empirical_threshold,
     loss_table,
 )
+from kvsieve.risk.losses import candidates_for
 from kvsieve.risk.pvalues import (
     binomial_cdf,
     binomial_pvalue,
@@ -339,3 +340,94 @@ def test_length_and_task_buckets(store):
     assert certified.operating_point(context_tokens=900).reason == "bucket '<=1000' was not calibrated"
     with pytest.raises(ValueError, match="context_tokens="):
         certified.operating_point(task="vt")
+
+
+# ---------------------------------------------------------------------------------------------- issue 17
+
+
+def test_epsilon_outside_the_utility_range_is_refused():
+    for bad in (100.0, 500.0, -0.5, float("nan")):
+        with pytest.raises(ValueError, match=r"epsilon must be in \[0, 100\) .* got"):
+            Contract(epsilon=bad)
+    assert Contract(epsilon=99.5).epsilon == 99.5
+
+
+def test_certify_cli_refuses_epsilon_500_and_ratio_1(store, tmp_path, capsys):
+    from kvsieve.cli import main
+
+    base = ["certify", "--store", str(store), "--model", "m", "--policies", "snapkv", "--out", str(tmp_path / "c.json")]
+    assert main([*base, "--ratios", "0.5", "--epsilon", "500"]) == 2
+    assert "epsilon must be in [0, 100)" in capsys.readouterr().err
+    assert main([*base, "--ratios", "1.0"]) == 2
+    err = capsys.readouterr().err
+    assert "ratio 1.0, out of range: a compression ratio is in [0, 1)" in err and "no rows" not in err
+    assert not (tmp_path / "c.json").exists()
+
+
+def test_candidates_for_checks_ratios_and_reads_decode_labels():
+    with pytest.raises(ValueError, match=r"--ratios has ratio 1.0, out of range"):
+        candidates_for(["snapkv"], [0.5, 1.0])
+    spec = "learned(checkpoint='smollm2-135m-instruct')@decode128"
+    cands = candidates_for(["full", "full@decode128", spec], [0.5])
+    assert cands == [Candidate(spec, 0.5)]
+    cand = cands[0]
+    assert (cand.spec, cand.chunk_size, cand.mode, cand.reference) == (spec[:-10], 128, "decode", "full@decode128")
+    assert cand.sees_question and "question read under eviction" in cand.setting
+    assert Candidate("snapkv", 0.5).setting == "query-agnostic prefill" and not Candidate("snapkv", 0.5).sees_question
+    assert Candidate("snapkv", 0.5, True).setting == "question-aware prefill"
+    with pytest.raises(ValueError, match="question is read under eviction anyway"):
+        Candidate("snapkv@decode64", 0.5, True)
+
+
+def _model_row(model, task, sample, policy, ratio, score, kept_bytes, bytes_full=1000):
+    key = CellKey(model, task, 1024, str(sample), policy, ratio, False)
+    return CellResult(key, "", score, ["x"], 10, kept_bytes, bytes_full, 0.1, 0.1, {})
+
+
+def test_decode_rows_certify_against_full_decode_with_an_honest_label(tmp_path):
+    spec = "learned(checkpoint='smollm2-135m-instruct')@decode128"
+    rows = []
+    for i in range(40):
+        rows.append(_model_row("m", "niah_single_1", i, "full", 0.0, 0.0, 1000))  # prefill full: all wrong
+        rows.append(_model_row("m", "niah_single_1", i, "full@decode128", 0.0, 100.0, 1000))
+        rows.append(_model_row("m", "niah_single_1", i, spec, 0.5, 100.0, 600))
+    with ResultsStore(tmp_path / "d.sqlite") as s:
+        s.add_many(rows)
+        table = loss_table(s, "m", candidates_for([spec], [0.5]))
+    cand = Candidate(spec, 0.5)
+    assert table.references == {cand: "full@decode128"} and table.losses[cand].sum() == 0
+    cert = certify(table, Contract(alpha=0.1, delta=0.1))
+    assert cert.chosen == cand
+    # one "kept" figure: the bytes (0.600, sinks and window on top of the budget), not 1 - ratio (0.500)
+    assert cert.verdict() == (f"{spec}@0.5 (decode-time eviction every 128 tokens, question read under eviction): "
+                              "keeps 0.600 of the cache bytes at compression ratio 0.5")
+    assert "0.600" in cert.table_lines()[1] and "0.500" not in cert.table_lines()[1]
+    path = certify_buckets(table, Contract(alpha=0.1, delta=0.1), "m").write(tmp_path / "c.json")
+    saved = json.loads(path.read_text())["buckets"]["all"]["candidates"][0]
+    assert saved["setting"].startswith("decode-time eviction") and saved["policy"] == spec
+
+
+def test_least_cache_is_measured_in_bytes():
+    # b@0.5 keeps fewer bytes than a@0.75 (a protects more tokens): b wins though its ratio is lower
+    a, b = Candidate("a", 0.75), Candidate("b", 0.5)
+    table = LossTable([("t", 1, str(i)) for i in range(60)], {a: np.zeros(60), b: np.zeros(60)},
+                      kept_fraction={a: 0.55, b: 0.52})
+    assert certify(table, Contract(alpha=0.1, delta=0.1)).chosen == b
+
+
+def test_loss_table_resolves_aliases_and_lists_the_stored_models(tmp_path):
+    canonical, alias = "qwen2.5-coder-0.5b-instruct", "qwen2.5-0.5b"
+    rows = []
+    for i in range(30):
+        model = canonical if i < 20 else alias  # an older store keyed some rows by the alias
+        rows.append(_model_row(model, "vt", i, "full", 0.0, 100.0, 1000))
+        rows.append(_model_row(model, "vt", i, "snapkv", 0.5, 100.0, 500))
+    rows.append(_model_row("smollm2-135m-instruct", "vt", 0, "full", 0.0, 100.0, 1000))
+    with ResultsStore(tmp_path / "a.sqlite") as s:
+        s.add_many(rows)
+        for name in (alias, canonical):
+            table = loss_table(s, name, [Candidate("snapkv", 0.5)])
+            assert table.n == 30 and table.model == canonical
+        with pytest.raises(ValueError, match=r"no full-KV rows for model 'smollm2'; it holds full-KV rows for: "
+                                             r"qwen2.5-0.5b, qwen2.5-coder-0.5b-instruct, smollm2-135m-instruct"):
+            loss_table(s, "smollm2", [Candidate("snapkv", 0.5)])

@@ -5,6 +5,10 @@ from calibration data, every candidate (policy, ratio) is a hypothesis "its risk
 candidates whose hypothesis is rejected under family-wise error control at delta are *certified*:
 with probability at least 1 - delta over the calibration draw, all of them have risk <= alpha. The
 operating point is the certified candidate that keeps the least cache; if none is certified, full KV.
+
+"Kept" is one quantity everywhere (the table, the verdict, the choice): the mean fraction of the cache's
+bytes a candidate keeps on the calibration requests (``LossTable.kept_fraction``), which includes the
+sinks, window and question kept on top of the ratio's budget, so it is above ``1 - ratio``.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from kvsieve.risk.losses import LOSSES, Candidate, LossTable
+from kvsieve.risk.losses import LOSSES, UTILITY_SCALE, Candidate, LossTable
 from kvsieve.risk.pvalues import binomial_pvalue, hoeffding_bentkus_pvalue, min_calibration_size
 from kvsieve.risk.testing import CORRECTIONS, chains_rejected, fixed_sequence
 
@@ -41,8 +45,11 @@ class Contract:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
                 raise ValueError(f"{name} must be in (0, 1), got {value!r}")
-        if isinstance(self.epsilon, bool) or not isinstance(self.epsilon, (int, float)) or self.epsilon < 0:
-            raise ValueError(f"epsilon must be >= 0 (utility points on the 0-100 scale), got {self.epsilon!r}")
+        epsilon = self.epsilon
+        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not 0 <= epsilon < UTILITY_SCALE:
+            # a drop of 100 points or more cannot happen on the 0-100 scale: every candidate would certify
+            raise ValueError(f"epsilon must be in [0, {UTILITY_SCALE:g}) (a tolerated utility drop in metric points "
+                             f"on the 0-{UTILITY_SCALE:g} scale), got {epsilon!r}")
         if self.loss not in LOSSES:
             raise ValueError(f"loss {self.loss!r} is not one of {', '.join(LOSSES)}")
         if self.correction not in CORRECTIONS:
@@ -69,6 +76,10 @@ class CandidateResult:
     p_value: float
     certified: bool
     kept_fraction: float  # mean cache bytes kept / full
+    setting: str = ""  # Candidate.setting: query-agnostic / question-aware prefill, or decode-time eviction
+
+    def __post_init__(self) -> None:
+        self.setting = self.setting or self.candidate.setting  # contracts written before it: derived
 
     @property
     def candidate(self) -> Candidate:
@@ -92,6 +103,30 @@ class Certification:
     @property
     def fell_back(self) -> bool:
         return self.chosen is None
+
+    @property
+    def chosen_result(self) -> CandidateResult | None:
+        """The chosen candidate's figures (``None``: full KV)."""
+        return next((c for c in self.candidates if c.candidate == self.chosen), None)
+
+    def table_lines(self) -> list[str]:
+        """One line per candidate: label, setting, bytes kept, empirical risk, p-value, certified."""
+        if not self.candidates:
+            return []
+        width = max(28, *(len(str(c.candidate)) for c in self.candidates))
+        lines = [f"{'candidate':<{width}} {'kept bytes':>10} {'risk':>7} {'p-value':>9}  certified  setting"]
+        for c in sorted(self.candidates, key=lambda c: (c.policy, c.question_aware, c.ratio)):
+            lines.append(f"{str(c.candidate):<{width}} {c.kept_fraction:>10.3f} {c.empirical_risk:>7.3f} "
+                         f"{c.p_value:>9.3g}  {'yes' if c.certified else 'no ':<9}  {c.setting}")
+        return lines
+
+    def verdict(self) -> str:
+        """The choice in words, with the same "kept bytes" figure the table shows."""
+        chosen = self.chosen_result
+        if chosen is None:
+            return f"full KV: {self.reason}"
+        return (f"{chosen.candidate} ({chosen.setting}): keeps {chosen.kept_fraction:.3f} of the cache bytes "
+                f"at compression ratio {chosen.ratio:g}")
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -117,10 +152,10 @@ def p_value(losses: np.ndarray, alpha: float, loss: str = "binary") -> float:
 
 
 def _least_cache(candidates: list[Candidate], table: LossTable) -> Candidate | None:
-    """The candidate keeping the least cache (highest ratio; then fewer bytes; then lower risk)."""
+    """The candidate keeping the least cache (fewest bytes kept; then highest ratio; then lower risk)."""
     if not candidates:
         return None
-    return min(candidates, key=lambda c: (-c.ratio, table.kept_fraction.get(c, c.retention),
+    return min(candidates, key=lambda c: (table.kept_fraction.get(c, c.retention), -c.ratio,
                                           float(np.mean(table.losses[c])), str(c)))
 
 
@@ -174,7 +209,7 @@ def certify(table: LossTable, contract: Contract, seed: int = 0) -> Certificatio
         counts = chains_rejected([[pvals[c] for c in chain] for chain in chains], contract.delta, contract.correction)
         certified = {c for chain, k in zip(chains, counts) for c in chain[:k]}
     results = [CandidateResult(c.policy, c.ratio, c.question_aware, risks[c], pvals[c], c in certified,
-                               table.kept_fraction.get(c, c.retention)) for c in candidates]
+                               table.kept_fraction.get(c, c.retention), c.setting) for c in candidates]
     chosen = _least_cache(sorted(certified), table)
     reason = "" if chosen else "no candidate certified: falling back to full KV"
     return Certification(contract.alpha, contract.delta, contract.epsilon, contract.loss, contract.correction, n,

@@ -6,18 +6,30 @@ task's utility (the harness metric, 0-100) under the candidate with the full cac
 
 * ``binary``: material degradation, 1 when ``full - candidate > epsilon`` points, else 0;
 * ``bounded``: the utility drop scaled to [0, 1], ``clip((full - candidate) / 100, 0, 1)``.
+
+Decode-time rows (the store's ``SPEC@decodeN``, eviction while the prompt is read in chunks of N
+tokens) are candidates too. The question is part of that prompt, so evictions after its chunk see it:
+such a candidate is not query-agnostic (:attr:`Candidate.setting` says what it is), and it is compared
+with ``full@decodeN`` (the same chunked run with nothing evicted) where the store holds those rows.
+
+Models are named by their canonical name: an alias of a bundled model (``qwen2.5-0.5b``) finds the
+rows stored under the canonical name and under any alias (stores written before aliases were resolved).
 """
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvsieve.harness.store import ResultsStore
+from kvsieve.models import bundled
 from kvsieve.tasks import task_family
 
-__all__ = ["BUCKETINGS", "LOSSES", "Candidate", "LossTable", "candidate_losses", "length_bucket", "loss_table"]
+__all__ = ["BUCKETINGS", "LOSSES", "UTILITY_SCALE", "Candidate", "LossTable", "candidate_losses", "candidates_for",
+           "length_bucket", "loss_table", "model_names", "split_label"]
 
 LOSSES = ("binary", "bounded")
 BUCKETINGS = ("none", "task", "task_family", "length")  # how a conditional contract splits requests
@@ -25,14 +37,71 @@ UTILITY_SCALE = 100.0  # harness metrics are percentages
 
 Request = tuple[str, int, str]  # (task, length, sample_id)
 
+_DECODE_LABEL = re.compile(r"^(?P<spec>.+)@decode(?P<chunk>[1-9][0-9]*)$")
+
+
+def split_label(label: str) -> tuple[str, int]:
+    """A stored policy label -> (policy spec, decode chunk size); chunk 0 for a prefill row."""
+    match = _DECODE_LABEL.match(label)
+    return (match["spec"], int(match["chunk"])) if match else (label, 0)
+
+
+def _check_ratio(ratio: object, where: str) -> None:
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio) or not 0 <= ratio < 1:
+        raise ValueError(f"{where} has ratio {ratio!r}, out of range: a compression ratio is in [0, 1) "
+                         "(the fraction of the cache removed)")
+
 
 @dataclass(frozen=True, order=True)
 class Candidate:
-    """One compressed operating point. ``retention`` is the fraction of the cache kept (1 - ratio)."""
+    """One compressed operating point: a stored policy label (``SPEC`` or ``SPEC@decodeN``), a ratio, and
+    whether the question was protected in a prefill cell. ``retention`` is the nominal fraction kept (1 - ratio);
+    the bytes actually kept (sinks, window and question on top) are ``LossTable.kept_fraction``."""
 
     policy: str
     ratio: float
     question_aware: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.policy, str) or not self.policy.strip():
+            raise ValueError(f"a candidate's policy must be a non-empty spec, got {self.policy!r}")
+        _check_ratio(self.ratio, f"candidate {self.policy!r}")
+        if not isinstance(self.question_aware, bool):
+            raise ValueError(f"question_aware must be true or false, got {self.question_aware!r}")
+        if self.question_aware and self.mode == "decode":
+            raise ValueError(f"candidate {self.policy!r} evicts at decode time, where the question is read under "
+                             "eviction anyway; there are no question-aware decode rows (drop --question-aware)")
+
+    @property
+    def spec(self) -> str:
+        """The policy spec, without the ``@decodeN`` of a decode-time row."""
+        return split_label(self.policy)[0]
+
+    @property
+    def chunk_size(self) -> int:
+        """Decode-time eviction's chunk size; 0 for prefill compression."""
+        return split_label(self.policy)[1]
+
+    @property
+    def mode(self) -> str:
+        return "decode" if self.chunk_size else "prefill"
+
+    @property
+    def sees_question(self) -> bool:
+        """Whether the eviction decisions can see the question (question-aware prefill, or any decode-time row)."""
+        return self.question_aware or self.mode == "decode"
+
+    @property
+    def setting(self) -> str:
+        """What the point is, in words: the label a table and a contract show."""
+        if self.mode == "decode":
+            return f"decode-time eviction every {self.chunk_size} tokens, question read under eviction"
+        return "question-aware prefill" if self.question_aware else "query-agnostic prefill"
+
+    @property
+    def reference(self) -> str:
+        """The full-KV label the candidate is compared with first: ``full`` or ``full@decodeN``."""
+        return f"full@decode{self.chunk_size}" if self.chunk_size else "full"
 
     @property
     def retention(self) -> float:
@@ -45,6 +114,26 @@ class Candidate:
 
     def __str__(self) -> str:
         return f"{self.policy}{'+qa' if self.question_aware else ''}@{self.ratio:g}"
+
+
+def candidates_for(policies: list[str], ratios: list[float], question_aware: bool = False) -> list[Candidate]:
+    """The candidates of ``kvsieve certify``: every compressing policy label at every ratio.
+
+    Full-KV labels (``full``, ``full@decodeN``) are the reference, not candidates, and are dropped. A ratio
+    outside [0, 1) is refused before any store is read, naming the ratio.
+    """
+    for ratio in ratios:
+        _check_ratio(ratio, "--ratios")
+    compressing = [p for p in policies if split_label(p.strip())[0] != "full"]
+    if not compressing or not ratios:
+        raise ValueError("give at least one compressing policy (--policies) and one ratio (--ratios)")
+    return [Candidate(p.strip(), float(r), question_aware) for p in compressing for r in ratios]
+
+
+def model_names(model: str) -> list[str]:
+    """The names a model's rows may be stored under: a bundled model's canonical name, then its aliases."""
+    entry = bundled(model)
+    return [entry.name, *entry.aliases] if entry is not None else [model]
 
 
 def candidate_losses(candidate_utility: np.ndarray, full_utility: np.ndarray, epsilon: float,
@@ -70,6 +159,8 @@ class LossTable:
     loss: str = "binary"
     epsilon: float = 0.0
     left_out: list[Request] = field(default_factory=list)  # requests some candidate or full KV lacks
+    model: str = ""  # the canonical model name the rows were read for
+    references: dict[Candidate, str] = field(default_factory=dict)  # the full-KV label each was compared with
 
     def left_out_summary(self) -> str:
         """``""`` or e.g. ``"left out 25 request(s) not every candidate and full KV have: qa_2 (5), vt (20)"``."""
@@ -88,7 +179,8 @@ class LossTable:
     def subset(self, rows: np.ndarray | list[int]) -> LossTable:
         rows = np.asarray(rows, dtype=int)
         return LossTable([self.requests[i] for i in rows], {c: v[rows] for c, v in self.losses.items()},
-                         dict(self.kept_fraction), self.loss, self.epsilon, list(self.left_out))
+                         dict(self.kept_fraction), self.loss, self.epsilon, list(self.left_out), self.model,
+                         dict(self.references))
 
     def buckets(self, by: str | None, length_edges: list[int] | None = None) -> dict[str, np.ndarray]:
         """Row indices per bucket: one bucket ``all``, or per task, task family or context-length bucket."""
@@ -118,43 +210,67 @@ def length_bucket(length: int, edges: list[int]) -> str:
     return f">{max(edges)}"
 
 
+def _stored_models(store: ResultsStore) -> str:
+    models = sorted({key.model for key in store.keys(policy="full")})
+    return ", ".join(models) if models else "none (the store has no full-KV rows at all)"
+
+
 def loss_table(store: ResultsStore, model: str, candidates: list[Candidate], epsilon: float = 0.0,
                loss: str = "binary", tasks: list[str] | None = None, lengths: list[int] | None = None) -> LossTable:
     """Build the loss table from the results store over the requests that full KV and every candidate share.
 
-    Requests that only some of them have (a grid still running, full-KV rows of tasks no candidate ran)
-    are left out and listed in ``LossTable.left_out``. Raises ValueError when the store has no full-KV
-    rows, a candidate has no rows, or nothing is shared.
+    ``model`` may be a bundled model's alias (see :func:`model_names`). A decode-time candidate is compared
+    with ``full@decodeN`` rows when the store holds them, else with the prefill ``full`` rows
+    (``LossTable.references`` records which). Requests that only some of them have (a grid still running,
+    full-KV rows of tasks no candidate ran) are left out and listed in ``LossTable.left_out``. Raises
+    ValueError when the store has no full-KV rows for the model (listing the models it holds), a candidate
+    has no rows, or nothing is shared.
     """
     if not candidates:
         raise ValueError("no candidates to certify: give at least one compressing policy and ratio")
-    filters: dict = {"model": model}
+    names = model_names(model)
+    filters: dict = {"model": names}
     if tasks:
         filters["task"] = list(tasks)
     if lengths:
         filters["length"] = list(lengths)
-    full = {(r.key.task, r.key.length, r.key.sample_id): r.score for r in store.rows(policy="full", **filters)}
-    if not full:
-        raise ValueError(f"the store has no full-KV rows for model {model!r}"
-                         + (f" (tasks {tasks}, lengths {lengths})" if tasks or lengths else "")
-                         + ": losses are measured against full KV on the same request; run policy 'full' first")
+
+    def by_request(rows) -> dict:
+        return {(r.key.task, r.key.length, r.key.sample_id): r for r in rows}
+
+    def no_full() -> ValueError:
+        shown = repr(model) if names[0] == model else f"{model!r} (canonical name {names[0]!r})"
+        return ValueError(f"the store has no full-KV rows for model {shown}"
+                          + (f" (tasks {tasks}, lengths {lengths})" if tasks or lengths else "")
+                          + f"; it holds full-KV rows for: {_stored_models(store)}. Losses are measured against "
+                          "full KV on the same request: run policy 'full' first")
+
+    full = {"full": by_request(store.rows(policy="full", **filters))}
+    if not full["full"] and all(c.mode == "prefill" for c in candidates):
+        raise no_full()
+    references: dict[Candidate, str] = {}
     found = {}
     for cand in candidates:
         rows = store.rows(policy=cand.policy, ratio=cand.ratio, question_aware=cand.question_aware, **filters)
         if not rows:
-            raise ValueError(f"the store has no rows for candidate {cand} (model {model!r}); "
+            raise ValueError(f"the store has no rows for candidate {cand} (model {names[0]!r}); "
                              "evaluate it first (kvsieve eval, or kvsieve certify --run)")
-        found[cand] = {(r.key.task, r.key.length, r.key.sample_id): r for r in rows}
-    every = set(full).union(*found.values())
-    shared = set(full).intersection(*found.values())
+        found[cand] = by_request(rows)
+        if cand.reference not in full:
+            full[cand.reference] = by_request(store.rows(policy=cand.reference, **filters))
+        references[cand] = cand.reference if full[cand.reference] else "full"
+        if not full[references[cand]]:
+            raise no_full()
+    used = [full[name] for name in sorted(set(references.values()))]
+    every = set().union(*used, *found.values())
+    shared = set.intersection(*(set(d) for d in [*used, *found.values()]))
     if not shared:
         raise ValueError("full KV and the candidates share no request: evaluate the same samples with each")
     requests = sorted(shared)
-    full_utility = np.array([full[r] for r in requests])
     losses, kept = {}, {}
-    for cand, by_request in found.items():
-        utility = np.array([by_request[r].score for r in requests])
+    for cand, rows in found.items():
+        full_utility = np.array([full[references[cand]][r].score for r in requests])
+        utility = np.array([rows[r].score for r in requests])
         losses[cand] = candidate_losses(utility, full_utility, epsilon, loss)
-        kept[cand] = float(np.mean([by_request[r].cache_bytes / max(1, by_request[r].cache_bytes_full)
-                                    for r in requests]))
-    return LossTable(requests, losses, kept, loss, epsilon, left_out=sorted(every - shared))
+        kept[cand] = float(np.mean([rows[r].cache_bytes / max(1, rows[r].cache_bytes_full) for r in requests]))
+    return LossTable(requests, losses, kept, loss, epsilon, sorted(every - shared), names[0], references)
