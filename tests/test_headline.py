@@ -1,0 +1,222 @@
+"""Headline statistics: the bootstrap interval against analytic behaviour and an independent numpy
+derivation; pairing, % of full, bytes and overhead re-derived by hand on a small synthetic store."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from kvsieve.harness.headline import (
+    BLOCK,
+    NOT_DISTINGUISHABLE,
+    bootstrap_interval,
+    compare,
+    format_comparisons,
+    format_headline,
+    headline,
+    headline_report,
+    reference_label,
+)
+from kvsieve.harness.store import CellKey, CellResult, ResultsStore
+
+
+def cell(policy: str, ratio: float, sample: str, score: float, cache_bytes: int = 100, full_bytes: int = 100,
+         prefill: float = 10.0, task: str = "t", model: str = "m", qa: bool = False,
+         length: int = 1024) -> CellResult:
+    return CellResult(CellKey(model, task, length, sample, policy, ratio, qa), "p", score, ["a"], 1, cache_bytes,
+                      full_bytes, prefill, 0.0, {})
+
+
+# -- the bootstrap ---------------------------------------------------------------------------------------------
+
+
+def test_constant_data_gives_a_zero_width_interval():
+    low, high = bootstrap_interval([42.5] * 37)
+    assert low == high == pytest.approx(42.5)
+
+
+def test_large_bernoulli_sample_matches_the_normal_approximation():
+    n, p = 2000, 0.3
+    x = np.zeros(n)
+    x[: int(n * p)] = 1.0
+    low, high = bootstrap_interval(x, seed=3)
+    half = 1.96 * math.sqrt(p * (1 - p) / n)  # 0.0201
+    assert low == pytest.approx(p - half, abs=0.002)
+    assert high == pytest.approx(p + half, abs=0.002)
+
+
+def test_interval_equals_an_independent_derivation_with_the_same_seed():
+    # same draws (documented: default_rng(seed).integers(0, n, (b, n)) in blocks of BLOCK), means from
+    # counts and the quantile by hand (linear interpolation between order statistics)
+    x = np.array([0, 100, 100, 50, 0, 100, 25, 100, 0, 75, 100, 100, 0], dtype=float)
+    resamples, seed = 2500, 11
+    rng = np.random.default_rng(seed)
+    means = []
+    for start in range(0, resamples, BLOCK):
+        for row in rng.integers(0, x.size, size=(min(BLOCK, resamples - start), x.size)):
+            means.append(float(np.bincount(row, minlength=x.size) @ x) / x.size)
+    ordered = sorted(means)
+
+    def quantile(q: float) -> float:
+        h = (len(ordered) - 1) * q
+        i = math.floor(h)
+        return ordered[i] + (h - i) * (ordered[min(i + 1, len(ordered) - 1)] - ordered[i])
+
+    low, high = bootstrap_interval(x, resamples=resamples, seed=seed)
+    assert low == pytest.approx(quantile(0.025), abs=1e-9)
+    assert high == pytest.approx(quantile(0.975), abs=1e-9)
+    assert bootstrap_interval(x, resamples=resamples, seed=seed) == (low, high)  # seeded: repeatable
+    assert low < x.mean() < high
+
+
+def test_interval_is_shift_equivariant_and_narrows_with_n():
+    x = np.array([0.0, 100.0, 100.0, 0.0, 100.0, 50.0])
+    low, high = bootstrap_interval(x, seed=5)
+    shifted = bootstrap_interval(x + 7.0, seed=5)
+    assert shifted == pytest.approx((low + 7.0, high + 7.0))
+    wide = bootstrap_interval(np.tile([0.0, 100.0], 8))
+    narrow = bootstrap_interval(np.tile([0.0, 100.0], 200))
+    assert narrow[1] - narrow[0] < (wide[1] - wide[0]) / 3  # width ~ 1/sqrt(n): 400/16 = 25 -> 5x
+
+
+def test_bootstrap_rejects_bad_input():
+    with pytest.raises(ValueError, match="non-empty"):
+        bootstrap_interval([])
+    with pytest.raises(ValueError, match="resamples"):
+        bootstrap_interval([1.0], resamples=0)
+    with pytest.raises(ValueError, match="level"):
+        bootstrap_interval([1.0], level=95)
+
+
+# -- the table -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def rows() -> list[CellResult]:
+    return [
+        # full on s0..s3 (s4 has no full row)
+        cell("full", 0.0, "s0", 100, prefill=10.0), cell("full", 0.0, "s1", 100, prefill=12.0),
+        cell("full", 0.0, "s2", 50, prefill=10.0), cell("full", 0.0, "s3", 0, prefill=8.0),
+        # tova at 0.5 on s0..s4: s4 is unpaired and must not count
+        cell("tova", 0.5, "s0", 100, 50, 100, 11.0), cell("tova", 0.5, "s1", 0, 40, 80, 13.0),
+        cell("tova", 0.5, "s2", 50, 50, 100, 10.5), cell("tova", 0.5, "s3", 0, 60, 100, 8.5),
+        cell("tova", 0.5, "s4", 0, 50, 100, 9.0),
+        # kvzip at 0.5 on s0, s1, s3 only
+        cell("kvzip", 0.5, "s0", 100, 70, 100, 30.0), cell("kvzip", 0.5, "s1", 100, 70, 100, 36.0),
+        cell("kvzip", 0.5, "s3", 100, 70, 100, 24.0),
+        # the oracle is question-aware
+        cell("oracle", 0.5, "s0", 100, qa=True), cell("oracle", 0.5, "s1", 100, qa=True),
+        # a policy with no full row anywhere (another task)
+        cell("knorm", 0.5, "x0", 100, task="other"),
+    ]
+
+
+def test_headline_pairs_with_full_and_rederives_each_column(rows):
+    (table,) = headline(rows)
+    assert (table.model, table.length, table.requests) == ("m", 1024, 4)
+    by = {(r.policy, r.ratio): r for r in table.rows}
+    tova = by[("tova", 0.5)]
+    assert tova.n == 4 and tova.unpaired == 1
+    assert tova.mean == pytest.approx((100 + 0 + 50 + 0) / 4)  # 37.5; s4 dropped
+    assert tova.full_mean == pytest.approx((100 + 100 + 50 + 0) / 4)  # 62.5
+    assert tova.pct_of_full == pytest.approx(100 * 37.5 / 62.5)  # 60
+    assert tova.bytes_pct == pytest.approx(100 * (0.5 + 0.5 + 0.5 + 0.6) / 4)  # 52.5
+    # prefill means: tova (11 + 13 + 10.5 + 8.5) / 4 = 10.75, full (10 + 12 + 10 + 8) / 4 = 10
+    assert tova.overhead_pct == pytest.approx(7.5)
+    kvzip = by[("kvzip", 0.5)]
+    assert kvzip.n == 3 and kvzip.unpaired == 0
+    assert kvzip.full_mean == pytest.approx((100 + 100 + 0) / 3)  # full on kvzip's requests only
+    assert kvzip.pct_of_full == pytest.approx(150.0)
+    assert kvzip.low == kvzip.high == pytest.approx(100.0)
+    assert kvzip.overhead_pct == pytest.approx(100 * (30.0 - 10.0) / 10.0)  # means 30 vs 10
+    assert by[("oracle+qa", 0.5)].n == 2
+    full = by[("full", 0.0)]
+    assert (full.n, full.mean, full.pct_of_full, full.bytes_pct, full.overhead_pct) == (4, 62.5, 100, 100, 0)
+    assert table.unpaired == ["knorm @ 0.5"]
+    # order: full, then ordinary policies by mean (kvzip 100 before tova 37.5), then reference policies
+    assert [r.policy for r in table.rows] == ["full", "kvzip", "tova", "oracle+qa"]
+
+
+def test_headline_never_pools_models_or_lengths(rows):
+    other = [cell("full", 0.0, "s0", 0, model="m2"), cell("tova", 0.5, "s0", 0, model="m2"),
+             cell("full", 0.0, "s0", 100, length=2048), cell("tova", 0.5, "s0", 100, length=2048)]
+    tables = headline(rows + other)
+    assert [(t.model, t.length) for t in tables] == [("m", 1024), ("m", 2048), ("m2", 1024)]
+    assert {(r.policy, r.mean) for r in tables[2].rows} == {("full", 0.0), ("tova", 0.0)}
+    assert next(r for r in tables[0].rows if r.policy == "tova").mean == pytest.approx(37.5)
+
+
+def test_decode_cells_pair_with_the_decode_full_cells():
+    assert reference_label("tova@decode128") == "full@decode128"
+    assert reference_label("learned(checkpoint='a@b')") == "full"
+    rows = [cell("full", 0.0, "s0", 100), cell("full@decode128", 0.0, "s0", 50),
+            cell("tova@decode128", 0.5, "s0", 25)]
+    (table,) = headline(rows)
+    tova = next(r for r in table.rows if r.policy == "tova@decode128")
+    assert tova.full_mean == 50 and tova.pct_of_full == pytest.approx(50.0)
+
+
+def test_format_headline_names_model_and_requests(rows):
+    text = format_headline(headline(rows)[0])
+    lines = text.splitlines()
+    assert lines[0] == "### m at 1024 tokens: 4 requests, 2 tasks"
+    assert "| tova | 0.5 | 37.5 |" in text and text.count("| 4 |") >= 2
+    assert "tova @ 0.5: 1" in text and "knorm @ 0.5" in text
+    kvzip = next(line for line in lines if line.startswith("| kvzip"))
+    assert kvzip == "| kvzip | 0.5 | 100.0 | [100.0, 100.0] | 150.0 | 70.0 | 200.0 | 3 |"
+
+
+# -- comparisons -----------------------------------------------------------------------------------------------
+
+
+def test_compare_pairs_requests_and_says_when_not_distinguishable(rows):
+    c = compare(rows, "kvzip", "tova", 0.5)
+    # shared requests s0, s1, s3: differences 0, 100, 100
+    assert c.n == 3 and c.diff == pytest.approx(200 / 3)
+    assert c.low == pytest.approx(0.0) and c.verdict == NOT_DISTINGUISHABLE and not c.distinguishable
+    const = [cell("a", 0.5, f"s{i}", 60) for i in range(5)] + [cell("b", 0.5, f"s{i}", 50) for i in range(6)]
+    c = compare(const, "a", "b", 0.5)
+    assert (c.n, c.diff, c.low, c.high) == (5, 10.0, 10.0, 10.0) and c.verdict == "a better"
+    assert compare(const, "b", "a", 0.5).verdict == "a better"
+    # a full-cache side is taken at ratio 0; "oracle" resolves to its only label, oracle+qa
+    vs_full = compare(rows, "oracle", "full", 0.5)
+    assert (vs_full.a, vs_full.b, vs_full.n, vs_full.diff) == ("oracle+qa", "full", 2, 0.0)
+    table = format_comparisons([c])
+    assert "| a | b | 0.5 | 5 | +10.0 | [+10.0, +10.0] | a better |" in table
+
+
+def test_compare_errors_name_what_is_missing(rows):
+    with pytest.raises(ValueError, match="'nope' has no rows.*available: full"):
+        compare(rows, "nope", "tova", 0.5)
+    with pytest.raises(ValueError, match="no rows at ratio 0.9.*its ratios: 0.5"):
+        compare(rows, "tova", "kvzip", 0.9)
+    two = rows + [cell("tova", 0.5, "s0", 0, model="m2")]
+    with pytest.raises(ValueError, match="several models.*m @ 1024, m2 @ 1024"):
+        compare(two, "kvzip", "tova", 0.5)
+    assert compare(two, "kvzip", "tova", 0.5, model="m").n == 3
+
+
+def test_headline_report_from_a_store(tmp_path, rows):
+    path = tmp_path / "r.sqlite"
+    with ResultsStore(path) as store:
+        store.add_many(rows + [cell("full", 0.0, "s0", 0, model="m2")])
+    text = headline_report(path, compare_pairs=[("kvzip", "tova"), ("tova", "full")])
+    assert "### m at 1024 tokens: 4 requests" in text and "### m2 at 1024 tokens: 1 requests" in text
+    assert "| kvzip | tova | 0.5 | 3 | +66.7 |" in text
+    assert "| tova | full | 0.5 | 4 | -25.0 |" in text
+    only = headline_report(path, model="m2")
+    assert "### m2" in only and "### m " not in only
+    with pytest.raises(ValueError, match="no rows for model nope.*models held: m, m2"):
+        headline_report(path, model="nope")
+    with pytest.raises(ValueError, match="does not exist"):
+        headline_report(tmp_path / "missing.sqlite")
+
+
+def test_headline_report_refuses_a_pair_no_model_has(tmp_path, rows):
+    path = tmp_path / "r.sqlite"
+    with ResultsStore(path) as store:
+        store.add_many(rows)
+    with pytest.raises(ValueError, match="cannot compare.*nope vs tova.*'nope' has no rows for model m"):
+        headline_report(path, compare_pairs=[("nope", "tova")])
