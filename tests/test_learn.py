@@ -6,16 +6,17 @@ import copy
 import itertools
 import math
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import COMMON
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 import kvsieve
 from kvsieve.engine.cache import sieve_layers
 from kvsieve.engine.compress import layer_signals
-from kvsieve.learn.checkpoint import load_checkpoint
+from kvsieve.learn.checkpoint import load_checkpoint, save_checkpoint
 from kvsieve.learn.features import FEATURES, extract
 from kvsieve.learn.network import KeepNet
 from kvsieve.learn.policy import LearnedPolicy, ModelShape
@@ -240,7 +241,11 @@ def test_training_writes_a_log_a_curve_and_a_checkpoint_that_round_trips(trained
     assert trained.log.read_text().splitlines()[0].startswith("step,episode,ratio,reward,kl,greedy_reward")
     assert trained.curve.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     saved = load_checkpoint(trained.policy)
-    assert saved.meta["model"] == {"name": "tiny-llama", "num_layers": 3, "num_kv_heads": 2, "head_dim": 16}
+    model = saved.meta["model"]
+    assert {k: model[k] for k in ("name", "num_layers", "num_kv_heads", "head_dim")} == {
+        "name": "tiny-llama", "num_layers": 3, "num_kv_heads": 2, "head_dim": 16}
+    assert model["config"]["vocab_size"] == 128 and model["config"]["hidden_size"] == 64
+    assert len(model["fingerprint"]) == 16 and int(model["fingerprint"], 16) >= 0
     assert saved.meta["features"] == list(FEATURES) and saved.meta["window"] == 8 and saved.meta["step"] == 2
     assert saved.meta["train"]["mode"] == "prefill" and not saved.group("optim")
     state = load_checkpoint(trained.checkpoint)
@@ -495,3 +500,56 @@ def test_a_training_step_moves_the_policy_along_the_advantage(llama, tmp_path, m
     old, new = _policy_log_prob(before, decisions), _policy_log_prob(trainer.net, decisions)
     objective = {name: -sum(returns[t] * lp[t] for t in returns) for name, lp in (("old", old), ("new", new))}
     assert objective["new"] < objective["old"], objective
+
+
+# ---------------------------------------------------------------------------------------------- model fingerprint
+
+
+def test_check_model_refuses_a_model_of_the_same_geometry_with_another_config(llama, trained):
+    policy = LearnedPolicy(checkpoint=str(trained.policy))
+    policy.check_model(llama)
+    policy.check_model(llama, "tiny-llama")
+    with pytest.raises(ValueError, match="trained for model 'tiny-llama', not 'smollm2-135m'"):
+        policy.check_model(llama, "smollm2-135m")
+    same_shape = SimpleNamespace(config=LlamaConfig(**dict(COMMON, vocab_size=256, intermediate_size=96)))
+    with pytest.raises(ValueError, match=r"same geometry but another config \(fingerprint [0-9a-f]{16}, not "
+                                         r"[0-9a-f]{16}: intermediate_size 96, not 128; vocab_size 256, not 128\)"):
+        policy.check_model(same_shape)
+    fewer_heads = SimpleNamespace(config=LlamaConfig(**dict(COMMON, num_key_value_heads=1)))
+    with pytest.raises(ValueError, match="the model it is applied to has 3 layers, 1 KV heads"):
+        policy.check_model(fewer_heads)
+
+
+# the bundled models' configs as kvsieve loads them from their GGUF files (published SmolLM2-135M-Instruct and
+# Qwen2.5-Coder-0.5B-Instruct values; the GGUF of Qwen carries its own output matrix, so embeddings are untied)
+SMOLLM2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
+                      rms_norm_eps=1e-5, tie_word_embeddings=True, hidden_act="silu")
+QWEN = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                   num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0,
+                   rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu")
+
+
+@pytest.mark.parametrize("name,config", [("smollm2-135m-instruct", SMOLLM2), ("qwen2.5-coder-0.5b-instruct", QWEN)])
+def test_shipped_checkpoints_accept_their_model_and_refuse_a_random_one_of_its_geometry(name, config):
+    policy = from_spec(f"learned(checkpoint={name!r})")
+    assert policy.trained_for.fingerprint is not None
+    policy.check_model(SimpleNamespace(config=config), name)
+    # a randomly initialised Llama / Qwen2 of the same geometry, with the library's other defaults
+    geometry = {k: getattr(config, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                               "num_key_value_heads")}
+    random_one = SimpleNamespace(config=type(config)(**geometry))
+    with pytest.raises(ValueError, match="same geometry but another config"):
+        policy.check_model(random_one)
+
+
+def test_a_checkpoint_without_a_fingerprint_is_checked_on_name_and_geometry(trained, tmp_path):
+    loaded = load_checkpoint(trained.policy)
+    meta = {k: v for k, v in loaded.meta.items() if k not in ("format", "features", "sha256")}
+    meta["model"] = {k: v for k, v in meta["model"].items() if k not in ("fingerprint", "config")}
+    old = save_checkpoint(tmp_path / "old.safetensors", meta, loaded.tensors)
+    policy = LearnedPolicy(checkpoint=str(old))
+    assert policy.trained_for.fingerprint is None
+    policy.check_model(SimpleNamespace(config=LlamaConfig(**dict(COMMON, vocab_size=256))))  # nothing to compare
+    with pytest.raises(ValueError, match="1 KV heads"):
+        policy.check_model(SimpleNamespace(config=LlamaConfig(**dict(COMMON, num_key_value_heads=1))))

@@ -10,10 +10,15 @@ unchanged.
 
 ``learned(checkpoint=PATH)`` loads a checkpoint written by ``kvsieve train`` (a file, or a run folder
 holding ``policy.safetensors``); ``learned(checkpoint=NAME)`` loads a shipped one (:data:`SHIPPED`).
-A checkpoint is tied to the model it was trained for: the policy compares the checkpoint's layers,
-KV heads and head dim with the cache it is asked to score (and its model name with ``model=``, when
-given) and refuses a mismatch, since features such as the layer embedding mean nothing on another
-model. ``overhead_seconds`` / ``overhead_calls`` report the time spent in :meth:`score` (features +
+A checkpoint is tied to the model it was trained for, since features such as the layer embedding mean
+nothing on another model. It records the model's name, its cache geometry and a fingerprint of its config
+(:mod:`kvsieve.learn.fingerprint`), and the policy refuses a mismatch wherever it meets a model:
+``model=NAME`` at construction compares names (aliases resolve); :meth:`LearnedPolicy.check_model`
+compares a live model's config fingerprint and geometry (and its name, when given), which whoever runs the
+policy on a model calls before the first forward (the harness, ``kvsieve eval``); and every scored layer
+compares the cache's geometry. A checkpoint written before fingerprints (none of the shipped ones: their
+metadata was given the fingerprints of the bundled models' configs) is checked on name and geometry only.
+``overhead_seconds`` / ``overhead_calls`` report the time spent in :meth:`score` (features +
 network), the policy's own per-step cost.
 """
 
@@ -27,6 +32,7 @@ import torch
 
 from kvsieve.learn.checkpoint import load_checkpoint
 from kvsieve.learn.features import extract
+from kvsieve.learn.fingerprint import config_fields, fields_fingerprint, text_config
 from kvsieve.learn.network import KeepNet, NetConfig
 from kvsieve.policies.base import Policy
 from kvsieve.selection import Selection
@@ -75,24 +81,42 @@ def _canonical(name: str) -> str:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What a checkpoint is tied to: the model's name and its cache geometry."""
+    """What a checkpoint is tied to: the model's name, its cache geometry and its config's fingerprint
+    (``None`` in checkpoints written before fingerprints); ``config`` holds the fingerprinted fields."""
 
     name: str
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    fingerprint: str | None = None
+    config: dict | None = None
 
     @classmethod
     def of(cls, model, name: str) -> ModelShape:
-        config = model.config
-        config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        config = text_config(model.config)
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        return cls(name, int(config.num_hidden_layers), int(kv_heads), int(head_dim))
+        fields = config_fields(config)
+        return cls(name, int(config.num_hidden_layers), int(kv_heads), int(head_dim), fields_fingerprint(fields),
+                   fields)
 
     def describe(self) -> str:
         return f"{self.num_layers} layers, {self.num_kv_heads} KV heads, head dim {self.head_dim}"
+
+    def mismatch(self, other: ModelShape) -> str:
+        """Why ``other`` (a live model) is not this checkpoint's model; ``""`` when it is (as far as both know)."""
+        geometry = (other.num_layers, other.num_kv_heads, other.head_dim)
+        if geometry != (self.num_layers, self.num_kv_heads, self.head_dim):
+            return (f"the model it is applied to has {geometry[0]} layers, {geometry[1]} KV heads, head dim "
+                    f"{geometry[2]}")
+        if self.fingerprint is None or other.fingerprint is None or self.fingerprint == other.fingerprint:
+            return ""
+        mine, theirs = self.config or {}, other.config or {}
+        diffs = [f"{k} {theirs.get(k)!r}, not {mine.get(k)!r}" for k in sorted(set(mine) | set(theirs))
+                 if mine.get(k) != theirs.get(k)]
+        return (f"the model it is applied to has the same geometry but another config (fingerprint "
+                f"{other.fingerprint}, not {self.fingerprint}" + (f": {'; '.join(diffs)}" if diffs else "") + ")")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -144,6 +168,17 @@ class LearnedPolicy(Policy):
     def overhead_ms_per_call(self) -> float:
         """Mean milliseconds per :meth:`score` call (one layer's features and network forward)."""
         return 1000 * self.overhead_seconds / max(self.overhead_calls, 1)
+
+    def check_model(self, model, name: str | None = None) -> None:
+        """Refuse ``model`` (a HF model; ``name`` the name it was loaded under, when known) unless it is the
+        checkpoint's model: same name (aliases resolve), geometry and config fingerprint."""
+        want = self.trained_for
+        where = f"learned policy {self.checkpoint or '(in training)'} was trained for model {want.name!r}"
+        if name is not None and _canonical(name) != _canonical(want.name):
+            raise ValueError(f"{where}, not {name!r}; {_HOW_TO_TRAIN}")
+        problem = want.mismatch(ModelShape.of(model, name or ""))
+        if problem:
+            raise ValueError(f"{where} ({want.describe()}); {problem}: {_HOW_TO_TRAIN}")
 
     def check(self, signals: Signals) -> None:
         """Refuse a cache whose geometry differs from the checkpoint's model."""

@@ -242,12 +242,23 @@ def initial_weights(spec: str, shape: ModelShape, net: NetConfig) -> dict[str, t
     from kvsieve.learn.policy import resolve_checkpoint
 
     loaded = load_checkpoint(resolve_checkpoint(spec))
-    if loaded.meta["model"] != shape.to_dict():
+    if _other_model(loaded.meta["model"], shape):
         raise ValueError(f"init checkpoint {spec!r} was trained for {loaded.meta['model']}, not {shape.to_dict()}")
     if loaded.meta["net"] != net.to_dict():
         raise ValueError(f"init checkpoint {spec!r} holds a network {loaded.meta['net']}, not {net.to_dict()}; "
                          "use the same hidden size")
     return loaded.group("net")
+
+
+def _other_model(saved: dict | None, shape: ModelShape) -> bool:
+    """Whether a checkpoint's model entry names another model than ``shape``; one written before config
+    fingerprints is compared on its name and geometry."""
+    if not isinstance(saved, dict):
+        return True
+    now = shape.to_dict()
+    if "fingerprint" not in saved:
+        now = {k: now[k] for k in ("name", "num_layers", "num_kv_heads", "head_dim")}
+    return saved != now
 
 
 def reinforce_loss(net: KeepNet, decisions: list[Decision], returns: dict[int, float], baseline: dict[int, float],
@@ -308,7 +319,7 @@ class _Trainer:
             diff = "; ".join(f"{k}: {saved.get(k)!r} there, {now.get(k)!r} now" for k in changed)
             raise ValueError(f"{path} holds a run with other settings ({diff}); use another out folder or the "
                              f"same settings (only {', '.join(RESUMABLE)} may change on resume)")
-        if loaded.meta.get("model") != self.shape.to_dict():
+        if _other_model(loaded.meta.get("model"), self.shape):
             raise ValueError(f"{path} was trained for {loaded.meta.get('model')}, not {self.shape.to_dict()}")
         self.net.load_state_dict(loaded.group("net"))
         params = list(self.net.parameters())
