@@ -3,7 +3,8 @@
 Tensors: ``net.*`` the network's weights; a training checkpoint adds ``optim.*`` (Adam's moments and
 step counts) and ``baseline.*`` (the running-mean baseline), so ``kvsieve train`` resumes to the same
 result. The metadata (key ``kvsieve_learned``) holds the format version, the feature list, the network
-shape, the model the policy was trained for (name, layers, KV heads, head dim), the observation
+shape, the model the policy was trained for (name, layers, KV heads, head dim, and the fingerprint of
+its config with the fingerprinted fields: :mod:`kvsieve.learn.fingerprint`), the observation
 window, the training config and step, and a sha256 over every tensor's bytes: a file whose header
 still parses but whose data was damaged is refused, not silently loaded.
 """
