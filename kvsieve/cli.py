@@ -1,15 +1,22 @@
-"""Command line: kvsieve eval | report | generate | certify | evolve | train | demo."""
+"""Command line: kvsieve eval | report | generate | certify | evolve | train | demo.
+
+Only light modules are imported at the top (argparse, the grid definition, the spec parser): torch
+and transformers load after the arguments are parsed, so ``--help`` answers at once and the thread
+settings below are in place before OpenMP starts.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sqlite3
 import sys
 import tomllib
 from dataclasses import fields
 from pathlib import Path
 
-from kvsieve.harness.runner import GridConfig
-from kvsieve.policies import split_specs
+from kvsieve.harness.grid import GridConfig
+from kvsieve.spec import split_specs
 
 DEMO = GridConfig(
     model="smollm2-135m-instruct",
@@ -23,22 +30,38 @@ DEMO = GridConfig(
 )
 
 
-def _csv(text: str, kind=str) -> list:
-    return [kind(x.strip()) for x in text.split(",") if x.strip()]
+def _csv(text: str, kind=str, flag: str = "") -> list:
+    """Comma-separated values of ``kind``; a bad item names the flag it was given to."""
+    out = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        try:
+            out.append(kind(item))
+        except ValueError:
+            where = f"{flag} " if flag else ""
+            raise ValueError(f"{where}{text!r}: {item!r} is not a{'n' if kind is int else ''} {kind.__name__}; "
+                             f"expected comma-separated {kind.__name__}s") from None
+    return out
 
 
 def _config_from_file(path: str) -> dict:
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"config file {path} does not exist")
-    if file.suffix == ".toml":
-        data = tomllib.loads(file.read_text())
-    elif file.suffix in (".yaml", ".yml"):
-        import yaml
+    try:
+        if file.suffix == ".toml":
+            data = tomllib.loads(file.read_text())
+        elif file.suffix in (".yaml", ".yml"):
+            import yaml
 
-        data = yaml.safe_load(file.read_text())
-    else:
-        raise ValueError(f"config file {path}: use .toml or .yaml")
+            data = yaml.safe_load(file.read_text())
+        else:
+            raise ValueError("use .toml or .yaml")
+    except (tomllib.TOMLDecodeError, ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"config file {path}: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path}: expected a table of GridConfig keys, got {type(data).__name__}")
     allowed = {f.name for f in fields(GridConfig)}
     unknown = sorted(set(data) - allowed)
     if unknown:
@@ -51,10 +74,10 @@ def _grid(args) -> GridConfig:
     flags = {
         "model": args.model,
         "tasks": args.tasks and _csv(args.tasks),
-        "lengths": args.lengths and _csv(args.lengths, int),
+        "lengths": args.lengths and _csv(args.lengths, int, "--lengths"),
         "policies": args.policies and split_specs(args.policies),
         "qa_policies": args.qa_policies and split_specs(args.qa_policies),
-        "ratios": args.ratios and _csv(args.ratios, float), "samples": args.samples, "seed": args.seed,
+        "ratios": args.ratios and _csv(args.ratios, float, "--ratios"), "samples": args.samples, "seed": args.seed,
         "store": args.store, "data": args.data, "dtype": args.dtype, "mode": args.mode, "chunk_size": args.chunk_size,
     }
     values.update({k: v for k, v in flags.items() if v is not None})
@@ -62,7 +85,10 @@ def _grid(args) -> GridConfig:
         values["question_aware"] = True
     if args.per_cell:
         values["shared"] = False
-    return GridConfig(**values)
+    try:
+        return GridConfig(**values)
+    except ValueError as err:
+        raise ValueError(f"config file {args.config}: {err}" if args.config else str(err)) from None
 
 
 def _add_grid_flags(parser: argparse.ArgumentParser) -> None:
@@ -158,7 +184,7 @@ def cmd_generate(args) -> int:
     from kvsieve.models import load
     from kvsieve.tasks import write_jsonl
 
-    config = GridConfig(model=args.model, tasks=_csv(args.tasks), lengths=_csv(args.lengths, int),
+    config = GridConfig(model=args.model, tasks=_csv(args.tasks), lengths=_csv(args.lengths, int, "--lengths"),
                         samples=args.samples, seed=args.seed, policies=["full"])
     validate(config)
     _, tokenizer = load(config.model)
@@ -174,13 +200,13 @@ def cmd_certify(args) -> int:
 
     contract = Contract(alpha=args.alpha, delta=args.delta, epsilon=args.epsilon, loss=args.loss,
                         correction=args.correction)  # checks alpha, delta, epsilon before any work
-    policies, ratios = split_specs(args.policies), _csv(args.ratios, float)
+    policies, ratios = split_specs(args.policies), _csv(args.ratios, float, "--ratios")
     compressing = [p for p in policies if parse_spec(p)[0] != "full"]
     if not compressing or not ratios:
         raise ValueError("give at least one compressing policy (--policies) and one ratio (--ratios)")
     tasks = _csv(args.tasks) if args.tasks else None
-    lengths = _csv(args.lengths, int) if args.lengths else None
-    edges = _csv(args.length_edges, int) if args.length_edges else None
+    lengths = _csv(args.lengths, int, "--lengths") if args.lengths else None
+    edges = _csv(args.length_edges, int, "--length-edges") if args.length_edges else None
     if args.run:
         if not tasks or not lengths:
             raise ValueError("--run needs --tasks and --lengths to know which calibration cells to evaluate")
@@ -219,12 +245,14 @@ def cmd_certify(args) -> int:
 def cmd_evolve(args) -> int:
     from kvsieve.evolve.run import run_evolution
     from kvsieve.evolve.search import load_config
+    from kvsieve.models import check_length
 
     config = load_config(args.config, model=args.model, candidates=args.candidates, seed=args.seed,
                          strategy=args.strategy, mutator=args.llm, llm_base_url=args.llm_base_url,
                          llm_model=args.llm_model, llm_api_key_env=args.llm_api_key_env, db=args.db, out=args.out,
                          time_budget_s=args.time_budget, executor=args.executor, ray_address=args.ray_address,
                          workers=args.workers)
+    check_length(config.model, config.length)
     result = run_evolution(config)
     if result.best is not None:
         print(f"best program #{result.best.id}: dev score {result.best.score:.1f}, held-out "
@@ -238,25 +266,20 @@ def cmd_train(args) -> int:
     import dataclasses
 
     from kvsieve.learn.train import load_config, train
-
-    def numbers(text: str | None, kind, flag: str):
-        if text is None:
-            return None
-        try:
-            return _csv(text, kind)
-        except ValueError:
-            raise ValueError(f"{flag} {text!r}: expected comma-separated {kind.__name__}s") from None
+    from kvsieve.models import check_length
 
     top_k = args.teacher_top_k
     config = load_config(args.config, model=args.model, tasks=args.tasks and _csv(args.tasks), length=args.length,
                          samples=args.samples, seed=args.seed, steps=args.steps, lr=args.lr,
-                         ratios=numbers(args.ratios, float, "--ratios"), mode=args.mode, chunk_size=args.chunk_size,
+                         ratios=args.ratios and _csv(args.ratios, float, "--ratios"), mode=args.mode,
+                         chunk_size=args.chunk_size,
                          window=args.window, rollouts=args.rollouts, entropy_coef=args.entropy_coef,
                          grad_clip=args.grad_clip, baseline=args.baseline, out=args.out, data=args.data,
                          dtype=args.dtype, save_every=args.save_every, teacher_top_k=top_k or None,
                          objective=args.objective, init=args.init)
     if top_k == 0:  # the whole vocabulary
         config = dataclasses.replace(config, teacher_top_k=None)
+    check_length(config.model, config.length)
     result = train(config)
     last = result.history[-1] if result.history else None
     if last is not None and "reward" in last:
@@ -274,8 +297,26 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _set_threads(threads: int | None) -> None:
+    """OpenMP settings that must precede the first ``import torch``.
+
+    On a 2-core machine with anything else running, OpenMP's default active wait made one 1024-token
+    SmolLM2 cell take 19.1 s instead of 3.8 s (issue 17; ``benchmarks/threads.py`` measures it): a
+    thread that waits spins on a core another process needs. So unless the user set it, the wait is
+    passive. ``--threads N`` sets the thread count (default: torch's, one per core).
+    """
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads {threads}: give a positive number of threads")
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        os.environ["MKL_NUM_THREADS"] = str(threads)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvsieve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kvsieve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: one per core); OpenMP waits "
+                        "passively unless OMP_WAIT_POLICY is set")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("eval", help="run an evaluation grid into the results store")
     _add_grid_flags(p)
@@ -366,9 +407,24 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_demo)
     args = parser.parse_args(argv)
     try:
+        _set_threads(args.threads)
+        if args.threads is not None:
+            import torch
+
+            torch.set_num_threads(args.threads)  # OMP_NUM_THREADS is read only if torch was not loaded yet
         return args.func(args)
+    except KeyboardInterrupt:
+        print(f"\nkvsieve {args.command}: interrupted; everything finished before is saved (rerun the same "
+              "command to resume)", file=sys.stderr)
+        return 130
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"kvsieve {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except (IsADirectoryError, NotADirectoryError, PermissionError) as err:
+        print(f"kvsieve {args.command}: error: {err.strerror}: {err.filename}", file=sys.stderr)
+        return 2
+    except sqlite3.DatabaseError as err:
+        print(f"kvsieve {args.command}: error: not a kvsieve SQLite file, or a damaged one ({err})", file=sys.stderr)
         return 2
 
 

@@ -278,3 +278,16 @@ def test_executor_flags_are_checked():
         EvolveConfig(executor="dask")
     assert "executor" not in EvolveConfig(executor="ray", workers=2).identity()  # resumable anywhere
     assert main(["eval", "--policies", "full", "--samples", "1", "--ray-address", "auto"]) == 2
+
+
+def test_a_dead_ray_address_is_refused_within_seconds():
+    import time
+
+    from kvsieve.distributed.cluster import connect
+
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"--ray-address 127.0.0.1:1: no Ray head reachable there"):
+        connect("127.0.0.1:1")
+    assert time.perf_counter() - start < 15
+    with pytest.raises(ValueError, match=r"expected auto or HOST:PORT"):
+        connect("localhost")

@@ -10,9 +10,12 @@ already opened is left alone.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
-__all__ = ["RayConnection", "connect", "import_ray"]
+__all__ = ["RayConnection", "connect", "import_ray", "check_reachable"]
+
+PROBE_TIMEOUT_S = 10.0
 
 
 def import_ray():
@@ -50,5 +53,27 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> RayConne
         # "local": always a new instance, never a stale cluster recorded in /tmp/ray/ray_current_cluster
         ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=False)
     else:
+        check_reachable(address)
         ray.init(address=address)
     return RayConnection(True, address)
+
+
+def check_reachable(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """Refuse a ``HOST:PORT`` where nothing accepts connections, before Ray retries it forever.
+
+    ``ray.init`` on a dead address logs a warning per retry and never returns; a TCP connect with a
+    deadline tells the user in seconds. ``auto`` and ``ray://`` addresses are left to Ray.
+    """
+    if address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"--ray-address {address!r}: expected auto or HOST:PORT (the head's GCS port, "
+                         "6379 by default)")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except OSError as err:
+        raise ValueError(f"--ray-address {address}: no Ray head reachable there ({err.strerror or err}) within "
+                         f"{timeout_s:.0f} s; start one with `ray start --head --port {port}` on that machine, or "
+                         "leave --ray-address out to start a local instance") from None

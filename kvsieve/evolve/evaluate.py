@@ -1,9 +1,11 @@
 """The cascade evaluator: a candidate program climbs four stages and stops at the first it fails.
 
-0. static check of the source (``static.py``, in this process: nothing runs);
+0. static check of the source (``static.py``, in this process: nothing runs), and the program's
+   ``SELECTION`` against the dev set's real budgets (its sinks and the window must fit every cell);
 1. invariants on synthetic features, inside the sandbox (``sandbox.py``): shape, dtype, finite,
-   deterministic, inputs untouched, selection within budget; in the same sandboxed run the program
-   scores the dev set's cached features, so its code never runs in this process;
+   deterministic, inputs untouched, selection within budget, also at the dev features' real shapes;
+   in the same sandboxed run the program is interpreted on the dev set's cached features, so its
+   code never runs in this process (nor anywhere as Python);
 2. cheap proxy: the teacher-forced log-likelihood of each dev sample's reference answer on the
    compressed cache against the full cache (nats per answer token; no decoding); a candidate whose
    mean gap exceeds ``max_gap`` is rejected here;
@@ -12,6 +14,10 @@
 The dev set is prefilled once (:class:`DevSet`): every candidate prunes copies of the same full-cache
 prefills and reads the same saved features. Prefill compression is query-agnostic, so the features a
 candidate sees do not depend on the candidate.
+
+No candidate can stop a run: an exception in this process while handling a candidate's scores
+(selection, compression, decoding) rejects the candidate with the reason; only the sandbox failing
+on its own (``SandboxUnavailable``, after retries) propagates, and nothing is stored for it.
 """
 
 from __future__ import annotations
@@ -29,16 +35,16 @@ from kvsieve.engine.cache import sieve_layers
 from kvsieve.engine.compress import compress_cache, layer_signals
 from kvsieve.engine.generate import Prompt, build_prompt, greedy_decode
 from kvsieve.evolve.features import Features, save_features
-from kvsieve.evolve.program import Program
+from kvsieve.evolve.program import Program, ProgramError
 from kvsieve.evolve.sandbox import SandboxLimits, run_in_sandbox
 from kvsieve.harness.runner import clone_cache, stack_caches
-from kvsieve.policies import FullCache, Policy
+from kvsieve.policy import FullCache, Policy
 from kvsieve.selection import Budget, Selection
 from kvsieve.signals import Signals
 from kvsieve.tasks.metrics import score as metric_score
 from kvsieve.tasks.sample import Sample
 
-__all__ = ["DevSet", "Evaluation", "evaluate_program", "STAGES"]
+__all__ = ["DevSet", "Evaluation", "evaluate_program", "selection_problem", "answer_token_ids", "STAGES"]
 
 STAGES = ("static", "invariants", "proxy", "task")
 
@@ -64,6 +70,17 @@ class _Precomputed(Policy):
 
     def score(self, signals: Signals) -> torch.Tensor:
         return self.scores[signals.layer_idx]
+
+
+def answer_token_ids(tokenizer, sample: Sample) -> torch.Tensor:
+    """(1, a) tokens of the reference answer as the model would produce them after the prompt: after an
+    answer prefix that does not end in whitespace the answer starts with a space ("is: 42" gives " 42",
+    a different first token than "42" alone)."""
+    answer = sample.answers[0]
+    prefix = sample.answer_prefix or ""
+    if prefix and not prefix[-1].isspace() and not answer[:1].isspace():
+        answer = " " + answer
+    return tokenizer(answer, add_special_tokens=False, return_tensors="pt")["input_ids"]
 
 
 class DevSet:
@@ -92,7 +109,7 @@ class DevSet:
             for layer_idx, layer in layers:
                 signals = layer_signals(layer, layer_idx, len(layers), window=window)
                 features[f"s{i}-l{layer_idx}"] = Features.from_signals(signals)
-            answer = tokenizer(sample.answers[0], add_special_tokens=False, return_tensors="pt")["input_ids"]
+            answer = answer_token_ids(tokenizer, sample)
             item = _DevSample(sample, prompt, cache, answer, 0.0, 0.0)
             item.full_logprob = self._answer_logprob(item, clone_cache(cache))
             item.full_score = self._task_score(item, clone_cache(cache))
@@ -147,18 +164,50 @@ class Evaluation:
     sandbox_seconds: float = 0.0
 
 
+def selection_problem(program: Program, dev: DevSet) -> str:
+    """Why the program's ``SELECTION`` cannot run on a dev cell ("" when it fits them all): its sinks
+    plus the observation window must fit the budget of every (sample, ratio)."""
+    try:
+        selection = program.selection(dev.window)
+    except (ProgramError, ValueError) as err:
+        return f"SELECTION: {err}"
+    for i, item in enumerate(dev.items):
+        n = int(item.prompt.context_ids.shape[1])
+        for ratio in dev.ratios:
+            kept = Budget(ratio=ratio).resolve(n)
+            protected = int(selection.protected_mask(n, kept).sum())
+            if protected > kept:
+                return (f"SELECTION {program.selection_params} protects {protected} entries (sinks and the window of "
+                        f"{dev.window}) but dev sample {i} ({n} tokens) keeps only {kept} at ratio {ratio}")
+    return ""
+
+
 @torch.no_grad()
 def evaluate_program(program: Program, dev: DevSet, limits: SandboxLimits | None = None,
                      max_gap: float | None = None) -> Evaluation:
-    """Run ``program`` through the cascade on ``dev``."""
+    """Run ``program`` through the cascade on ``dev``. Raises only ``SandboxUnavailable`` (not the
+    candidate's doing); everything the candidate causes is an :class:`Evaluation`."""
     start = time.perf_counter()
     result = run_in_sandbox(program.source, dev.features_path, window=dev.window, limits=limits or SandboxLimits())
     if result.status != "ok":
         stage = -1 if result.status == "rejected" else 0
         return Evaluation(result.status, stage, result.reason, seconds=time.perf_counter() - start,
                           sandbox_seconds=result.seconds)
+    problem = selection_problem(program, dev)
+    if problem:
+        return Evaluation("invalid", 0, problem, seconds=time.perf_counter() - start, sandbox_seconds=result.seconds)
+    try:
+        return _stages_2_and_3(program, dev, result, max_gap, start)
+    except Exception as err:  # noqa: BLE001 - the candidate's scores broke something here: reject it, go on
+        text = " ".join(str(err).split())[:300]
+        return Evaluation("error", 1, f"while compressing or decoding with its scores: {type(err).__name__}: {text}",
+                          seconds=time.perf_counter() - start, sandbox_seconds=result.seconds)
+
+
+def _stages_2_and_3(program: Program, dev: DevSet, result, max_gap: float | None, start: float) -> Evaluation:
     selection = program.selection(dev.window)
-    degenerate = all(float(s.std()) < 1e-9 for s in result.scores.values())
+    # constant within every KV head of every layer: each head falls back to tie order
+    degenerate = all(float(s.std(dim=-1).max()) < 1e-9 if s.shape[-1] > 1 else True for s in result.scores.values())
     policies = []
     for i in range(len(dev.items)):
         scores = {layer: result.scores[f"s{i}-l{layer}"] for layer in range(dev.num_layers)}

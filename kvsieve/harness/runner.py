@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import torch
 import transformers
@@ -25,6 +25,8 @@ from kvsieve.engine.cache import cache_bytes, sieve_layers
 from kvsieve.engine.compress import compress_cache
 from kvsieve.engine.generate import Prompt, build_prompt, generate, greedy_decode
 from kvsieve.engine.reconstruct import ReconstructionPrompt, compress_with_reconstruction, reconstruction_scores
+from kvsieve.harness.content import check_store, content_digest
+from kvsieve.harness.grid import Cell, GridConfig, cells_for
 from kvsieve.harness.store import CellKey, CellResult, ResultsStore
 from kvsieve.harness.validate import validate
 from kvsieve.policies import FullCache, Policy, from_spec, parse_spec
@@ -33,63 +35,6 @@ from kvsieve.tasks.metrics import score as metric_score
 from kvsieve.tasks.sample import Sample
 
 __all__ = ["Cell", "GridConfig", "evaluate_sample", "cells_for", "run_grid", "clone_cache", "stack_caches"]
-
-
-@dataclass(frozen=True)
-class Cell:
-    policy: str  # spec, e.g. "snapkv" or "snapkv(window=32)"
-    ratio: float
-    question_aware: bool = False
-    chunk_size: int = 0  # > 0: decode-time eviction, the context read in chunks of this many tokens
-
-    @property
-    def label(self) -> str:
-        """The policy as the store keys it: the spec, with ``@decodeN`` for decode-time eviction."""
-        return f"{self.policy}@decode{self.chunk_size}" if self.chunk_size else self.policy
-
-
-@dataclass
-class GridConfig:
-    """One evaluation grid. ``policies`` are specs; ``full`` runs once per sample at ratio 0."""
-
-    model: str = "smollm2-135m"
-    tasks: list[str] = field(default_factory=lambda: ["niah_single_1"])
-    lengths: list[int] = field(default_factory=lambda: [1024])
-    policies: list[str] = field(default_factory=lambda: ["full", "snapkv"])
-    ratios: list[float] = field(default_factory=lambda: [0.5])
-    samples: int | None = None  # per task and length; None: 5 generated, or every sample of ``data``
-    seed: int = 0
-    store: str = "results/results.sqlite"
-    question_aware: bool = False  # run every compressing policy question-aware as well
-    qa_policies: list[str] = field(default_factory=list)  # policies also run question-aware (reference lines)
-    data: str | None = None  # JSONL of samples (kvsieve generate format or LongBench) instead of generating
-    dtype: str = "auto"  # bf16 where the CPU computes it natively, else float32 (kvsieve.models.auto_dtype)
-    shared: bool = True  # one prefill per sample and batched decoding; False: the naive per-cell loop
-    # "decode": decode-time eviction (kvsieve.attach(mode="decode")): the context is read in chunks of
-    # ``chunk_size`` tokens and the cache held under the budget after each, then the question and the
-    # answer; stored as policy "SPEC@decodeN". Each cell then reads the whole sample itself.
-    mode: str = "prefill"
-    chunk_size: int = 128
-
-
-def cells_for(config: GridConfig) -> list[Cell]:
-    cells: list[Cell] = []
-    chunk = config.chunk_size if config.mode == "decode" else 0
-    for spec in config.policies:
-        name, _ = parse_spec(spec)
-        if name == "full":
-            cells.append(Cell(spec, 0.0, chunk_size=chunk))
-            continue
-        for ratio in config.ratios:
-            cells.append(Cell(spec, float(ratio), chunk_size=chunk))
-            if config.question_aware:
-                cells.append(Cell(spec, float(ratio), True))
-    for spec in config.qa_policies:
-        for ratio in config.ratios:
-            cell = Cell(spec, float(ratio), True)
-            if cell not in cells:
-                cells.append(cell)
-    return cells
 
 
 def _policy_for(cell: Cell, sample: Sample, prompt: Prompt, tokenizer) -> Policy:
@@ -173,7 +118,12 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
 
     def record(cell: Cell, text: str, kept: int, kept_bytes: int, full_bytes: int, prefill_s: float, decode_s: float):
         key = CellKey(model_name, sample.task, sample.length, sample.id, cell.label, cell.ratio, cell.question_aware)
-        cfg = dict(config or {}, cell=asdict(cell), sample_seed=sample.seed, metric=sample.metric, shared=shared,
+        # the dtype the model computed in, not the "auto" that asked for it
+        digests = (config or {}).get("policy_digests", {})
+        cfg = dict({k: v for k, v in (config or {}).items() if k != "policy_digests"},
+                   dtype=str(model.dtype).removeprefix("torch."), policy_digest=digests.get(cell.policy),
+                   cell=asdict(cell),
+                   sample_seed=sample.seed, metric=sample.metric, shared=shared,
                    context_tokens=prompt.context_ids.shape[1], kvsieve=kvsieve.__version__,
                    transformers=transformers.__version__)
         results.append(CellResult(key, text, metric_score(sample.metric, text, sample.answers), list(sample.answers),
@@ -271,6 +221,12 @@ def run_grid(config: GridConfig, progress: bool = True, executor=None) -> Result
     validate(config)
     cells = cells_for(config)
     store = ResultsStore(config.store)
+    digests = {c.policy: content_digest(c.policy) for c in cells}
+    try:
+        check_store(store, config.model, {c.label: digests[c.policy] for c in cells})
+    except ValueError:
+        store.close()
+        raise
     owned = executor is None
     executor = LocalGridExecutor() if owned else executor
     try:
@@ -285,6 +241,7 @@ def run_grid(config: GridConfig, progress: bool = True, executor=None) -> Result
         total = sum(len(c) for _, c in todo)
         bar = tqdm(total=total, unit="cell", disable=not progress, desc=f"{config.model}")
         run_config = {k: v for k, v in asdict(config).items() if k not in ("store",)}
+        run_config["policy_digests"] = {spec: d for spec, d in digests.items() if d is not None}
 
         def on_sample(results: list[CellResult]) -> None:
             store.add_many(results)  # one transaction: a sample's rows land together

@@ -6,7 +6,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvsieve.models import context_length
+from kvsieve.models import check_length
 from kvsieve.policies import get as get_policy
 from kvsieve.policies import parse_spec
 from kvsieve.selection import Budget
@@ -25,8 +25,12 @@ def validate(config) -> None:
         name, params = parse_spec(spec)
         if name != "oracle":
             get_policy(name, **params)  # unknown names and parameters raise here
-        elif config.data:
-            raise ValueError("the oracle reference needs generated samples with answer spans, not --data")
+        elif config.data and Path(config.data).is_file():
+            no_spans = [s.id for s in read_samples(config.data)[: config.samples] if not s.spans]
+            if no_spans:
+                raise ValueError(f"the oracle reference keeps the answer's spans, and {len(no_spans)} sample(s) of "
+                                 f"{config.data} carry none (e.g. {no_spans[0]!r}); give a file whose samples have "
+                                 "'spans' (kvsieve generate writes them) or drop oracle")
     compressing = [s for s in [*config.policies, *config.qa_policies] if parse_spec(s)[0] != "full"]
     if compressing and not config.ratios:
         raise ValueError("the grid is empty: give at least one compression ratio")
@@ -60,12 +64,8 @@ def validate(config) -> None:
         raise ValueError(f"unknown task(s) {', '.join(map(repr, unknown))}; available: {', '.join(TASKS)}")
     if not config.lengths:
         raise ValueError("the grid is empty: give at least one length")
-    limit = context_length(config.model)
     for length in config.lengths:
-        if isinstance(length, bool) or not isinstance(length, int) or length <= 0:
-            raise ValueError(f"length must be a positive int, got {length!r}")
-        if limit is not None and length > limit:
-            raise ValueError(f"length {length} is above the context of {config.model} ({limit} tokens)")
+        check_length(config.model, length)
 
 
 def template_overhead(tokenizer, task: str, seed: int) -> int:
@@ -91,9 +91,17 @@ def read_samples(path: str) -> list[Sample]:
         record = json.loads(first)
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}:1 is not JSON: {err}") from err
-    if "question" not in record and "input" in record:
-        return load_longbench(path)
-    return read_jsonl(path)
+    samples = load_longbench(path) if "question" not in record and "input" in record else read_jsonl(path)
+    # the store keys a row by (task, length, sample id): two samples sharing one would share a row
+    seen: dict[tuple, int] = {}
+    for sample in samples:
+        key = (sample.task, sample.length, sample.id)
+        seen[key] = seen.get(key, 0) + 1
+    repeated = [f"{task}/{length}/{sid!r} x{n}" for (task, length, sid), n in seen.items() if n > 1]
+    if repeated:
+        raise ValueError(f"{path}: sample ids must be unique per task and length; repeated: "
+                         f"{', '.join(repeated[:5])}{' ...' if len(repeated) > 5 else ''}")
+    return samples
 
 
 def load_samples(config, tokenizer) -> Iterator[Sample]:

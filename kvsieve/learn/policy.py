@@ -34,7 +34,7 @@ from kvsieve.learn.checkpoint import load_checkpoint
 from kvsieve.learn.features import extract
 from kvsieve.learn.fingerprint import config_fields, fields_fingerprint, text_config
 from kvsieve.learn.network import KeepNet, NetConfig
-from kvsieve.policies.base import Policy
+from kvsieve.policy import Policy
 from kvsieve.selection import Selection
 from kvsieve.signals import Signals
 

@@ -38,7 +38,7 @@ from kvsieve.learn.network import KeepNet
 from kvsieve.learn.policy import LearnedPolicy, ModelShape
 from kvsieve.learn.reward import Teacher, kl_per_position, teacher_from_logits
 from kvsieve.learn.sampling import first_choice_entropy, gumbel_noise, log_prob_of_ordered
-from kvsieve.policies.full import FullCache
+from kvsieve.policy import FullCache
 from kvsieve.selection import Budget, Selection
 
 __all__ = ["Episode", "Decision", "Rollout", "RolloutPolicy", "teacher_for", "rollout", "decision_terms",

@@ -19,6 +19,7 @@ from kvsieve.policies.random import RandomPolicy
 from kvsieve.policies.snapkv import SnapKV
 from kvsieve.policies.streaming_llm import StreamingLLM
 from kvsieve.policies.tova import TOVA
+from kvsieve.spec import parse_spec, split_specs
 
 __all__ = ["Policy", "get", "names", "register", "from_spec", "parse_spec", "split_specs", "REFERENCE"]
 
@@ -43,8 +44,6 @@ register(KVzip)  # scores from a reconstruction forward: the engine and the runn
 register(ProgramPolicy)  # an evolved program file: "program:PATH"
 register(LearnedPolicy)  # a trained network: "learned(checkpoint=PATH or shipped name)"
 
-PROGRAM_PREFIX = "program:"
-
 
 def names(include_reference: bool = False) -> list[str]:
     """Registered policy names; reference lines (``oracle``) only when asked; ``program`` and ``learned`` take a
@@ -66,41 +65,3 @@ def from_spec(spec: str) -> Policy:
     """Build a policy from ``name``, ``name(key=value, ...)`` (``snapkv(window=32)``) or ``program:PATH``."""
     name, params = parse_spec(spec)
     return get(name, **params)
-
-
-def split_specs(text: str) -> list[str]:
-    """Comma-separated policy specs; a comma inside parentheses belongs to its spec (`snapkv(a=1, b=2)`)."""
-    specs, depth, current = [], 0, ""
-    for char in text:
-        depth += (char == "(") - (char == ")")
-        if char == "," and depth == 0:
-            specs.append(current)
-            current = ""
-        else:
-            current += char
-    return [s.strip() for s in [*specs, current] if s.strip()]
-
-
-def parse_spec(spec: str) -> tuple[str, dict]:
-    """Split ``name(key=value, ...)`` into the name and literal parameters; ``program:PATH`` -> path."""
-    import ast
-
-    spec = spec.strip()
-    if spec.startswith(PROGRAM_PREFIX):
-        path = spec[len(PROGRAM_PREFIX):].strip()
-        if not path:
-            raise ValueError(f"bad policy spec {spec!r}: expected program:PATH to an evolved program file")
-        return "program", {"path": path}
-    if "(" not in spec:
-        return spec, {}
-    if not spec.endswith(")"):
-        raise ValueError(f"bad policy spec {spec!r}: expected name or name(key=value, ...)")
-    name, args = spec[:-1].split("(", 1)
-    try:
-        call = ast.parse(f"f({args})", mode="eval").body
-        params = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
-    except (SyntaxError, ValueError) as err:
-        raise ValueError(f"bad policy spec {spec!r}: {err}") from err
-    if call.args or None in params:
-        raise ValueError(f"bad policy spec {spec!r}: parameters must be key=value literals")
-    return name.strip(), params

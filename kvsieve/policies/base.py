@@ -1,59 +1,8 @@
-"""The one interface every eviction policy implements: hand-made, evolved or learned.
+"""Moved: the policy interface now lives in :mod:`kvsieve.policy` (edit it there).
 
-A policy maps the :class:`~kvsieve.signals.Signals` of one layer to scores shaped
-(batch, kv_heads, seq); higher means keep. Which entries are then kept (top-k per head, chunks,
-protected tokens, per-layer or per-head budgets) is decided by its :class:`~kvsieve.selection.Selection`,
-so a policy is only a scorer plus a default selection.
+Kept for the importers that still name this module while the house is redrawn (issue 19).
 """
 
-from __future__ import annotations
+from kvsieve.policy import Policy, check_allocation
 
-from typing import ClassVar
-
-import torch
-
-from kvsieve.selection import Selection
-from kvsieve.signals import Signals
-
-__all__ = ["Policy"]
-
-
-class Policy:
-    """Base class. Subclasses set ``name`` and implement :meth:`score`.
-
-    Class attributes:
-        name: registry name.
-        needs_accumulated_attention: ask the engine to accumulate ``Signals.attention_received``
-            (costs about one extra attention pass during prefill).
-        needs_query_stats: ask the engine to collect the pre-RoPE query statistics
-            (``Signals.query_stats``: mean and covariance of every query, about one extra projection-sized
-            matmul per layer and forward).
-        needs_reconstruction: scores come from a forward that makes the model repeat the context
-            (KVzip, :mod:`kvsieve.engine.reconstruct`); prefill mode only.
-        compresses: ``False`` only for the full-cache policy.
-        uses_window: reads the observation window (its queries or the protected recent tokens);
-            ``False`` lets a context shorter than ``window`` be compressed.
-    """
-
-    name: ClassVar[str] = "base"
-    needs_accumulated_attention: ClassVar[bool] = False
-    needs_query_stats: ClassVar[bool] = False
-    needs_reconstruction: ClassVar[bool] = False
-    compresses: ClassVar[bool] = True
-    uses_window: ClassVar[bool] = True
-
-    def __init__(self, selection: Selection | None = None, window: int = 64) -> None:
-        if not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be a positive int, got {window!r}")
-        self.window = window
-        self.selection = selection if selection is not None else self.default_selection()
-
-    def default_selection(self) -> Selection:
-        return Selection()
-
-    def score(self, signals: Signals) -> torch.Tensor:
-        """Return (batch, kv_heads, seq) scores; higher is kept first."""
-        raise NotImplementedError
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(window={self.window}, selection={self.selection})"
+__all__ = ["Policy", "check_allocation"]

@@ -1,0 +1,186 @@
+"""What a new user hits first (issue 17): clear errors, canonical names, fast help, nothing lost on Ctrl-C."""
+
+import hashlib
+import json
+import subprocess
+import sys
+
+import pytest
+
+import kvsieve.cli as cli
+from kvsieve.harness.content import check_store, content_digest
+from kvsieve.harness.grid import GridConfig
+from kvsieve.harness.store import CellKey, CellResult, ResultsStore
+from kvsieve.harness.validate import read_samples, validate
+from kvsieve.models import check_length
+from kvsieve.tasks.ruler import generate
+from kvsieve.tasks.sample import write_jsonl
+
+
+def _run(capsys, *argv) -> tuple[int, str]:
+    code = cli.main(list(argv))
+    return code, capsys.readouterr().err
+
+
+def test_help_does_not_import_torch():
+    # `kvsieve --help` took 6-9 s because the CLI imported torch and transformers at the top
+    code = "import sys, kvsieve.cli; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_help_sets_a_passive_openmp_wait_unless_the_user_chose(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    cli._set_threads(None)
+    assert cli.os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    cli._set_threads(3)
+    assert cli.os.environ["OMP_WAIT_POLICY"] == "ACTIVE" and cli.os.environ["OMP_NUM_THREADS"] == "3"
+    with pytest.raises(ValueError, match="--threads 0"):
+        cli._set_threads(0)
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--ratios", "abc", "--ratios 'abc': 'abc' is not a float"),
+    ("--lengths", "1k", "--lengths '1k': '1k' is not an int"),
+])
+def test_a_bad_number_names_its_flag(capsys, flag, value, message):
+    code, err = _run(capsys, "eval", flag, value)
+    assert code == 2 and message in err
+
+
+def test_a_broken_config_file_is_named(capsys, tmp_path):
+    path = tmp_path / "grid.toml"
+    path.write_text('tasks = ["vt"\n')
+    code, err = _run(capsys, "eval", "--config", str(path))
+    assert code == 2 and f"config file {path}:" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("field,value,expected", [
+    ("tasks", "niah_single_1", ["niah_single_1"]),  # was: unknown task(s) 'n', 'i', ...
+    ("ratios", 0.5, [0.5]),  # was: 'float' object is not iterable
+    ("lengths", 512, [512]),
+])
+def test_a_single_value_where_a_list_belongs_is_a_list_of_one(field, value, expected):
+    config = GridConfig(**{field: value})
+    assert getattr(config, field) == expected
+    validate(config)
+
+
+def test_a_config_value_of_the_wrong_kind_is_named(capsys, tmp_path):
+    path = tmp_path / "grid.toml"
+    path.write_text("[tasks]\nniah = 1\n")
+    code, err = _run(capsys, "eval", "--config", str(path))
+    assert code == 2 and "tasks must be a list" in err and str(path) in err
+
+
+def test_aliases_resolve_to_the_canonical_name_the_store_uses():
+    assert GridConfig(model="smollm2-135m").model == "smollm2-135m-instruct"
+    assert GridConfig(model="qwen2.5-0.5b").model == "qwen2.5-coder-0.5b-instruct"
+    assert GridConfig(model="org/other").model == "org/other"
+
+
+@pytest.mark.parametrize("length", [100000, 0, "2048"])
+def test_one_length_check_for_every_command(length):
+    with pytest.raises(ValueError, match="length"):
+        check_length("smollm2-135m-instruct", length)
+    check_length("smollm2-135m-instruct", 8192)
+
+
+def test_train_refuses_a_length_beyond_the_model_before_any_work(capsys, tmp_path):
+    code, err = _run(capsys, "train", "--model", "smollm2-135m", "--length", "100000", "--out", str(tmp_path / "r"))
+    assert code == 2 and "length 100000 is above the context of smollm2-135m" in err
+
+
+def _samples(tmp_path, ids: list[str], spans: bool = True):
+    samples = []
+    for i, sid in enumerate(ids):
+        sample = generate("niah_single_1", 300, i, lambda t: len(t) // 4)
+        sample.id = sid
+        if not spans:
+            sample.spans = []
+        samples.append(sample)
+    path = tmp_path / "s.jsonl"
+    write_jsonl(samples, path)
+    return path
+
+
+def test_duplicate_sample_ids_in_a_data_file_are_refused(tmp_path):
+    # two samples under one id shared one store row: 4 cells computed, 2 stored
+    path = _samples(tmp_path, ["a", "b", "a"])
+    with pytest.raises(ValueError, match=r"unique.*niah_single_1/\d+/'a' x2"):
+        read_samples(str(path))
+
+
+def test_oracle_runs_on_a_data_file_whose_samples_carry_spans(tmp_path):
+    validate(GridConfig(data=str(_samples(tmp_path, ["a", "b"])), policies=["full", "oracle"]))
+    with pytest.raises(ValueError, match=r"2 sample\(s\) of .* carry none"):
+        validate(GridConfig(data=str(_samples(tmp_path, ["a", "b"], spans=False)), policies=["full", "oracle"]))
+
+
+def test_generate_onto_a_folder_is_a_clear_error(capsys, tmp_path):
+    code, err = _run(capsys, "generate", "--tasks", "niah_single_1", "--lengths", "256", "--samples", "1",
+                     "--out", str(tmp_path))
+    assert code == 2 and "Is a directory" in err and "Traceback" not in err
+
+
+def test_ctrl_c_says_what_was_kept_without_a_traceback(capsys, monkeypatch, tmp_path):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_report", interrupted)
+    code, err = _run(capsys, "report", "--store", str(tmp_path / "x.sqlite"))
+    assert code == 130 and "interrupted" in err and "rerun the same command to resume" in err
+
+
+def test_a_file_that_is_not_sqlite_is_a_clear_error(capsys, tmp_path):
+    path = tmp_path / "notes.sqlite"
+    path.write_text("this is not a database\n" * 100)
+    code, err = _run(capsys, "report", "--store", str(path))
+    assert code == 2 and "Traceback" not in err and str(path) in err or "not a kvsieve SQLite file" in err
+
+
+def _row(policy: str, digest: str | None) -> CellResult:
+    key = CellKey("m", "vt", 512, "s0", policy, 0.5, False)
+    return CellResult(key, "x", 0.0, ["y"], 1, 1, 2, 0.0, 0.0, {"policy_digest": digest} if digest else {})
+
+
+def test_program_rows_are_keyed_by_the_file_contents(tmp_path):
+    program = tmp_path / "best.py"
+    program.write_text("SELECTION = {}\n")
+    spec = f"program:{program}"
+    digest = content_digest(spec)
+    assert digest == hashlib.sha256(program.read_bytes()).hexdigest()
+    assert content_digest("snapkv(window=8)") is None
+    with ResultsStore(tmp_path / "r.sqlite") as store:
+        store.add(_row(spec, digest))
+        check_store(store, "m", {spec: digest})  # same bytes: the rows are reused
+        program.write_text("SELECTION = {'chunk': 4}\n")
+        with pytest.raises(ValueError, match=r"computed from other file contents.*another --store"):
+            check_store(store, "m", {spec: content_digest(spec)})
+        store.add(_row("program:old.py", None))  # rows from before digests were recorded
+        with pytest.raises(ValueError, match="unrecorded"):
+            check_store(store, "m", {"program:old.py": "f" * 64})
+
+
+def test_learned_rows_are_keyed_by_the_checkpoint_bytes():
+    from kvsieve.learn.policy import resolve_checkpoint
+
+    spec = "learned(checkpoint='smollm2-135m-instruct')"
+    path = resolve_checkpoint("smollm2-135m-instruct")
+    assert content_digest(spec) == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_rows_record_the_dtype_the_model_computed_in(tmp_path):
+    from conftest import CharTokenizer, tiny_model
+
+    from kvsieve.harness.executor import LocalGridExecutor
+    from kvsieve.harness.runner import run_grid
+
+    config = GridConfig(model="tiny", tasks=["niah_single_1"], lengths=[480], policies=["full", "knorm"],
+                        ratios=[0.5], samples=1, store=str(tmp_path / "r.sqlite"))
+    executor = LocalGridExecutor(factory=lambda: (tiny_model("llama"), CharTokenizer()))
+    with run_grid(config, progress=False, executor=executor) as store:
+        rows = store.rows()
+    assert {r.config["dtype"] for r in rows} == {"float32"}  # not the config's "auto"
+    assert json.dumps(rows[0].config)  # stays JSON
