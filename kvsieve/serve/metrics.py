@@ -1,0 +1,87 @@
+"""Counters and histograms for ``GET /metrics``, in the Prometheus text exposition format (version 0.0.4)."""
+
+from __future__ import annotations
+
+import threading
+from bisect import bisect_left
+
+__all__ = ["Metrics", "LATENCY_BUCKETS"]
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+def _labels(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+    escaped = (f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
+               for k, v in sorted(labels.items()))
+    return "{" + ",".join(escaped) + "}"
+
+
+class _Histogram:
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.total = 0.0
+        self.n = 0
+
+    def observe(self, value: float) -> None:
+        i = bisect_left(self.buckets, value)
+        if i < len(self.counts):
+            self.counts[i] += 1
+        self.total += value
+        self.n += 1
+
+
+class Metrics:
+    HELP = {
+        "kvsieve_requests_total": ("counter", "Requests answered, by endpoint, HTTP status and kv-cache status."),
+        "kvsieve_prompt_tokens_total": ("counter", "Prompt tokens of answered requests."),
+        "kvsieve_completion_tokens_total": ("counter", "Generated tokens."),
+        "kvsieve_kv_bytes_full_total": ("counter", "KV-cache bytes the prompts would have held uncompressed."),
+        "kvsieve_kv_bytes_kept_total": ("counter", "KV-cache bytes the prompts held after compression."),
+        "kvsieve_kv_bytes_saved_total": ("counter", "KV-cache bytes compression freed."),
+        "kvsieve_request_seconds": ("histogram", "Time from arrival to the last byte of the answer."),
+        "kvsieve_time_to_first_token_seconds": ("histogram", "Time from arrival to the first generated token."),
+        "kvsieve_queue_waiting": ("gauge", "Requests waiting for the model."),
+        "kvsieve_requests_running": ("gauge", "Requests on the model."),
+    }
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counters: dict[tuple[str, tuple], float] = {}
+        self._histograms: dict[str, _Histogram] = {name: _Histogram(LATENCY_BUCKETS) for name, (kind, _) in
+                                                   self.HELP.items() if kind == "histogram"}
+        self.gauges: dict[str, float] = {}
+
+    def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
+        key = (name, tuple(sorted(labels.items())))
+        with self._lock:
+            self._counters[key] = self._counters.get(key, 0.0) + value
+
+    def observe(self, name: str, seconds: float) -> None:
+        with self._lock:
+            self._histograms[name].observe(seconds)
+
+    def value(self, name: str, **labels: str) -> float:
+        return self._counters.get((name, tuple(sorted(labels.items()))), 0.0)
+
+    def render(self) -> str:
+        lines: list[str] = []
+        with self._lock:
+            for name, (kind, text) in self.HELP.items():
+                lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
+                if kind == "counter":
+                    for (metric, labels), value in sorted(self._counters.items()):
+                        if metric == name:
+                            lines.append(f"{name}{_labels(dict(labels))} {value:g}")
+                elif kind == "gauge":
+                    lines.append(f"{name} {self.gauges.get(name, 0):g}")
+                else:
+                    hist, running = self._histograms[name], 0
+                    for edge, count in zip(hist.buckets, hist.counts):
+                        running += count
+                        lines.append(f'{name}_bucket{{le="{edge:g}"}} {running}')
+                    lines += [f'{name}_bucket{{le="+Inf"}} {hist.n}', f"{name}_sum {hist.total:g}",
+                              f"{name}_count {hist.n}"]
+        return "\n".join(lines) + "\n"

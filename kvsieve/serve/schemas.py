@@ -1,0 +1,138 @@
+"""Request bodies of the OpenAI endpoints kvsieve serves, validated strictly.
+
+Types are strict (``"max_tokens": "8"`` is an error, not 8) and unknown fields are refused with the list of
+allowed ones: a typo in a field should not silently change nothing. Value ranges that depend on the prompt
+or the server (``max_tokens``, the context length) are checked later, in ``app``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvsieve.serve.errors import APIError
+
+__all__ = ["KvsieveOptions", "TextPart", "ChatMessage", "StreamOptions", "ChatCompletionRequest",
+           "CompletionRequest", "parse_body"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class KvsieveOptions(_Strict):
+    """``extra_body={"kvsieve": {...}}``: the request's task family, or a stricter point than the contract's."""
+
+    task: str | None = None  # routes task and task-family contracts
+    full_kv: bool = False  # always allowed: no compression at all
+    ratio: float | None = None  # the contract's policy at this ratio; stricter (lower) unless --allow-override
+    policy: str | None = None  # another policy: only with --allow-override
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    model: str
+    max_tokens: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    seed: int | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    kvsieve: KvsieveOptions = Field(default_factory=KvsieveOptions)
+
+    def stops(self) -> tuple[str, ...]:
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if len(stops) > 4 or any(not s for s in stops):
+            raise APIError(400, f"stop must be up to 4 non-empty strings, got {self.stop!r}", "stop")
+        return stops
+
+    def check_sampling(self) -> None:
+        """kvsieve decodes greedily, one choice: refuse what would ask for anything else."""
+        if self.temperature not in (None, 0, 0.0):
+            raise APIError(400, f"temperature {self.temperature!r} is not supported: kvsieve serve decodes greedily "
+                                "(omit it or pass 0)", "temperature")
+        if self.top_p not in (None, 1, 1.0):
+            raise APIError(400, f"top_p {self.top_p!r} is not supported: decoding is greedy (omit it or pass 1)",
+                           "top_p")
+        if self.n not in (None, 1):
+            raise APIError(400, f"n {self.n!r} is not supported: one choice per request (omit it or pass 1)", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise APIError(400, f"{name} {getattr(self, name)!r} is not supported (omit it or pass 0)", name)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str]
+    echo: bool = False
+    logprobs: int | None = None
+
+    def text(self) -> str:
+        if isinstance(self.prompt, str):
+            return self.prompt
+        if len(self.prompt) != 1:
+            raise APIError(400, f"prompt must be one string (or a list of one), got a list of {len(self.prompt)}",
+                           "prompt")
+        return self.prompt[0]
+
+
+def _describe(error: dict, schema: type[BaseModel]) -> tuple[str, str]:
+    where = ".".join(str(p) for p in error["loc"])
+    if error["type"] == "extra_forbidden":
+        owner: type[BaseModel] = schema
+        for part in error["loc"][:-1]:  # walk to the nested model that refused the field
+            field = owner.model_fields.get(str(part)) if isinstance(part, str) else None
+            annotation = getattr(field, "annotation", None)
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                owner = annotation
+        allowed = ", ".join(sorted(owner.model_fields))
+        return where, f"unknown field {where!r}; allowed: {allowed}"
+    return where, f"{where}: {error['msg']} (got {json.dumps(error.get('input'), default=str)[:80]})"
+
+
+def parse_body(raw: bytes, schema: type[_Common]) -> _Common:
+    """The validated request, or an APIError: 400 for a body that is not a JSON object, 422 for bad fields."""
+    try:
+        data = json.loads(raw) if raw else None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise APIError(400, f"the request body is not valid JSON: {err}") from err
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return schema.model_validate(data)
+    except ValidationError as err:
+        param, message = _describe(err.errors()[0], schema)
+        raise APIError(422, message, param, "invalid_value") from err

@@ -1,0 +1,33 @@
+"""What the server holds for its whole life: one model, its point source, the queue and the metrics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from kvsieve.serve.metrics import Metrics
+from kvsieve.serve.points import PointSource
+from kvsieve.serve.scheduler import Scheduler
+
+__all__ = ["ServerState"]
+
+
+@dataclass
+class ServerState:
+    model: object
+    tokenizer: object
+    model_name: str  # the id clients send and /v1/models lists (a bundled model's canonical name)
+    points: PointSource
+    scheduler: Scheduler
+    context_length: int  # prompt + generated tokens the model may hold
+    max_tokens_limit: int = 2048  # the most tokens one request may generate
+    default_max_tokens: int = 256  # when the request names none (capped by what the context leaves)
+    metrics: Metrics = field(default_factory=Metrics)
+    created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("context_length", "max_tokens_limit", "default_max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
