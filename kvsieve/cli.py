@@ -11,10 +11,9 @@ import argparse
 import os
 import sqlite3
 import sys
-import tomllib
-from dataclasses import fields
 from pathlib import Path
 
+from kvsieve.config import load_config
 from kvsieve.harness.grid import GridConfig
 from kvsieve.spec import split_specs
 
@@ -45,32 +44,7 @@ def _csv(text: str, kind=str, flag: str = "") -> list:
     return out
 
 
-def _config_from_file(path: str) -> dict:
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"config file {path} does not exist")
-    try:
-        if file.suffix == ".toml":
-            data = tomllib.loads(file.read_text())
-        elif file.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(file.read_text())
-        else:
-            raise ValueError("use .toml or .yaml")
-    except (tomllib.TOMLDecodeError, ValueError, UnicodeDecodeError) as err:
-        raise ValueError(f"config file {path}: {err}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"config file {path}: expected a table of GridConfig keys, got {type(data).__name__}")
-    allowed = {f.name for f in fields(GridConfig)}
-    unknown = sorted(set(data) - allowed)
-    if unknown:
-        raise ValueError(f"config file {path}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
-    return data
-
-
 def _grid(args) -> GridConfig:
-    values = _config_from_file(args.config) if args.config else {}
     flags = {
         "model": args.model,
         "tasks": args.tasks and _csv(args.tasks),
@@ -80,15 +54,11 @@ def _grid(args) -> GridConfig:
         "ratios": args.ratios and _csv(args.ratios, float, "--ratios"), "samples": args.samples, "seed": args.seed,
         "store": args.store, "data": args.data, "dtype": args.dtype, "mode": args.mode, "chunk_size": args.chunk_size,
     }
-    values.update({k: v for k, v in flags.items() if v is not None})
     if args.question_aware:
-        values["question_aware"] = True
+        flags["question_aware"] = True
     if args.per_cell:
-        values["shared"] = False
-    try:
-        return GridConfig(**values)
-    except ValueError as err:
-        raise ValueError(f"config file {args.config}: {err}" if args.config else str(err)) from None
+        flags["shared"] = False
+    return load_config(GridConfig, args.config, **flags)
 
 
 def _add_grid_flags(parser: argparse.ArgumentParser) -> None:
