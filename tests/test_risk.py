@@ -360,12 +360,13 @@ def test_certify_cli_refuses_epsilon_500_and_ratio_1(store, tmp_path, capsys):
     assert "epsilon must be in [0, 100)" in capsys.readouterr().err
     assert main([*base, "--ratios", "1.0"]) == 2
     err = capsys.readouterr().err
-    assert "ratio 1.0, out of range: a compression ratio is in [0, 1)" in err and "no rows" not in err
+    assert "ratio 1.0; a compression ratio is in [0, 1)" in err and "1.0 is out of range" in err
+    assert "no rows" not in err
     assert not (tmp_path / "c.json").exists()
 
 
 def test_candidates_for_checks_ratios_and_reads_decode_labels():
-    with pytest.raises(ValueError, match=r"--ratios has ratio 1.0, out of range"):
+    with pytest.raises(ValueError, match=r"--ratios has ratio 1.0; a compression ratio is in \[0, 1\) .* out of range"):
         candidates_for(["snapkv"], [0.5, 1.0])
     spec = "learned(checkpoint='smollm2-135m-instruct')@decode128"
     cands = candidates_for(["full", "full@decode128", spec], [0.5])
@@ -376,7 +377,9 @@ def test_candidates_for_checks_ratios_and_reads_decode_labels():
     assert Candidate("snapkv", 0.5).setting == "query-agnostic prefill" and not Candidate("snapkv", 0.5).sees_question
     assert Candidate("snapkv", 0.5, True).setting == "question-aware prefill"
     with pytest.raises(ValueError, match="question is read under eviction anyway"):
-        Candidate("snapkv@decode64", 0.5, True)
+        Candidate("snapkv@decode64", 0.5, True).validate()
+    with pytest.raises(ValueError, match="question is read under eviction anyway"):
+        candidates_for(["snapkv@decode64"], [0.5], question_aware=True)
 
 
 def _model_row(model, task, sample, policy, ratio, score, kept_bytes, bytes_full=1000):

@@ -48,8 +48,8 @@ def split_label(label: str) -> tuple[str, int]:
 
 def _check_ratio(ratio: object, where: str) -> None:
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio) or not 0 <= ratio < 1:
-        raise ValueError(f"{where} has ratio {ratio!r}, out of range: a compression ratio is in [0, 1) "
-                         "(the fraction of the cache removed)")
+        raise ValueError(f"{where} has ratio {ratio!r}; a compression ratio is in [0, 1) (the fraction of the "
+                         f"cache removed), so {ratio!r} is out of range")
 
 
 @dataclass(frozen=True, order=True)
@@ -62,7 +62,10 @@ class Candidate:
     ratio: float
     question_aware: bool = False
 
-    def __post_init__(self) -> None:
+    def validate(self) -> Candidate:
+        """Refuse what no grid stores: a ratio outside [0, 1), a question-aware decode-time row (returns self).
+
+        Not run on construction: a contract file's reader checks its points with its own messages."""
         if not isinstance(self.policy, str) or not self.policy.strip():
             raise ValueError(f"a candidate's policy must be a non-empty spec, got {self.policy!r}")
         _check_ratio(self.ratio, f"candidate {self.policy!r}")
@@ -71,6 +74,7 @@ class Candidate:
         if self.question_aware and self.mode == "decode":
             raise ValueError(f"candidate {self.policy!r} evicts at decode time, where the question is read under "
                              "eviction anyway; there are no question-aware decode rows (drop --question-aware)")
+        return self
 
     @property
     def spec(self) -> str:
@@ -127,7 +131,7 @@ def candidates_for(policies: list[str], ratios: list[float], question_aware: boo
     compressing = [p for p in policies if split_label(p.strip())[0] != "full"]
     if not compressing or not ratios:
         raise ValueError("give at least one compressing policy (--policies) and one ratio (--ratios)")
-    return [Candidate(p.strip(), float(r), question_aware) for p in compressing for r in ratios]
+    return [Candidate(p.strip(), float(r), question_aware).validate() for p in compressing for r in ratios]
 
 
 def model_names(model: str) -> list[str]:
@@ -228,6 +232,8 @@ def loss_table(store: ResultsStore, model: str, candidates: list[Candidate], eps
     """
     if not candidates:
         raise ValueError("no candidates to certify: give at least one compressing policy and ratio")
+    for cand in candidates:
+        cand.validate()  # before any row is read: a ratio of 1.0 is out of range, not "no rows"
     names = model_names(model)
     filters: dict = {"model": names}
     if tasks:
