@@ -5,19 +5,26 @@ from __future__ import annotations
 import pytest
 
 from kvsieve.harness.report import (
+    by_model,
     display_policy,
     format_summary,
     format_table,
     is_reference,
+    line_styles,
     plot_scores,
     plot_task_panels,
+    report_text,
     score_table,
+    scores_figure,
+    task_panels_figure,
+    write_plots,
 )
 from kvsieve.harness.store import CellKey, CellResult, ResultsStore
 
 
-def cell(task: str, policy: str, ratio: float, score: float, sample: str = "s0", qa: bool = False) -> CellResult:
-    return CellResult(key=CellKey("m", task, 1024, sample, policy, ratio, qa), prediction="p", score=score,
+def cell(task: str, policy: str, ratio: float, score: float, sample: str = "s0", qa: bool = False,
+         model: str = "m") -> CellResult:
+    return CellResult(key=CellKey(model, task, 1024, sample, policy, ratio, qa), prediction="p", score=score,
                       answers=["a"], kept_tokens=10, cache_bytes=10, cache_bytes_full=20, prefill_seconds=0.0,
                       decode_seconds=0.0, config={})
 
@@ -129,10 +136,11 @@ def test_plots_written(tmp_path, results):
 def test_plot_line_styles(results):
     from kvsieve.harness import report
 
-    table, tasks, colors = report._prepare(results)
+    table, tasks, styles, model, n = report._prepare(results)
+    assert (model, n) == ("m", 4)  # qa, sum x s0, s1
     fig = report._figure((4, 3))
     ax = fig.add_subplot(1, 1, 1)
-    report._draw(ax, table, tasks, colors)
+    report._draw(ax, table, tasks, styles)
     styles = {line.get_label(): line.get_linestyle() for line in ax.get_lines()}
     # knorm is incomplete (no sum task) so it has no average point; full is a horizontal reference line
     assert styles == {"snapkv": "-", "oracle_attention": "--", "snapkv+qa": "--", "full": "--"}
@@ -151,3 +159,69 @@ def test_summary_averages_over_tasks_per_ratio(results):
     assert rows["snapkv"] == "| snapkv | 0.375 | 0.200 |"  # (0.5 + 0.25) / 2, (0.1 + 0.3) / 2
     assert rows["knorm"] == "| knorm | - | - |"  # misses a task
     assert rows["snapkv+qa"] == "| snapkv+qa | 0.750 | - |"
+
+
+# -- issue 17: one model per table and plot, distinguishable lines, legend outside, model and n in titles ------
+
+
+def test_tables_and_plots_never_pool_models(tmp_path, results):
+    other = [cell("qa", "full", 0.0, 0.0, model="m2"), cell("qa", "snapkv", 0.5, 0.0, model="m2")]
+    with pytest.raises(ValueError, match="2 models \\(m, m2\\).*never pools"):
+        score_table(results + other)
+    with pytest.raises(ValueError, match="never pools"):
+        plot_scores(results + other, tmp_path / "x.png")
+    split = by_model(other + results)
+    assert list(split) == ["m", "m2"] and split["m"] == results and split["m2"] == other
+    text = report_text(results + other)
+    assert "all models" not in text
+    assert "## compression ratio 0.5 (m, n = 4 requests)" in text  # qa/sum x s0/s1
+    assert "## compression ratio 0.5 (m2, n = 1 requests)" in text
+    # m2's full scores 0 and snapkv 0: its summary is not m's (0.625) pooled with it
+    m2_summary = text.split("(m2, n = 1 requests)\n\n")[-1]
+    assert "| full | 0.0 |" in m2_summary
+    paths = write_plots(results + [cell("qa", "full", 0.0, 0.0, model="org/m2"),
+                                   cell("qa", "snapkv", 0.5, 0.0, model="org/m2")], tmp_path / "plots")
+    assert sorted(p.name for p in paths) == ["scores-m.png", "scores-org_m2.png", "tasks-m.png", "tasks-org_m2.png"]
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
+
+
+def many_policies(count: int = 31) -> list:
+    names = [f"p{i:02d}" for i in range(count - 3)] + ["oracle", "snapkv+qa", "oracle_attention"]
+    rows = [cell(t, "full", 0.0, 1.0, sample=s) for t in ("qa", "sum") for s in ("s0", "s1", "s2")]
+    for i, name in enumerate(names):
+        qa = name.endswith("+qa")
+        for t in ("qa", "sum"):
+            for s in ("s0", "s1", "s2"):
+                for r in (0.5, 0.75):
+                    rows.append(cell(t, name.removesuffix("+qa"), r, (i % 7) / 7, sample=s, qa=qa))
+    return rows
+
+
+def test_31_lines_have_distinct_styles_and_the_legend_is_outside():
+    styles = line_styles(f"p{i}" for i in range(70))
+    assert len(set(styles.values())) == 70
+    assert len({(c, m) for c, _, m in styles.values()}) == 70  # colour x marker alone tells them apart
+
+    fig = scores_figure(many_policies(), title="grid")
+    ax = fig.axes[0]
+    lines = [line for line in ax.get_lines() if line.get_label() != "full"]
+    assert len(lines) == 31
+    assert len({(line.get_color(), line.get_linestyle(), line.get_marker()) for line in lines}) == 31
+    assert {line.get_linestyle() for line in lines if line.get_label() in ("oracle", "snapkv+qa")} == {"--"}
+    assert ax.get_title() == "grid: m, average over 2 tasks, n = 6 requests"
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    legend = ax.get_legend().get_window_extent(renderer)
+    assert len(ax.get_legend().get_texts()) == 32
+    assert not legend.overlaps(ax.get_window_extent(renderer))
+    assert legend.x0 >= ax.get_window_extent(renderer).x1
+
+
+def test_task_panels_titles_and_legend_outside(results):
+    fig = task_panels_figure(results)
+    assert [ax.get_title() for ax in fig.axes] == ["qa (n = 2)", "sum (n = 2)"]
+    assert fig._suptitle.get_text() == "m: score by task, n = 4 requests"
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    legend = fig.legends[0].get_window_extent(renderer)
+    assert all(not legend.overlaps(ax.get_window_extent(renderer)) for ax in fig.axes)

@@ -1,5 +1,10 @@
 """Tables and plots from stored cells (the list :meth:`ResultsStore.rows` returns).
 
+A table or plot shows one model: rows of several models are refused (split them with :func:`by_model`;
+:func:`report_text` and :func:`write_plots` do it for a whole store), and every title names the model and
+the number of requests (task, length, sample) behind it. Each policy's line has its own colour x line
+style x marker (70 ordinary lines before a combination repeats) and legends sit outside the axes.
+
 Policy names are rendered with ``+qa`` appended when the cell's key is question-aware. Reference policies
 (names starting with ``oracle`` or ending with ``+qa``) are drawn dashed. The full-cache policy ``full`` is
 evaluated only at ratio 0; it is drawn as a horizontal dashed line and shown as a column in every ratio's table.
@@ -8,14 +13,16 @@ evaluated only at ratio 0; it is drawn as a horizontal dashed line and shown as 
 from __future__ import annotations
 
 import math
+import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from kvsieve.harness.store import RATIO_DECIMALS, CellResult
 
-__all__ = ["FULL", "display_policy", "is_reference", "score_table", "format_table", "format_summary",
-           "plot_scores", "plot_task_panels"]
+__all__ = ["FULL", "by_model", "display_policy", "is_reference", "line_styles", "score_table", "format_table",
+           "format_summary", "plot_scores", "plot_task_panels", "report_text", "requests", "scores_figure",
+           "task_panels_figure", "write_plots"]
 
 FULL = "full"
 MISSING = "-"
@@ -39,8 +46,33 @@ def _policy_order(names: Iterable[str]) -> list[str]:
     return sorted(set(names), key=lambda n: (n != FULL, is_reference(n), n))
 
 
+def by_model(results: Iterable[CellResult]) -> dict[str, list[CellResult]]:
+    """The rows of each model, models in alphabetical order (rows keep their order)."""
+    groups: dict[str, list[CellResult]] = defaultdict(list)
+    for r in results:
+        groups[r.key.model].append(r)
+    return dict(sorted(groups.items()))
+
+
+def _one_model(results: Iterable[CellResult]) -> tuple[list[CellResult], str | None]:
+    """The rows as a list and their model; ``ValueError`` naming the models if there are several."""
+    rows = list(results)
+    models = sorted({r.key.model for r in rows})
+    if len(models) > 1:
+        raise ValueError(f"rows of {len(models)} models ({', '.join(models)}): a table or plot never pools models; "
+                         "split them with kvsieve.harness.report.by_model (or filter the store by model)")
+    return rows, (models[0] if models else None)
+
+
+def requests(results: Iterable[CellResult]) -> int:
+    """The number of distinct requests (task, length, sample) among ``results``."""
+    return len({(r.key.task, int(r.key.length), r.key.sample_id) for r in results})
+
+
 def score_table(results: Iterable[CellResult]) -> ScoreTable:
-    """Mean score per ratio -> task -> policy, as ``(mean, n)``. Ratios are rounded to 6 decimals."""
+    """Mean score per ratio -> task -> policy, as ``(mean, n)``. Ratios are rounded to 6 decimals.
+    The rows must be of one model (``ValueError`` otherwise)."""
+    results, _ = _one_model(results)
     sums: dict[tuple[float, str, str], list[float]] = defaultdict(lambda: [0.0, 0])
     for r in results:
         k = r.key
@@ -160,11 +192,30 @@ def _full_level(table: ScoreTable, tasks: Sequence[str]) -> float | None:
     return sum(ref[t][0] for t in tasks) / len(tasks)
 
 
-def _draw(ax, table: ScoreTable, tasks: Sequence[str], colors: dict[str, str]) -> None:
+# 10 colours and 7 markers (coprime: the pair repeats after 70 lines), 3 line styles for ordinary policies
+# by tens; reference policies are dashed
+_COLORS = tuple(f"C{i}" for i in range(10))
+_MARKERS = ("o", "s", "^", "v", "D", "P", "X")
+_LINESTYLES = ("-", "-.", ":")
+_REFERENCE_STYLE = "--"
+
+Style = tuple[str, str, str]  # (colour, line style, marker)
+
+
+def line_styles(policies: Iterable[str]) -> dict[str, Style]:
+    """A distinct (colour, line style, marker) per policy, in :func:`_policy_order`; reference policies dashed."""
+    styles: dict[str, Style] = {}
+    for i, policy in enumerate(_policy_order(policies)):
+        linestyle = _REFERENCE_STYLE if is_reference(policy) else _LINESTYLES[(i // len(_COLORS)) % len(_LINESTYLES)]
+        styles[policy] = (_COLORS[i % len(_COLORS)], linestyle, _MARKERS[i % len(_MARKERS)])
+    return styles
+
+
+def _draw(ax, table: ScoreTable, tasks: Sequence[str], styles: dict[str, Style]) -> None:
     for policy, points in sorted(_curves(table, tasks).items(), key=lambda kv: (is_reference(kv[0]), kv[0])):
         xs, ys = zip(*points, strict=True)
-        ax.plot(xs, ys, marker="o", markersize=3, label=policy, color=colors[policy],
-                linestyle="--" if is_reference(policy) else "-")
+        color, linestyle, marker = styles[policy]
+        ax.plot(xs, ys, marker=marker, markersize=4, label=policy, color=color, linestyle=linestyle, linewidth=1.2)
     level = _full_level(table, tasks)
     if level is not None:
         ax.axhline(level, color="black", linestyle="--", linewidth=1, label=FULL)
@@ -172,15 +223,21 @@ def _draw(ax, table: ScoreTable, tasks: Sequence[str], colors: dict[str, str]) -
     ax.grid(True, alpha=0.3)
 
 
-def _prepare(results: Iterable[CellResult]) -> tuple[ScoreTable, list[str], dict[str, str]]:
-    table = score_table(results)
+def _prepare(results: Iterable[CellResult]) -> tuple[ScoreTable, list[str], dict[str, Style], str, int]:
+    rows, model = _one_model(results)
+    table = score_table(rows)
     if not table:
         raise ValueError("no results to plot")
     tasks = sorted({task for by_task in table.values() for task in by_task})
-    policies = _policy_order({p for by_task in table.values() for row in by_task.values() for p in row} - {FULL})
-    palette = [f"C{i}" for i in range(10)]
-    colors = {p: palette[i % len(palette)] for i, p in enumerate(policies)}
-    return table, tasks, colors
+    styles = line_styles({p for by_task in table.values() for row in by_task.values() for p in row} - {FULL})
+    return table, tasks, styles, str(model), requests(rows)
+
+
+LEGEND_ROWS = 36  # legend entries per column; the figure grows to fit one column
+
+
+def _legend_columns(entries: int) -> int:
+    return max(1, math.ceil(entries / LEGEND_ROWS))
 
 
 def _figure(figsize: tuple[float, float]):
@@ -201,34 +258,82 @@ def _save(fig, path: str | Path) -> Path:
 
 
 def plot_scores(results: Iterable[CellResult], path: str | Path, title: str | None = None) -> Path:
-    """PNG of the average score (over tasks) vs compression ratio, one line per policy."""
-    table, tasks, colors = _prepare(results)
-    fig = _figure((7, 4.5))
+    """PNG of the average score (over tasks) vs compression ratio, one line per policy, for one model.
+    The title names the model and the number of requests; ``title`` is put in front of that."""
+    return _save(scores_figure(results, title), path)
+
+
+def scores_figure(results: Iterable[CellResult], title: str | None = None):
+    """The figure :func:`plot_scores` saves (a matplotlib ``Figure`` on the Agg canvas)."""
+    table, tasks, styles, model, n = _prepare(results)
+    fig = _figure((7, max(4.5, 0.2 * min(len(styles) + 1, LEGEND_ROWS))))
     ax = fig.add_subplot(1, 1, 1)
-    _draw(ax, table, tasks, colors)
+    _draw(ax, table, tasks, styles)
     ax.set_ylabel("average score")
-    ax.set_title(title or f"average over {len(tasks)} task{'s' if len(tasks) != 1 else ''}")
-    ax.legend(fontsize="small", loc="best")
-    return _save(fig, path)
+    what = f"average over {len(tasks)} task{'s' if len(tasks) != 1 else ''}"
+    ax.set_title(f"{title + ': ' if title else ''}{model}, {what}, n = {n} requests", fontsize="medium")
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles, labels, fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0,
+              ncol=_legend_columns(len(labels)))
+    return fig
 
 
 def plot_task_panels(results: Iterable[CellResult], path: str | Path, ncols: int = 3) -> Path:
-    """PNG with one subplot per task: score vs compression ratio, one line per policy."""
-    table, tasks, colors = _prepare(results)
+    """PNG with one subplot per task (score vs compression ratio, one line per policy) for one model; each
+    panel's title gives its task's requests, the figure's the model and all requests."""
+    return _save(task_panels_figure(results, ncols), path)
+
+
+def task_panels_figure(results: Iterable[CellResult], ncols: int = 3):
+    """The figure :func:`plot_task_panels` saves."""
+    rows = list(results)
+    table, tasks, styles, model, n = _prepare(rows)
+    per_task = {task: requests(r for r in rows if r.key.task == task) for task in tasks}
     ncols = max(1, min(ncols, len(tasks)))
     nrows = math.ceil(len(tasks) / ncols)
     fig = _figure((4.2 * ncols, 3.3 * nrows + 0.6))
     handles: dict[str, object] = {}
     for i, task in enumerate(tasks):
         ax = fig.add_subplot(nrows, ncols, i + 1)
-        _draw(ax, table, [task], colors)
-        ax.set_title(task)
+        _draw(ax, table, [task], styles)
+        ax.set_title(f"{task} (n = {per_task[task]})", fontsize="medium")
         if i % ncols == 0:
             ax.set_ylabel("score")
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             handles.setdefault(label, handle)
+    fig.suptitle(f"{model}: score by task, n = {n} requests")
+    fig.tight_layout()
     labels = _policy_order(handles)
-    fig.legend([handles[label] for label in labels], labels, loc="lower center", ncol=min(len(labels), 6),
-               fontsize="small", bbox_to_anchor=(0.5, 0.0))
-    fig.tight_layout(rect=(0, 0.08 if nrows == 1 else 0.05, 1, 1))
-    return _save(fig, path)
+    fig.legend([handles[label] for label in labels], labels, loc="center left", bbox_to_anchor=(1.0, 0.5),
+               fontsize="small", ncol=_legend_columns(len(labels)))
+    return fig
+
+
+def _slug(model: str) -> str:
+    """A file-name-safe form of a model name (hub ids and folders carry slashes)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", model).strip("_") or "model"
+
+
+def write_plots(results: Iterable[CellResult], folder: str | Path) -> list[Path]:
+    """``scores-MODEL.png`` and ``tasks-MODEL.png`` in ``folder`` for each model in ``results``."""
+    folder = Path(folder)
+    paths: list[Path] = []
+    for model, rows in by_model(results).items():
+        paths.append(plot_scores(rows, folder / f"scores-{_slug(model)}.png"))
+        paths.append(plot_task_panels(rows, folder / f"tasks-{_slug(model)}.png"))
+    return paths
+
+
+def report_text(results: Iterable[CellResult], markdown: bool = False) -> str:
+    """What ``kvsieve report`` prints: per model, one table per compression ratio and the summary, each
+    headed with the model and its number of requests. Empty string for no rows."""
+    parts = []
+    for model, rows in by_model(results).items():
+        table, n = score_table(rows), requests(rows)
+        for ratio in sorted(table):
+            if ratio > 0:
+                parts.append(f"## compression ratio {ratio:g} ({model}, n = {n} requests)\n\n"
+                             + format_table(table, ratio, fmt="markdown" if markdown else "text"))
+        parts.append(f"## average over tasks, by compression ratio ({model}, n = {n} requests)\n\n"
+                     + format_summary(table))
+    return "\n".join(parts)
