@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -14,7 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from kvsieve.evolve.database import ProgramDatabase, behaviour_cell
-from kvsieve.evolve.features import compile_score, synthetic_features
+from kvsieve.evolve.features import synthetic_features
+from kvsieve.evolve.interpreter import ScoreProgram
 from kvsieve.evolve.mutate import OPERATIONS, StructuralMutator
 from kvsieve.evolve.program import Program, ProgramError, parse_selection
 from kvsieve.evolve.search import EvolveConfig, load_config
@@ -75,7 +77,7 @@ def test_structural_mutations_are_valid_programs_and_reproducible():
         child = mutator.propose(parent, [other], random.Random(i))
         assert child is not None
         check_source(child.source)  # every child passes stage 0
-        scores = compile_score(child.source)(features)
+        scores = ScoreProgram(child.source)(features)
         assert tuple(scores.shape) == features.score_shape
         seen_ops.add(mutator.last_operation)
         children.append(child.source)
@@ -163,7 +165,34 @@ def test_evolution_runs_end_to_end_and_resumes_after_kill(tmp_path):
 def test_a_database_refuses_another_run(tmp_path):
     db = ProgramDatabase(tmp_path / "x.sqlite")
     db.check_config(tiny_run_config(tmp_path, 5).identity())
+    db.add(dict(generation=0, island=0, slot=0, mutator="seed", status="ok", stage=3))
     db.check_config(tiny_run_config(tmp_path, 9).identity())  # more candidates: the same run, resumed
     with pytest.raises(ValueError, match="seed: 0 -> 1"):
         db.check_config(tiny_run_config(tmp_path, 5, seed=1).identity())
     db.close()
+
+
+def test_a_run_that_stored_nothing_takes_the_corrected_config(tmp_path):
+    """A run that failed before its first row (a typo) does not make the corrected rerun refuse."""
+    db = ProgramDatabase(tmp_path / "x.sqlite")
+    db.check_config(tiny_run_config(tmp_path, 5, tasks=["niah_single_9"]).identity())
+    db.check_config(tiny_run_config(tmp_path, 5).identity())
+    assert json.loads(db.conn.execute("SELECT value FROM meta WHERE key = 'config'").fetchone()[0])["tasks"] == [
+        "niah_single_1"]
+    db.close()
+
+
+def test_bad_databases_and_configs_are_refused_up_front(tmp_path):
+    junk = tmp_path / "junk.sqlite"
+    junk.write_bytes(b"not a database at all" * 100)
+    with pytest.raises(ValueError, match="junk.sqlite.*is not a kvsieve SQLite database"):
+        ProgramDatabase(junk)
+    with pytest.raises(ValueError, match="heldout_samples must be an int >= 1, got 0"):
+        tiny_run_config(tmp_path, 5, heldout_samples=0)
+    path = tmp_path / "c.toml"
+    path.write_text("candidates = [\n")
+    with pytest.raises(ValueError, match="c.toml: cannot read"):
+        load_config(str(path))
+    path.write_text("sandbox = 'loose'\n")
+    with pytest.raises(ValueError, match="c.toml: sandbox must be 'default' or 'strict'"):
+        load_config(str(path))

@@ -1,30 +1,41 @@
-"""Stage 0 (static check), stage 1 (invariants) and the sandbox against hostile candidates.
+"""Stage 0 (static check), stage 1 (invariants), the interpreter and the sandbox against hostile candidates.
 
-Each hostile candidate is rejected by the static check, and with the static check skipped it still
-fails inside the sandbox (error or killed) while this process carries on.
+The hostile corpus (``CORPUS``) runs every case against each layer alone and against both together,
+asserting the specific reason each layer gives; this process carries on throughout.
 """
 
 from __future__ import annotations
 
-import errno
+import importlib.util
+import os
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
-from kvsieve.evolve import sandbox
-from kvsieve.evolve.features import compile_score, load_features, save_features, synthetic_features
+from kvsieve.evolve import sandbox, seccomp
+from kvsieve.evolve.features import load_features, save_features, synthetic_features
+from kvsieve.evolve.interpreter import InterpreterError, ScoreProgram
 from kvsieve.evolve.program import Program
 from kvsieve.evolve.sandbox import (
     ISOLATION_LEVELS,
     SandboxLimits,
+    SandboxResult,
+    SandboxUnavailable,
     isolation_level,
+    isolation_report,
+    require_isolation,
     run_in_sandbox,
     sandbox_env,
 )
 from kvsieve.evolve.static import StaticCheckError, check_source
 from kvsieve.evolve.worker import INVARIANTS, check_invariants
+from kvsieve.policies.program import ProgramPolicy
+from kvsieve.signals import Signals
 
 WINDOW = 8
 BENIGN = "def score(f):\n    return pool(group_mean(f.attn), 5)\n"
@@ -134,7 +145,7 @@ def test_static_names_the_line():
 
 
 def test_invariants_hold_for_a_benign_program():
-    invariants, reason = check_invariants(compile_score(RICH), Program(RICH), WINDOW, seeds=(0,))
+    invariants, reason = check_invariants(ScoreProgram(RICH), Program(RICH), WINDOW, seeds=(0,))
     assert reason == "" and invariants == dict.fromkeys(INVARIANTS, True)
 
 
@@ -186,7 +197,7 @@ def test_benign_scores_equal_in_process(features_path):
     result = run_in_sandbox(RICH, features_path, window=WINDOW, limits=FAST)
     assert result.status == "ok", result.reason
     assert result.invariants == dict.fromkeys(INVARIANTS, True)
-    expected = {key: compile_score(RICH)(feats) for key, feats in load_features(features_path).items()}
+    expected = {key: ScoreProgram(RICH)(feats) for key, feats in load_features(features_path).items()}
     assert set(result.scores) == set(expected)
     for key, scores in expected.items():
         assert result.scores[key].dtype == torch.float32 and torch.equal(result.scores[key], scores.float())
@@ -209,116 +220,322 @@ def test_stage1_failures_are_invalid(source, needle, features_path):
 
 def test_candidate_exception_is_a_short_error():
     result = run_in_sandbox(body("return f.key_norm[10 ** 6]"), window=WINDOW, limits=FAST)
-    assert result.status == "error" and result.reason.startswith("IndexError")
+    assert result.status == "error" and result.reason.startswith("ProgramFailed: program line 2: IndexError")
     assert "/" not in result.reason  # no traceback, no paths
 
 
-HOSTILE = {
-    "import os": ("import os\n" + body("os.system(1)", "return f.key_norm"), "error"),
-    "open outside": (body('open("{outside}", "w").write("x")', "return f.key_norm"), "error"),
-    "__import__": (body('__import__("os").system("true")', "return f.key_norm"), "error"),
-    "dunder getattr": (body('getattr(f, "__cla" + "ss__")', "return f.key_norm"), "error"),
-    "escape, then open()": (body(f'{OS}["__builtins__"]["open"]("{{outside}}", "w").write("x")',
-                                 "return f.key_norm"), "error"),
-    "escape, then os.system": (body(f'{OS}["system"]("touch {{outside}}")', "return f.key_norm"), "error"),
-    "escape, then os.open": (body(f'{OS}["open"]("{{outside}}", 65)', "return f.key_norm"), "error"),
-    "escape, then socket": (body(f'{OS}["__builtins__"]["__import__"]("socket").socket().connect(("1.1.1.1", 80))',
-                                 "return f.key_norm"), "error"),
-    "escape, then subprocess": (body(f'{OS}["sys"].modules["subprocess"].run(["touch", "{{outside}}"])',
-                                    "return f.key_norm"), "error"),
-    "escape, then fork_exec": (body(f'{OS}["sys"].modules["_posixsubprocess"].fork_exec()', "return f.key_norm"),
-                               "error"),
-    "escape, then kill the parent": (body(f'{OS}["kill"]({OS}["getppid"](), 9)', "return f.key_norm"), "error"),
-    "memory bomb": (body("x = [0] * 10 ** 10", "return f.key_norm"), "killed"),
+def test_the_effective_isolation_is_reported():
+    result = run_in_sandbox(BENIGN, window=WINDOW, limits=FAST)
+    level = isolation_level()
+    assert result.status == "ok" and result.isolation == level + ("+seccomp" if seccomp.supported() else "")
+    report = isolation_report()
+    assert report["level"] == level and report["full"] == (level == "full" and seccomp.supported())
+
+
+def test_strict_refuses_below_full_isolation(monkeypatch, capsys):
+    monkeypatch.setenv("KVSIEVE_SANDBOX_ISOLATION", "network")
+    with pytest.raises(SandboxUnavailable, match="--sandbox strict: sandbox isolation here is 'network'"):
+        require_isolation("strict")
+    assert require_isolation("default")["level"] == "network"
+    assert "WARNING" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="'loose'"):
+        require_isolation("loose")
+
+
+def test_infrastructure_failures_are_retried_then_raised(monkeypatch):
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        return "sandbox worker could not be started: OSError: test"
+
+    monkeypatch.setattr(sandbox, "_execute", failing)
+    with pytest.raises(SandboxUnavailable, match="not because of the candidate"):
+        run_in_sandbox(BENIGN, window=WINDOW, limits=FAST)
+    assert len(calls) == 1 + sandbox.INFRA_RETRIES
+    real = sandbox._execute.__wrapped__ if hasattr(sandbox._execute, "__wrapped__") else None
+    assert real is None
+
+
+def test_an_infrastructure_failure_then_success_is_not_the_candidates(monkeypatch):
+    real, calls = sandbox._execute, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        return "sandbox worker did not start within 60 s" if len(calls) == 1 else real(*args, **kwargs)
+
+    monkeypatch.setattr(sandbox, "_execute", flaky)
+    result = run_in_sandbox(BENIGN, window=WINDOW, limits=FAST)
+    assert result.status == "ok" and len(calls) == 2
+
+
+def test_result_json_depth_is_bounded():
+    assert sandbox.json_depth_ok(b'{"a": [1, {"b": "[[[["}]}')
+    assert not sandbox.json_depth_ok(b"[" * 100000)
+    assert sandbox.json_depth_ok(b'"' + b"[" * 100 + b'"')  # brackets inside a string do not count
+
+
+def test_a_sleeper_cannot_hang_a_program_policy():
+    """``kvsieve eval --policies program:best.py`` interprets the file: past the length where it turns
+    hostile the program stops at a limit, within a second, instead of hanging or exhausting memory."""
+    sleeper = body("x = group_mean(f.attn)", "if f.n > 1000:",
+                   "    x = (f.key_norm.unsqueeze(-1) * f.key_norm.unsqueeze(-2)).sum(dim=-1)", "return x")
+    policy = ProgramPolicy(source=sleeper, window=4)
+    short, long = _signals(64), _signals(5000)
+    assert tuple(policy.score(short).shape) == (1, 2, 64)
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match="limit: a tensor of 50000000 elements"):
+        policy.score(long)
+    assert time.perf_counter() - start < 5
+    busy = body("x = f.key_norm", "for i in range(4000):", "    x = torch.softmax(x + f.value_norm, dim=-1)",
+                "return x")
+    with pytest.raises(RuntimeError, match="limit: running longer than 0.2 s"):
+        ProgramPolicy(source=busy, window=4, deadline_s=0.2).score(_signals(100000))
+
+
+def _signals(n: int) -> Signals:
+    g = torch.Generator().manual_seed(n)
+    keys, values = torch.randn(1, 2, n, 8, generator=g), torch.randn(1, 2, n, 8, generator=g)
+    queries = torch.randn(1, 6, 4, 8, generator=g)
+    return Signals(keys=keys, values=values, window_queries=queries, positions=torch.arange(n).expand(1, 2, n),
+                   layer_idx=0, num_layers=2, scaling=8**-0.5)
+
+
+def test_program_file_errors_name_the_file(tmp_path):
+    path = tmp_path / "bad.py"
+    path.write_text(body("import os", "return f.key_norm"))
+    with pytest.raises(ValueError, match=f"{path}.*line 2"):
+        ProgramPolicy(path=str(path))
+    path.write_text('SELECTION = {"sink": 99}\n' + BENIGN)
+    with pytest.raises(ValueError, match=f"{path}.*sink"):
+        ProgramPolicy(path=str(path))
+
+
+# --- the hostile corpus, layer by layer -------------------------------------------------------------
+#
+# Every case runs against (a) the interpreter alone (in this process, no static check, no sandbox),
+# (b) the process layer alone (the sandbox with the interpreter bypassed: the program runs as plain
+# Python through tests/sandbox_raw_loader.py, builtins and all) and (c) both (the sandbox as evolution
+# uses it, static check skipped). Each level asserts the specific reason. docs/security.md has the
+# table these tests produce; a case whose layer does not stop it says so here (None) and there.
+
+LOADER = str(Path(__file__).with_name("sandbox_raw_loader.py"))
+SECRET = "kvsieve-corpus-secret-3141"
+OUTSIDE = "{outside}"  # replaced per test: a path outside the job dir that must stay absent
+MOD = OS + '["sys"].modules'
+
+
+@dataclass(frozen=True)
+class Case:
+    source: str
+    static: str | None  # what stage 0 says (None: it passes stage 0)
+    interpreter: str | None  # the interpreter's reason, in process (None: a stage-1 property, not its job)
+    process: tuple[str, str]  # (status, reason) in the sandbox with the interpreter bypassed
+    both: tuple[str, str] | None = None  # (status, reason) in the sandbox with the interpreter; None: the
+    #                                      interpreter's reason, "killed" for a limit and "invalid" otherwise
+    features: bool = False  # score the real-shaped features file too
+
+    def expected_both(self) -> tuple[str, str]:
+        if self.both is not None:
+            return self.both
+        return ("killed" if self.interpreter.startswith("limit:") else "invalid"), self.interpreter
+
+
+GLOBALS = "the attribute '__globals__'"
+CALL = "calling subscript"
+REFUSED = ("error", "PermissionError: [Errno 1] Operation not permitted")  # the seccomp filter
+
+CORPUS = {
+    "import os": Case("import os\n" + body("z = os.system('true')", "return f.key_norm"),
+                      "import is not allowed at the top level", "Import at the top level",
+                      ("error", "sandbox: os.system")),
+    "open outside": Case(body(f'z = open("{OUTSIDE}", "w").write("x")', "return f.key_norm"), ".write",
+                         "the name 'open'", ("error", "sandbox: open outside the job directory")),
+    "__import__": Case(body('z = __import__("os").system("true")', "return f.key_norm"), ".system",
+                       "the name '__import__'", ("error", "sandbox: os.system")),
+    # harmless at the process layer: reading the class of f is no damage (nothing else is reachable)
+    "dunder getattr": Case(body('z = getattr(f, "__cla" + "ss__")', "return f.key_norm"), "call to 'getattr'",
+                           "the name 'getattr'", ("ok", "")),
+    "escape, then open()": Case(body(f'z = {OS}["__builtins__"]["open"]("{OUTSIDE}", "w").write("x")',
+                                     "return f.key_norm"), ".write", GLOBALS, ("error", "sandbox: open outside")),
+    "escape, then os.system": Case(body(f'z = {OS}["system"]("touch {OUTSIDE}")', "return f.key_norm"), CALL,
+                                   GLOBALS, ("error", "sandbox: os.system")),
+    "escape, then os.open": Case(body(f'z = {OS}["open"]("{OUTSIDE}", 65)', "return f.key_norm"), CALL, GLOBALS,
+                                 ("error", "sandbox: open outside")),
+    "escape, then socket": Case(body(f'z = {MOD}["socket"].socket().connect(("1.1.1.1", 80))',
+                                     "return f.key_norm"), ".connect", GLOBALS, ("error", "sandbox: socket.__new__")),
+    "host unix socket": Case(body(f'z = {MOD}["_socket"].socket(1, 1)', "return f.key_norm"), ".socket", GLOBALS,
+                             ("error", "sandbox: socket.__new__")),
+    "escape, then subprocess": Case(body(f'z = {MOD}["subprocess"].run(["touch", "{OUTSIDE}"])',
+                                         "return f.key_norm"), ".run", GLOBALS, ("error", "sandbox: subprocess.Popen")),
+    "escape, then fork_exec": Case(body(f'z = {MOD}["_posixsubprocess"].fork_exec()', "return f.key_norm"),
+                                   ".fork_exec", GLOBALS, ("error", "sandbox: starting processes is not allowed")),
+    "setsid child outlives the run": Case(body(f'if {OS}["fork"]() == 0:', f'    z = {OS}["setsid"]()',
+                                               "return f.key_norm"), CALL, GLOBALS, ("error", "sandbox: os.fork")),
+    "kill the parent": Case(body(f'z = {OS}["kill"]({OS}["getppid"](), 9)', "return f.key_norm"), CALL, GLOBALS,
+                            ("error", "sandbox: os.kill")),
+    "pidfd signal to the parent": Case(body(f'fd = {OS}["pidfd_open"]({OS}["getppid"]())',
+                                            f'z = {MOD}["signal"].pidfd_send_signal(fd, 18)', "return f.key_norm"),
+                                       CALL, GLOBALS, REFUSED),
+    "memfd holds memory": Case(body(f'fd = {OS}["memfd_create"]("x")', f'z = {OS}["ftruncate"](fd, 1 << 30)',
+                                    "return f.key_norm"), CALL, GLOBALS, REFUSED),
+    "fallocate reserves disk": Case(body(f'z = {OS}["posix_fallocate"](1, 0, 1 << 30)', "return f.key_norm"), CALL,
+                                    GLOBALS, REFUSED),
+    "audit hook switched off via its globals": Case(body(
+        f'w = {MOD}["kvsieve.evolve.worker"]', 'w._DENIED_PREFIXES, w._PATH_EVENTS = ("\\0",), {}',
+        f'z = open("{OUTSIDE}", "w").write("x")', "return f.key_norm"), ".modules", GLOBALS,
+        ("error", "sandbox: open outside")),
+    "path check switched off via posixpath": Case(body(
+        f'p = {MOD}["posixpath"]', 'p._joinrealpath = lambda path, rest, strict, seen: ("/job", True)',
+        f'z = open("{OUTSIDE}", "w").write("x")', "return f.key_norm"), ".modules", GLOBALS,
+        ("error", "sandbox: open outside")),
+    "torch.from_file reads a secret": Case(body(f'x = {MOD}["torch"].from_file("{{secret}}", size=8)',
+                                                "return f.key_norm"), ".from_file", GLOBALS,
+                                           ("error", "torch.from_file is not allowed")),
+    "secret into the reason": Case(body('raise ValueError(open("{secret}").read())'), "raise", "Raise",
+                                   ("error", "sandbox: open outside")),
+    "raw block device": Case(body('z = open("/dev/vda", "rb").read(512)', "return f.key_norm"), ".read",
+                             "the name 'open'", ("error", "sandbox: open outside")),
+    "forged deep result frame": Case(body(
+        f'z = {OS}["write"](1, {MOD}["struct"].pack("<Q", 100000) + b"[" * 100000 + bytes(8))', "return f.key_norm"),
+        CALL, GLOBALS, ("error", "nests deeper than")),
+    "crash by abort": Case(body(f'z = {OS}["abort"]()', "return f.key_norm"), CALL, GLOBALS, ("killed", "SIGABRT")),
+    "memory bomb": Case(body("x = [0] * 10 ** 10", "return f.key_norm"), "repetition", "Mult on a list",
+                        ("killed", "memory limit")),
+    "endless loop": Case(body("while True:", "    pass", "return f.key_norm"), "while loop", "While",
+                         ("killed", "timed out")),
+    # these pass stage 0: names hide the sizes from it
+    "integer bomb from names": Case(body("a = 1000000", "b = a * a * a * a", "return f.key_norm + b"), None,
+                                    "limit: an integer of about 80 bits", ("ok", "")),
+    "range bomb": Case(body("a = 1000", "x = max(range(a * a * a))", "return f.key_norm"), None,
+                       "limit: a sequence or range of 1000000000 items", ("killed", "timed out")),
+    "sequence bomb": Case(body("a = 100000", "x = f.key_norm.shape * a", "y = x * a", "return f.key_norm"), None,
+                          "Mult on a tuple", ("killed", "memory limit")),
+    "outer product sleeper": Case(body("x = f.key_norm", "if f.n > 200:",
+                                       "    x = (f.key_norm.unsqueeze(-1) * f.value_norm.unsqueeze(-2)).mean(dim=-1)",
+                                       "return x"), None, "limit: a tensor of 50000000 elements",
+                                  ("killed", "memory limit"), ("killed", "limit: a tensor of"), features=True),
+    "in-place add on an input": Case(body("a = f.key_norm", "a += 1.0", "return a"), None, None,
+                                     ("invalid", "inputs_unchanged"), ("ok", "")),
+    "behaves only on synthetic shapes": Case(body("x = group_mean(f.attn)",
+                                                  "if f.n != f.window + 5 and f.n != 4 * f.window + 37:",
+                                                  "    x = x / 0.0", "return x"), None, None,
+                                             ("invalid", "n 90"), ("invalid", "n 90"), features=True),
 }
 
 
-@pytest.mark.parametrize("name", list(HOSTILE))
-def test_hostile_candidates_fail_at_every_layer(name, tmp_path):
+def _fill(source: str, tmp_path) -> tuple[str, Path]:
     outside = tmp_path / "outside.txt"
-    source, status = HOSTILE[name]
-    source = source.replace("{outside}", str(outside))
-    with pytest.raises(StaticCheckError):
-        check_source(source)
-    assert run_in_sandbox(source, window=WINDOW, limits=FAST).status == "rejected"
-    limits = SandboxLimits(timeout_s=20.0, memory_mb=1024)
-    result = run_in_sandbox(source, window=WINDOW, limits=limits, static_check=False)
-    assert result.status == status, (result.status, result.reason)
-    assert result.seconds < 15
+    secret = tmp_path / "secret.txt"
+    secret.write_text(SECRET)
+    return source.replace(OUTSIDE, str(outside)).replace("{secret}", str(secret)), outside
+
+
+@pytest.mark.parametrize("name", list(CORPUS))
+def test_corpus_stage0(name):
+    case = CORPUS[name]
+    if case.static is None:
+        check_source(case.source)
+        return
+    with pytest.raises(StaticCheckError) as err:
+        check_source(case.source)
+    assert case.static in str(err.value)
+
+
+@pytest.mark.parametrize("name", list(CORPUS))
+def test_corpus_interpreter_alone(name, tmp_path):
+    case = CORPUS[name]
+    source, outside = _fill(case.source, tmp_path)
+    features = synthetic_features(0, group=3, n=5000, window=WINDOW)
+    before = {k: v.clone() for k, v in features.tensors().items()}
+    if case.interpreter is None:  # stage-1 properties: the interpreter runs them, harmlessly
+        out = ScoreProgram(source, static_check=False)(features)
+        assert isinstance(out, torch.Tensor)
+        assert all(torch.equal(before[k], v) for k, v in features.tensors().items())  # += is not in place
+        return
+    with pytest.raises(InterpreterError) as err:
+        ScoreProgram(source, static_check=False)(features)
+    assert case.interpreter in str(err.value), str(err.value)
     assert not outside.exists()
 
 
-def test_infinite_loop_is_killed_at_the_timeout():
-    source = body("while True:", "    pass", "return f.key_norm")
-    assert run_in_sandbox(source, window=WINDOW).status == "rejected"
-    result = run_in_sandbox(source, window=WINDOW, limits=SandboxLimits(timeout_s=2.0), static_check=False)
-    assert result.status == "killed" and "timed out after 2 s" in result.reason
-    assert result.seconds < 10
+def _sandboxed(case: Case, tmp_path, features_path, raw: bool) -> SandboxResult:
+    source, outside = _fill(case.source, tmp_path)
+    layers = {"raw_loader": LOADER} if raw else None
+    limits = SandboxLimits(timeout_s=8.0, memory_mb=1536)
+    result = run_in_sandbox(source, features_path if case.features else None, window=WINDOW, limits=limits,
+                            static_check=False, layers=layers)
+    assert not outside.exists()
+    assert SECRET not in result.reason
+    assert result.seconds < 60
+    return result
 
 
-def test_too_much_memory_on_real_features_is_killed(tmp_path):
-    """Passes stages 0 and 1 (small synthetic n) but needs (b, h, n, n) floats on the real features."""
-    path = tmp_path / "long.safetensors"
-    save_features(path, {"long": synthetic_features(0, group=1, n=20000, window=WINDOW)})
-    source = body("x = f.key_norm.unsqueeze(-1) * f.value_norm.unsqueeze(-2)", "return x.mean(dim=-1)")
-    check_source(source)
-    result = run_in_sandbox(source, path, window=WINDOW, limits=SandboxLimits(timeout_s=20.0, memory_mb=1024))
-    assert result.status == "killed" and "memory" in result.reason and result.invariants["budget"]
+@pytest.mark.parametrize("name", list(CORPUS))
+def test_corpus_process_layer_alone(name, tmp_path, features_path):
+    case = CORPUS[name]
+    result = _sandboxed(case, tmp_path, features_path, raw=True)
+    status, reason = case.process
+    assert (result.status, reason in result.reason) == (status, True), (result.status, result.reason)
 
 
-@pytest.mark.skipif(isolation_level() != "namespaces", reason="unshare namespaces are not available here")
-def test_namespaces_alone_stop_writes_and_network(tmp_path):
-    """The kernel layer without the audit hook: read-only mounts but the job dir, no network."""
-    job, outside = tmp_path / "job", tmp_path / "outside.txt"
-    job.mkdir()
-    code = ("import socket, sys\n"
-            "try:\n    open(sys.argv[1], 'w')\nexcept OSError as e:\n    print('write', e.errno)\n"
-            "try:\n    socket.create_connection(('1.1.1.1', 80), timeout=5)\nexcept OSError as e:\n"
-            "    print('network', e.errno)\n"
-            "open(sys.argv[2] + '/inside.txt', 'w').write('ok')\n")
-    argv = [sys.executable, "-I", "-c", code, str(outside), str(job)]
-    done = subprocess.run(sandbox._wrap(job, argv, "namespaces"), cwd=job, env=sandbox_env(job, 1),
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert f"write {errno.EROFS}" in done.stdout and f"network {errno.ENETUNREACH}" in done.stdout
-    assert not outside.exists() and (job / "inside.txt").read_text() == "ok"
+@pytest.mark.parametrize("name", list(CORPUS))
+def test_corpus_both_layers(name, tmp_path, features_path):
+    case = CORPUS[name]
+    result = _sandboxed(case, tmp_path, features_path, raw=False)
+    status, reason = case.expected_both()
+    assert (result.status, reason in result.reason) == (status, True), (result.status, result.reason)
 
 
-def test_a_crash_reports_its_signal():
-    result = run_in_sandbox(body(f'{OS}["abort"]()', "return f.key_norm"), window=WINDOW, limits=FAST,
-                            static_check=False)
-    assert result.status == "killed" and "SIGABRT" in result.reason
+@pytest.mark.skipif(isolation_level() != "full", reason="full isolation is not available here")
+def test_full_isolation_alone_hides_the_machine(tmp_path):
+    """The kernel layer without any Python guard: a shell in the worker's namespaces sees a minimal
+    root (no project, no home, no /dev disks), cannot write outside its capped scratch, has no network
+    and runs as an unprivileged uid."""
+    job = tmp_path / "job"
+    sandbox._make_job_dirs(job)
+    project = Path(__file__).resolve().parents[1]
+    # the home folder may hold the Python installation (pyenv): that path is bound, nothing else of home
+    home = [p for p in Path.home().iterdir() if not sys.base_prefix.startswith(str(p))] or [Path.home() / "x"]
+    script = (f'echo $(id -u); [ -e "{project}/tests" ] && echo project; [ -e "{home[0]}" ] && echo home; '
+              '[ -e /dev/vda ] || [ -e /dev/sda ] && echo disk; echo x > /job/x 2>/dev/null && echo jobwrite; '
+              'echo ok > /tmp/in && echo scratch; ls /proc | grep -c "^[0-9]"; '
+              'cat /sys/class/net/*/operstate 2>/dev/null | grep -c up')
+    done = subprocess.run(sandbox._wrap(job, ["/bin/sh", "-c", script], "full", 4), capture_output=True, text=True,
+                          timeout=60, env={"PATH": "/usr/bin:/bin"})
+    lines = done.stdout.split()
+    assert lines[0] != "0" and "project" not in lines and "home" not in lines and "disk" not in lines
+    assert "jobwrite" not in lines and "scratch" in lines
+    assert int(lines[-2]) <= 4  # only the sandbox's own processes are visible
+    assert lines[-1] == "0"  # no interface is up
 
 
 def test_candidate_cannot_obtain_secrets(monkeypatch, features_path):
+    """Run as plain Python in the worker, the program reads the environment and /proc/PID/environ of its
+    parent and of this process. It scores what it found (+1 each) and what failed (+100 each); run here,
+    unsandboxed, the same code finds the secret, so the assertion on the sandboxed run can fail."""
     monkeypatch.setenv("KVSIEVE_TEST_SECRET", "kvsieve-test-secret")
-    monkeypatch.setenv("OPENAI_API_KEY", "sk-kvsieve-test-secret")
-    source = body(
-        "found = 0.0",
+    attack = body(
+        "found, refused = 0.0, 0.0",
         f"env = {OS}",
-        'if env["environ"].get("KVSIEVE_TEST_SECRET") or env["getenv"]("OPENAI_API_KEY"):',
+        'if env["environ"].get("KVSIEVE_TEST_SECRET"):',
         "    found += 1.0",
-        "for pid in (env['getppid'](), 1, 2, 3):",
+        f"for pid in (env['getppid'](), {os.getpid()}):",
         "    try:",
         '        if b"kvsieve-test-secret" in env["__builtins__"]["open"](f"/proc/{pid}/environ", "rb").read():',
-        "            found += 2.0",
-        "    except:",
-        "        pass",
-        "return f.key_norm * 0.0 + found",
+        "            found += 1.0",
+        "    except Exception:",
+        "        refused += 100.0",
+        "return f.key_norm * 0.0 + found + refused",
     )
-    result = run_in_sandbox(source, features_path, window=WINDOW, limits=FAST, static_check=False)
+    spec = importlib.util.spec_from_file_location("raw_loader", LOADER)
+    loader = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loader)
+    assert float(loader.load(attack)(synthetic_features(0)).max()) == 2.0  # unsandboxed: environ and /proc
+    result = run_in_sandbox(attack, features_path, window=WINDOW, limits=FAST, static_check=False,
+                            layers={"raw_loader": LOADER})
     assert result.status == "ok", result.reason
-    assert all(float(s.abs().max()) == 0.0 for s in result.scores.values())
-
-
-def test_guards_alone_stop_an_escape(monkeypatch, tmp_path):
-    """Without namespaces (as on machines without unshare) the audit hook still refuses the write."""
-    monkeypatch.setenv("KVSIEVE_SANDBOX_ISOLATION", "none")
-    outside = tmp_path / "outside.txt"
-    source = body(f'{OS}["__builtins__"]["open"]("{outside}", "w").write("x")', "return f.key_norm")
-    result = run_in_sandbox(source, window=WINDOW, limits=FAST, static_check=False)
-    assert result.status == "error" and "sandbox: open" in result.reason
-    assert not outside.exists()
+    assert all(torch.equal(s, torch.full_like(s, 200.0)) for s in result.scores.values())
 
 
 def test_parent_survives_and_benign_still_runs(features_path):
@@ -338,5 +555,6 @@ def test_job_dirs_are_removed_kept_on_request_and_orphans_swept(monkeypatch, tmp
     monkeypatch.setenv("KVSIEVE_KEEP_SANDBOX", "1")
     assert run_in_sandbox(BENIGN, window=WINDOW, limits=FAST).status == "ok"
     (kept,) = tmp_path.iterdir()
-    assert {"program.py", "job.json", "result.json", "KEPT"} <= {p.name for p in kept.iterdir()}
+    assert {"in", "root", "KEPT"} == {p.name for p in kept.iterdir()}
+    assert {"program.py", "job.json"} == {p.name for p in (kept / "in").iterdir()}
     sandbox._sweep_orphans.cache_clear()

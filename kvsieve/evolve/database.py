@@ -80,10 +80,17 @@ def behaviour_cell(source: str) -> str:
 class ProgramDatabase:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        if self.path.is_dir():
+            raise ValueError(f"program database {str(self.path)!r} is a folder, not an SQLite file")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.conn = sqlite3.connect(str(self.path))
-        self.conn.executescript(SCHEMA)
-        self.conn.commit()
+        try:
+            self.conn.executescript(SCHEMA)
+            self.conn.commit()
+        except sqlite3.DatabaseError as err:
+            self.conn.close()
+            raise ValueError(f"program database {str(self.path)!r} is not a kvsieve SQLite database ({err}); "
+                             "give a new path with --db") from None
 
     def close(self) -> None:
         self.conn.close()
@@ -99,11 +106,26 @@ class ProgramDatabase:
                 self.conn.execute("INSERT INTO meta VALUES ('config', ?)", (text,))
             return
         stored = json.loads(row[0])
+        if self.conn.execute("SELECT COUNT(*) FROM programs").fetchone()[0] == 0:
+            # nothing was evaluated under the stored config (a run that failed before its first row,
+            # e.g. on a typo): the new config takes its place instead of being refused
+            with self.conn:
+                self.conn.execute("UPDATE meta SET value = ? WHERE key = 'config'", (text,))
+            return
         # keys the stored run does not know came with a newer kvsieve; they cannot have shaped its rows
         changed = sorted(k for k in stored if stored[k] != config.get(k) and k not in RESUMABLE_KEYS)
         if changed:
             diff = ", ".join(f"{k}: {stored.get(k)!r} -> {config.get(k)!r}" for k in changed)
             raise ValueError(f"{self.path} holds a run with another configuration ({diff}); use a new database")
+
+    def meta(self, key: str) -> object:
+        """A JSON value stored under ``key`` in the meta table (``None`` if absent)."""
+        row = self.conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else json.loads(row[0])
+
+    def set_meta(self, key: str, value: object) -> None:
+        with self.conn:
+            self.conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, json.dumps(value)))
 
     def add(self, record: dict) -> int:
         columns = ", ".join(record)

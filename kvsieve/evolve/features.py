@@ -4,7 +4,7 @@ An evolved program never sees the model, the cache or the question: it gets a :c
 one layer, a handful of per-entry tensors derived from the context's cache and the observation
 window, and returns one score per cached entry and KV head. Everything a candidate may call is listed
 here (``TORCH_FUNCTIONS``, ``TENSOR_METHODS``, ``HELPERS``); the static check (``static.py``) rejects
-anything else, and the sandbox (``sandbox.py``) runs it with nothing else in reach.
+anything else, and the interpreter (``interpreter.py``) has no rule for anything else.
 
 Shapes: ``b`` batch, ``h`` KV heads, ``g`` query heads per KV head, ``n`` cached context entries.
 """
@@ -16,7 +16,6 @@ import json
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 from kvsieve.signals import Signals
 
 __all__ = ["Features", "TENSOR_FIELDS", "SCALAR_FIELDS", "TORCH_FUNCTIONS", "TENSOR_METHODS", "HELPERS",
-           "SAFE_BUILTINS", "compile_score", "synthetic_features", "save_features", "load_features"]
+           "SAFE_BUILTINS", "MATH_CONSTANTS", "synthetic_features", "save_features", "load_features"]
 
 TENSOR_FIELDS = ("attn", "last_attn", "key_norm", "value_norm", "position")
 SCALAR_FIELDS = ("layer", "window", "n", "group")
@@ -203,22 +202,3 @@ TENSOR_METHODS = (
 SAFE_BUILTINS = {"abs": builtins.abs, "min": builtins.min, "max": builtins.max, "float": builtins.float,
                  "int": builtins.int, "range": builtins.range, "len": builtins.len, "round": builtins.round}
 MATH_CONSTANTS = {"pi": math.pi, "e": math.e}
-
-
-def _torch_proxy() -> SimpleNamespace:
-    return SimpleNamespace(**{name: getattr(torch, name) for name in TORCH_FUNCTIONS if name != "relu"},
-                           relu=torch.relu)
-
-
-def compile_score(source: str, filename: str = "<candidate>"):
-    """Execute a program's source in a namespace holding only the allowed names; return its ``score``.
-
-    This is not a security boundary by itself: untrusted sources pass ``static.check_source`` first
-    and run inside the sandbox process.
-    """
-    namespace = {"__builtins__": dict(SAFE_BUILTINS), "torch": _torch_proxy(), **HELPERS, **MATH_CONSTANTS}
-    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - see the docstring
-    score = namespace.get("score")
-    if not callable(score):
-        raise ValueError("the program defines no score(f) function")
-    return score

@@ -163,7 +163,10 @@ class StructuralMutator:
         if not ops:
             return False
         target = ops[rng.randrange(len(ops))]
-        if rng.random() < 0.5:
+        # torch.maximum takes two tensors: with a number on either side only the operator can change
+        numeric = any(isinstance(side, ast.Constant) or (isinstance(side, ast.UnaryOp) and isinstance(
+            side.operand, ast.Constant)) for side in (target.left, target.right))
+        if rng.random() < 0.5 or numeric:
             target.op = ast.Mult() if isinstance(target.op, ast.Add) else ast.Add()
             return True
         call = _expr("torch.maximum(a, b)")

@@ -29,21 +29,24 @@ def diagnostics(db: ProgramDatabase, config: EvolveConfig, heldout: dict[int, fl
                 plateaus.append((start, g["generation"] - 1))
             best, start = g["best"], g["generation"]
     last = generations[-1]["generation"] if generations else 0
-    if start is not None and last - start + 1 > config.plateau_generations:
+    # the same rule as mid-run: the span from the last improvement to the last generation without one
+    if start is not None and last - start + 1 >= config.plateau_generations:
         plateaus.append((start, last))
     seed = next((r for r in records if r.generation == 0 and r.island == 0 and r.slot == 0), None)
     suspects = []
     if seed is not None and seed.proxy is not None and seed.score is not None:
         for r in evaluated:
-            # the cheap proxy says "better than the seed" while the task score says clearly worse
-            if r.proxy is not None and r.score is not None and r.proxy < seed.proxy and r.score < seed.score - 10:
-                suspects.append(dict(id=r.id, kind="proxy better, task worse",
-                                     evidence=f"gap {r.proxy:.3f} < seed {seed.proxy:.3f}, score {r.score:.1f} < "
+            # the cheap proxy says "better than the seed" while the task score does not improve (an
+            # absolute margin could not fire for a seed scoring near 0, as in the shipped run)
+            if r.proxy is not None and r.score is not None and r.proxy < seed.proxy and r.score <= seed.score \
+                    and r.id != seed.id:
+                suspects.append(dict(id=r.id, kind="proxy better, task no better",
+                                     evidence=f"gap {r.proxy:.3f} < seed {seed.proxy:.3f}, score {r.score:.1f} <= "
                                               f"seed {seed.score:.1f}"))
     for r in evaluated:
         if r.degenerate:
             suspects.append(dict(id=r.id, kind="degenerate scores",
-                                 evidence=f"constant scores in every layer; score {r.score}"))
+                                 evidence=f"constant scores within every KV head of every layer; score {r.score}"))
     for program_id, held in (heldout or {}).items():
         r = db.get(program_id)
         if r.score is not None and r.score - held > 15:
@@ -59,6 +62,15 @@ def diagnostics(db: ProgramDatabase, config: EvolveConfig, heldout: dict[int, fl
         sandbox_seconds=round(statistics.fmean([r.sandbox_seconds for r in evaluated]), 2) if evaluated else None,
         plateaus=plateaus, suspects=suspects, generations=generations,
     )
+
+
+def _isolation_text(isolation: dict | None) -> str:
+    if not isolation:
+        return "not recorded"
+    text = f"{isolation.get('level')}{' + seccomp' if isolation.get('seccomp') else ', no seccomp filter'}, " \
+           f"worker uid {isolation.get('worker_uid')}"
+    missing = isolation.get("missing") or []
+    return text + (f"; missing: {'; '.join(missing)}" if missing else "")
 
 
 def plot_progress(generations: list[dict], path: str | Path, title: str) -> Path:
@@ -92,7 +104,9 @@ def write_report(db: ProgramDatabase, config: EvolveConfig, out: str | Path, hel
                   f"{config.model} {config.length} tokens, ratios {config.ratios}, {config.mutator} mutator")
     (out / "diagnostics.json").write_text(json.dumps(diag, indent=1))
     best = db.best()
+    isolation = db.meta("isolation")
     lines = [f"# Evolution run: {config.strategy}, {config.mutator} mutator, seed {config.seed}", "",
+             f"Sandbox isolation: {_isolation_text(isolation)} (docs/security.md).", "",
              f"Dev set: {config.model}, {config.length} tokens, tasks {', '.join(config.tasks)}, "
              f"{config.dev_samples} per task (seeds {config.dev_seed}+), ratios {config.ratios}; held-out seeds "
              f"{config.heldout_seed}+.", "",

@@ -12,7 +12,7 @@ from kvsieve.evolve.executor import LocalExecutor
 from kvsieve.evolve.mutate import Mutator, StructuralMutator
 from kvsieve.evolve.program import Program
 from kvsieve.evolve.report import write_report
-from kvsieve.evolve.sandbox import SandboxLimits
+from kvsieve.evolve.sandbox import SandboxLimits, require_isolation
 from kvsieve.evolve.search import EvolveConfig, evolve, export_best
 from kvsieve.harness.runner import GridConfig
 from kvsieve.harness.validate import load_samples
@@ -49,10 +49,17 @@ def dev_samples(config: EvolveConfig, tokenizer, seed: int, per_task: int):
 
 
 def run_evolution(config: EvolveConfig, progress: bool = True, model=None, tokenizer=None) -> EvolveResult:
-    """Run or resume ``config``; the database at ``config.db`` holds everything needed to resume."""
+    """Run or resume ``config``; the database at ``config.db`` holds everything needed to resume.
+
+    The sandbox's isolation is checked first (``config.sandbox == "strict"`` refuses anything below
+    full isolation; the default warns), printed, and stored in the database and the report."""
+    isolation = require_isolation(config.sandbox)
+    print(f"kvsieve evolve: sandbox isolation {isolation['level']}"
+          f"{' + seccomp' if isolation['seccomp'] else ' (no seccomp filter)'}, worker uid {isolation['worker_uid']}")
     db = ProgramDatabase(config.db)
     try:
         db.check_config(config.identity())  # before any model work: a mismatched database fails fast
+        db.set_meta("isolation", isolation)
         if model is None:
             model, tokenizer = load(config.model, dtype=config.dtype)
         workdir = Path(config.out) / "dev-cache"

@@ -1,27 +1,31 @@
 """Run an untrusted candidate program away from the process that holds the model.
 
 Layers, outermost first (each one alone should stop a hostile program; together they make a
-mistake in any one of them survivable):
+mistake in any one of them survivable). docs/security.md has the threat model and the table of
+which hostile case each layer stops.
 
 1. Stage 0 in this process: ``static.check_source`` (nothing runs); ``static_check=False`` skips it,
    only so tests can show that the layers below hold alone.
-2. A separate process (``worker.py``) in a fresh temporary job directory (its cwd, HOME and TMPDIR),
-   in its own session, with an environment built from scratch (:func:`sandbox_env`: no secrets), a
-   wall-clock timeout after which its whole process group gets SIGKILL, and kernel limits it sets on
-   itself before importing anything: address space (``memory_mb``), file size, CPU seconds, open
-   files, no core dumps. (Set in the child's first lines rather than a ``preexec_fn``: the parent
-   holds a model and threads, where ``preexec_fn`` can deadlock.)
-3. Linux namespaces when ``unshare`` works here (probed once, :func:`isolation_level`):
-   ``"namespaces"``: new user, network (no interfaces but a down loopback), mount and PID namespaces;
-   every mount is read-only except the job directory, /proc shows only the sandbox's processes, and
-   the worker runs in a further user namespace so it cannot remount anything writable.
-   ``"network"``: only the user and network namespaces. ``"none"``: no unshare; the network is then
-   refused by layer 4 only. ``KVSIEVE_SANDBOX_ISOLATION`` caps the level (for tests and debugging).
-4. In the worker: restricted builtins (``features.compile_score``) and an audit hook, installed
-   after torch and the features are loaded, that refuses files outside the job directory, sockets,
-   processes, signals, ctypes, new imports and frame/GC introspection (``worker.install_guards``).
+2. The interpreter (``interpreter.py``) in the worker: the program is data; no candidate code runs as
+   Python; every operation is checked against limits before it runs.
+3. A separate process (``worker.py``) with an environment built from scratch (:func:`sandbox_env`),
+   in its own session, killed with its process group at a wall-clock deadline, with kernel limits
+   it sets on itself before importing anything (address space, file size, CPU seconds, open files,
+   locked memory, message queues, no core dumps), a seccomp filter (``seccomp.py``: no sockets,
+   memfd, fallocate, pidfd, process creation, signals to others) and an audit hook whose constants
+   live in closures (``worker.install_guards``). Its results come back over a pipe, read here with
+   a size cap and a deadline and parsed with a depth bound (it writes no file the parent opens).
+4. Namespaces, probed once (:func:`isolation_level`):
+   ``"full"``: new mount, PID, network, IPC and UTS namespaces (and a user namespace when this
+   process is not root); the worker sees a minimal root: a small tmpfs with read-only binds of the
+   Python installation, the virtualenv and the kvsieve package, ``/dev`` with only null, zero and
+   urandom, its own ``/proc``, ``/job`` (the program, read-only) and a size- and inode-capped ``/tmp``;
+   no ``$HOME``, no project folders. It runs as uid/gid 65534 without capabilities when this process
+   is root (``setpriv``), else in a nested user namespace without capabilities.
+   ``"network"``: only a user and a network namespace. ``"none"``: no unshare.
+   ``KVSIEVE_SANDBOX_ISOLATION`` caps the level (for tests and debugging); ``require_isolation``
+   refuses to run below ``"full"`` (``kvsieve evolve --sandbox strict``).
 
-The worker's outputs are read with safetensors and json only (never pickle) and validated here.
 ``KVSIEVE_KEEP_SANDBOX=1`` keeps the job directories for debugging.
 """
 
@@ -33,6 +37,7 @@ import os
 import select
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -43,33 +48,60 @@ from pathlib import Path
 
 import torch
 
+from kvsieve.evolve import seccomp
 from kvsieve.evolve.static import StaticCheckError, check_source
 
-__all__ = ["SandboxLimits", "SandboxResult", "run_in_sandbox", "sandbox_env", "isolation_level", "STATUSES",
-           "ISOLATION_LEVELS"]
+__all__ = ["SandboxLimits", "SandboxResult", "SandboxUnavailable", "run_in_sandbox", "sandbox_env",
+           "isolation_level", "isolation_report", "require_isolation", "STATUSES", "ISOLATION_LEVELS"]
 
 STATUSES = ("ok", "rejected", "invalid", "error", "killed")
-ISOLATION_LEVELS = ("none", "network", "namespaces")
+ISOLATION_LEVELS = ("none", "network", "full")
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # .../kvsieve
 MIN_MEMORY_MB = 1024  # importing torch maps ~0.7 GB of address space (measured: 512 MB fails, 768 MB works)
 MAX_REASON = 500
-MAX_RESULT_BYTES = 1 << 20
+MAX_RESULT_BYTES = 1 << 20  # the JSON part of the worker's frame
+MAX_JSON_DEPTH = 8
+INFRA_RETRIES = 2
+NOBODY = 65534
 _READY = b"ready\n"
+_SETUP_FAILED = b"setup-failed\n"
 _JOB_PREFIX = "kvsieve-sandbox-"
 _SAFE_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
+_JOB_INSIDE = "/job"
 
-# Run by unshare as PID 1 of the new namespaces: make every mount read-only, bind the job dir over
-# itself read-write, then run the worker in a nested user namespace (no capability over these mounts
-# any more) as a child, so a signal that kills it shows as exit status 128 + signal.
-_NS_SCRIPT = r"""
-job=$1; shift
-for m in $(awk '{print $5}' /proc/self/mountinfo | sort -u); do
-  mount -o remount,bind,ro "$m" 2>/dev/null || exit 98
+# Run by unshare as PID 1 of the new namespaces (as root there): build the minimal root under
+# $job/root, then chroot into it and drop to the unprivileged user (``$drop``). Arguments: job dir,
+# scratch MiB, the drop command, the paths to bind read-only, "--", the worker's argv.
+_FULL_SCRIPT = r"""
+set -eu
+PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+job=$1; mb=$2; drop=$3; shift 3
+r="$job/root"
+mount -t tmpfs -o size=4m,nr_inodes=4096,mode=755,nosuid,nodev kvsieve-root "$r" || exit 97
+while [ "$1" != "--" ]; do
+  p=$1; shift
+  [ -e "$p" ] || continue
+  if [ -d "$p" ]; then mkdir -p "$r$p"; else mkdir -p "$r$(dirname "$p")"; : > "$r$p"; fi
+  mount --bind "$p" "$r$p" && mount -o remount,bind,ro,nosuid,nodev "$r$p" || exit 97
 done
-mount --bind "$job" "$job" && mount -o remount,bind,rw "$job" || exit 97
-unshare --user "$@"
+shift
+for l in bin sbin lib lib64; do
+  if [ -L "/$l" ]; then ln -s "$(readlink "/$l")" "$r/$l"; fi
+done
+mkdir -p "$r/dev" "$r/proc" "$r/tmp" "$r/job"
+for d in null zero urandom; do
+  : > "$r/dev/$d"; mount --bind "/dev/$d" "$r/dev/$d" || exit 97
+done
+mount -t proc -o nosuid,nodev,noexec proc "$r/proc" 2>/dev/null || true
+mount -t tmpfs -o size="$mb"m,nr_inodes=64,mode=1777,nosuid,nodev,noexec kvsieve-tmp "$r/tmp" || exit 97
+mount --bind "$job/in" "$r/job" && mount -o remount,bind,ro,nosuid,nodev "$r/job" || exit 97
+mount -o remount,ro,nosuid,nodev "$r" || exit 97
+exec chroot "$r" $drop "$@"
 """
-_NS_FLAGS = ("--user", "--map-root-user", "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc")
+_NS_FLAGS = ("--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child")
+_DROP_ROOT = (f"/usr/bin/setpriv --reuid={NOBODY} --regid={NOBODY} --clear-groups --inh-caps=-all "
+              "--bounding-set=-all --no-new-privs")
+_DROP_USERNS = "/usr/bin/unshare --user"
 
 # The worker's first lines: kernel limits, then a stub ``kvsieve`` package so kvsieve/__init__.py
 # (the engine, transformers) is not imported: 2.5 s less start-up and far fewer modules in reach.
@@ -81,10 +113,14 @@ package = types.ModuleType("kvsieve")
 package.__path__ = [sys.argv[1]]
 sys.modules["kvsieve"] = package
 from kvsieve.evolve.worker import main
-code = main(sys.argv[2])
+code = main(sys.argv[2], int(sys.argv[4]))
 sys.stdout.flush()
 os._exit(code)
 """
+
+
+class SandboxUnavailable(RuntimeError):
+    """The sandbox itself failed (not the candidate), after retries; or the isolation asked for is missing."""
 
 
 @dataclass(frozen=True)
@@ -114,19 +150,22 @@ class SandboxLimits:
     def rlimits(self) -> dict[str, tuple[int, int]]:
         cpu = math.ceil((self.startup_s + self.timeout_s) * self.threads) + 1
         return {"RLIMIT_AS": (self.memory_mb << 20,) * 2, "RLIMIT_FSIZE": (self.file_mb << 20,) * 2,
-                "RLIMIT_CPU": (cpu, cpu + 1), "RLIMIT_CORE": (0, 0), "RLIMIT_NOFILE": (256, 256)}
+                "RLIMIT_CPU": (cpu, cpu + 1), "RLIMIT_CORE": (0, 0), "RLIMIT_NOFILE": (64, 64),
+                "RLIMIT_MEMLOCK": (0, 0), "RLIMIT_MSGQUEUE": (0, 0)}
 
 
 @dataclass
 class SandboxResult:
     """``status``: "ok", "rejected" (stage 0), "invalid" (stage 1 or bad outputs), "error" (the candidate
-    raised, or the sandbox failed) or "killed" (timeout, memory, signal). ``scores`` only when "ok"."""
+    raised) or "killed" (timeout, a limit, memory, signal). ``scores`` only when "ok". ``isolation``
+    is the level it ran at, with ``+seccomp`` when the worker reported the filter in place."""
 
     status: str
     reason: str
     seconds: float
     scores: dict[str, torch.Tensor] = field(default_factory=dict)
     invariants: dict[str, bool] = field(default_factory=dict)
+    isolation: str = ""
 
 
 def sandbox_env(job_dir: str | os.PathLike, threads: int) -> dict[str, str]:
@@ -141,14 +180,46 @@ def sandbox_env(job_dir: str | os.PathLike, threads: int) -> dict[str, str]:
     return env
 
 
+
 def isolation_level() -> str:
     """The strongest namespace isolation that works here (probed once), capped by
     ``KVSIEVE_SANDBOX_ISOLATION`` if set."""
-    cap = os.environ.get("KVSIEVE_SANDBOX_ISOLATION", "namespaces")
+    cap = os.environ.get("KVSIEVE_SANDBOX_ISOLATION", "full")
     if cap not in ISOLATION_LEVELS:
         raise ValueError(f"KVSIEVE_SANDBOX_ISOLATION={cap!r} is not one of {ISOLATION_LEVELS}")
-    level = _probe()
-    return min(level, cap, key=ISOLATION_LEVELS.index)
+    return min(_probe(), cap, key=ISOLATION_LEVELS.index)
+
+
+def isolation_report() -> dict:
+    """What the sandbox can do here: the level, the seccomp filter, the uid the worker runs as, and
+    what is given up below ``"full"`` (printed by ``kvsieve evolve`` and stored in its database)."""
+    level = isolation_level()
+    root = os.geteuid() == 0
+    uid = (f"{NOBODY} (setpriv)" if root else f"{os.geteuid()} in a nested user namespace") if level == "full" \
+        else f"{os.geteuid()} (this process's{', root' if root else ''})"
+    missing = {"full": [], "network": ["minimal root (the worker can read what this process can read)",
+                                       "PID namespace (it can see and signal this process's processes "
+                                       "but for seccomp)", "unprivileged uid"],
+               "none": ["every namespace: the network is refused by seccomp and the audit hook only",
+                        "minimal root", "unprivileged uid"]}[level]
+    return dict(level=level, seccomp=seccomp.supported(), worker_uid=uid, missing=missing,
+                full=level == "full" and seccomp.supported())
+
+
+def require_isolation(mode: str) -> dict:
+    """``mode`` "strict": refuse (SandboxUnavailable) unless the isolation is full; "default": warn on
+    stderr when it is weaker. Returns :func:`isolation_report`."""
+    if mode not in ("default", "strict"):
+        raise ValueError(f"sandbox mode must be 'default' or 'strict', got {mode!r}")
+    report = isolation_report()
+    if not report["full"]:
+        text = (f"sandbox isolation here is {report['level']!r}"
+                f"{'' if report['seccomp'] else ' without a seccomp filter'}, not 'full': "
+                f"{'; '.join(report['missing']) or 'no seccomp filter on this architecture'}")
+        if mode == "strict":
+            raise SandboxUnavailable(f"--sandbox strict: {text}")
+        print(f"kvsieve: WARNING: {text} (docs/security.md)", file=sys.stderr)
+    return report
 
 
 @lru_cache(maxsize=1)
@@ -157,14 +228,15 @@ def _probe() -> str:
     if not unshare:
         return "none"
     with tempfile.TemporaryDirectory(prefix="kvsieve-probe-") as tmp:
-        job, outside = Path(tmp, "job"), Path(tmp, "outside")
-        job.mkdir()
-        outside.mkdir()
-        check = ['sh', '-c', 'echo ok > "$1/in"; echo leak > "$2/out" 2>/dev/null; exit 0', 'sh', str(job),
-                 str(outside)]
-        if (_quiet(_wrap(job, check, "namespaces"), job)
-                and (job / "in").exists() and not (outside / "out").exists()):
-            return "namespaces"
+        job = Path(tmp, "job")
+        _make_job_dirs(job)
+        secret = Path(tmp, "secret")
+        secret.write_text("x")
+        # inside: the scratch is writable, the job dir is not, this folder does not exist, /dev is minimal
+        check = ["/bin/sh", "-c", f'echo ok > /tmp/in && ! echo x > /job/out 2>/dev/null && [ ! -e "{tmp}" ] '
+                 '&& [ ! -e /dev/sda ] && [ -e /dev/null ] && [ "$(id -u)" != 0 ]']
+        if _quiet(_wrap(job, check, "full", 4), None):
+            return "full"
     if _quiet([unshare, "--user", "--map-root-user", "--net", "true"], None):
         return "network"
     return "none"
@@ -179,16 +251,32 @@ def _quiet(cmd: list[str], cwd: Path | None) -> bool:
     return done.returncode == 0
 
 
-def _command(job: Path, limits: SandboxLimits, level: str) -> list[str]:
-    worker = [sys.executable, "-I", "-B", "-c", _BOOT, str(PACKAGE_DIR), str(job), json.dumps(limits.rlimits())]
-    return _wrap(job, worker, level)
+def _make_job_dirs(job: Path) -> None:
+    """``job/in`` (read by the worker: program, job spec) and ``job/root`` (the mount point of its root)."""
+    job.mkdir(exist_ok=True)
+    for name in ("in", "root"):
+        (job / name).mkdir()
+        (job / name).chmod(0o755)
 
 
-def _wrap(job: Path, argv: list[str], level: str) -> list[str]:
+def _binds() -> list[str]:
+    """What the worker's minimal root holds, read-only: the system's programs and libraries, the Python
+    installation, the virtualenv, kvsieve, the CPU description torch reads."""
+    paths = ["/usr", "/etc/ld.so.cache", sys.base_prefix, sys.prefix, str(PACKAGE_DIR), "/sys/devices/system/cpu"]
+    for name in ("bin", "sbin", "lib", "lib64"):
+        if not os.path.islink(f"/{name}") and os.path.isdir(f"/{name}"):
+            paths.append(f"/{name}")
+    return list(dict.fromkeys(os.path.realpath(p) if p != "/etc/ld.so.cache" else p for p in paths))
+
+
+def _wrap(job: Path, argv: list[str], level: str, scratch_mb: int) -> list[str]:
     """``argv`` inside the namespaces of ``level`` (see the module docstring)."""
     unshare = shutil.which("unshare", path=_SAFE_PATH) or "unshare"
-    if level == "namespaces":
-        return [unshare, *_NS_FLAGS, "sh", "-c", _NS_SCRIPT, "sh", str(job), *argv]
+    if level == "full":
+        root = os.geteuid() == 0
+        flags = _NS_FLAGS if root else ("--user", "--map-root-user", *_NS_FLAGS)
+        return [unshare, *flags, "/bin/sh", "-c", _FULL_SCRIPT, "sh", str(job), str(int(scratch_mb)),
+                _DROP_ROOT if root else _DROP_USERNS, *_binds(), "--", *argv]
     if level == "network":
         return [unshare, "--user", "--map-root-user", "--net", *argv]
     return list(argv)
@@ -196,16 +284,22 @@ def _wrap(job: Path, argv: list[str], level: str) -> list[str]:
 
 def run_in_sandbox(source: str, features_path: str | os.PathLike | None = None, window: int = 64,
                    limits: SandboxLimits = SandboxLimits(), static_check: bool = True,
-                   synthetic_seeds=(0, 1)) -> SandboxResult:
+                   synthetic_seeds=(0, 1), layers: dict | None = None) -> SandboxResult:
     """Stage 0 here, then stage 1 and the scoring of ``features_path`` (if given) in a sandboxed worker.
 
     Scores (float32, the features' keys, each of shape (b, h, n)) come back only with status "ok".
-    Never raises because of the candidate; a missing or malformed features file is the caller's error.
+    Never raises because of the candidate; a sandbox that fails to start is retried
+    (``INFRA_RETRIES``) and then raises :class:`SandboxUnavailable`, so that an infrastructure failure is
+    never recorded as the candidate's. A missing or malformed features file is the caller's error.
+    ``layers`` (tests only) turns parts of the process layer off: ``{"seccomp": False, "audit_hook":
+    False, "raw_loader": PATH}``, the last running the program as Python through a trusted loader file
+    instead of the interpreter, so that the process layer can be shown to hold alone.
     """
     start = time.perf_counter()
 
-    def done(status: str, reason: str, scores=None, invariants=None) -> SandboxResult:
-        return SandboxResult(status, reason[:MAX_REASON], time.perf_counter() - start, scores or {}, invariants or {})
+    def done(status: str, reason: str, scores=None, invariants=None, isolation="") -> SandboxResult:
+        return SandboxResult(status, reason[:MAX_REASON], time.perf_counter() - start, scores or {}, invariants or {},
+                             isolation)
 
     if static_check:
         try:
@@ -214,20 +308,53 @@ def run_in_sandbox(source: str, features_path: str | os.PathLike | None = None, 
             return done("rejected", str(err))
     expected = _expected_shapes(features_path) if features_path is not None else {}
     _sweep_orphans()
+    problem = ""
+    for _ in range(1 + INFRA_RETRIES):
+        outcome = _attempt(source, features_path, window, limits, synthetic_seeds, layers or {}, expected, done)
+        if isinstance(outcome, SandboxResult):
+            return outcome
+        problem = outcome
+    raise SandboxUnavailable(f"the sandbox failed {1 + INFRA_RETRIES} times, not because of the candidate: {problem}")
+
+
+def _attempt(source, features_path, window, limits, seeds, layers, expected, done) -> SandboxResult | str:
+    """One sandboxed run: its result, or why the sandbox itself failed (a str)."""
+    level = isolation_level()
     job = Path(tempfile.mkdtemp(prefix=f"{_JOB_PREFIX}{os.getpid()}-")).resolve()
+    features_fd = -1
     try:
+        _make_job_dirs(job)
         try:
-            (job / "program.py").write_text(source, encoding="utf-8")
+            data = source.encode("utf-8")
         except UnicodeEncodeError:
             return done("error", "the source is not encodable as UTF-8")
-        spec = {"window": int(window), "synthetic_seeds": [int(s) for s in synthetic_seeds],
-                "features": str(Path(features_path).resolve()) if features_path is not None else None}
-        (job / "job.json").write_text(json.dumps(spec))
-        status, reason = _execute(job, limits)
+        (job / "in" / "program.py").write_bytes(data)
+        spec = {"window": int(window), "synthetic_seeds": [int(s) for s in seeds],
+                "limits": {"deadline_s": float(limits.timeout_s)}, "seccomp": layers.get("seccomp", True),
+                "audit_hook": layers.get("audit_hook", True)}
+        if layers.get("raw_loader"):
+            shutil.copyfile(layers["raw_loader"], job / "in" / "loader.py")
+            spec["raw_loader"] = "loader.py"
+        (job / "in" / "job.json").write_text(json.dumps(spec))
+        for path in (job / "in").iterdir():
+            path.chmod(0o644)
+        if features_path is not None:
+            features_fd = os.open(os.fspath(features_path), os.O_RDONLY | os.O_CLOEXEC)
+        inside = _JOB_INSIDE if level == "full" else str(job / "in")
+        worker = [sys.executable, "-I", "-B", "-c", _BOOT, str(PACKAGE_DIR), inside, json.dumps(limits.rlimits()),
+                  str(features_fd)]
+        env = sandbox_env("/tmp" if level == "full" else job / "in", limits.threads)
+        cap = MAX_RESULT_BYTES + 16 + sum(4 * math.prod(s) for s in expected.values()) + 64 * (len(expected) + 1)
+        outcome = _execute(_wrap(job, worker, level, limits.file_mb), job, env, limits, features_fd, cap)
+        if isinstance(outcome, str):
+            return outcome
+        status, reason, frame = outcome
         if status:
-            return done(status, reason)
-        return _collect(job, expected, done)
+            return done(status, reason, isolation=level)
+        return _collect(frame, expected, done, level)
     finally:
+        if features_fd >= 0:
+            os.close(features_fd)
         if os.environ.get("KVSIEVE_KEEP_SANDBOX") == "1":
             (job / "KEPT").touch()  # the orphan sweep leaves it alone
         else:
@@ -249,54 +376,75 @@ def _sweep_orphans() -> None:
             pass
 
 
-def _execute(job: Path, limits: SandboxLimits) -> tuple[str, str]:
-    """Run the worker; ("", "") when it exited normally (its result is then in the job dir)."""
-    level = isolation_level()
+def _execute(cmd: list[str], job: Path, env: dict, limits: SandboxLimits, features_fd: int, cap: int
+             ) -> tuple[str, str, bytes] | str:
+    """Run the worker and read its stdout (capped at ``cap`` bytes, with deadlines) and stderr (its tail).
+
+    Returns ``(status, reason, frame)``: status "" when the worker ran the candidate and exited, with
+    the frame it wrote after the ready line; or a str when the sandbox itself failed (retried).
+    """
     try:
-        with open(job / "stderr.txt", "wb") as stderr:
-            proc = subprocess.Popen(_command(job, limits, level), cwd=job, env=sandbox_env(job, limits.threads),
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr,
-                                    start_new_session=True, close_fds=True)
+        proc = subprocess.Popen(cmd, cwd=job, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
+                                pass_fds=(features_fd,) if features_fd >= 0 else ())
     except OSError as err:
-        return "error", f"sandbox worker could not be started: {type(err).__name__}: {err}"
+        return f"sandbox worker could not be started: {type(err).__name__}: {err}"
+    out, err_tail, started, over = bytearray(), b"", False, False
+    deadline = time.monotonic() + limits.startup_s
+    open_fds = {proc.stdout.fileno(): "out", proc.stderr.fileno(): "err"}
+    timed_out = False
     try:
-        started = _wait_ready(proc, limits.startup_s)
-        if not started and not _exited(proc, 0):
-            return "error", f"sandbox worker did not start within {limits.startup_s:g} s"
-        if started and not _exited(proc, limits.timeout_s):
-            return "killed", f"timed out after {limits.timeout_s:g} s"
+        while open_fds:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            readable, _, _ = select.select(list(open_fds), [], [], min(left, 1.0))
+            for fd in readable:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    del open_fds[fd]
+                elif open_fds[fd] == "err":
+                    err_tail = (err_tail + chunk)[-2000:]
+                else:
+                    out += chunk
+                    if len(out) > cap + len(_READY):
+                        over = True
+                        break
+                    if not started and out.startswith(_READY):
+                        started = True
+                        deadline = time.monotonic() + limits.timeout_s  # the candidate's time starts now
+            if over:
+                break
+        if not timed_out and not over:
+            _exited(proc, max(0.0, deadline - time.monotonic()))
     finally:
         _kill_group(proc)  # the leader is not reaped yet, so its group id cannot have been reused
         proc.wait()
         proc.stdout.close()
+        proc.stderr.close()
+    last = _last_line(err_tail)
+    if not started:
+        if out.startswith(_SETUP_FAILED):
+            return f"sandbox worker setup failed: {bytes(out[len(_SETUP_FAILED):])[:300]!r}"
+        if timed_out:
+            return f"sandbox worker did not start within {limits.startup_s:g} s: {last}"
+        code = proc.returncode
+        return f"sandbox worker exited with code {code} before the candidate started: {last}"
+    if over:
+        return "killed", f"the worker wrote more than {cap} bytes of results", b""
+    if timed_out:
+        return "killed", f"timed out after {limits.timeout_s:g} s", b""
     code = proc.returncode
-    sig = -code if code < 0 else code - 128 if level == "namespaces" and code > 128 else 0
+    level_ns = cmd and os.path.basename(cmd[0]) == "unshare" and "--kill-child" in cmd
+    sig = -code if code < 0 else code - 128 if level_ns and code > 128 else 0
     if sig:
         name = signal.Signals(sig).name if sig in signal.valid_signals() else str(sig)
         hint = {"SIGXCPU": " (CPU time limit)", "SIGXFSZ": " (file size limit)"}.get(name, "")
-        return "killed", f"killed by signal {sig} ({name}){hint}"
-    if level == "namespaces" and code in (97, 98):
-        return "error", f"sandbox namespace setup failed (exit {code})"
-    if code != 0 or not (job / "result.json").exists():
-        return "error", f"sandbox worker exited with code {code} and no result: {_last_line(job / 'stderr.txt')}"
-    return "", ""
-
-
-def _wait_ready(proc: subprocess.Popen, timeout: float) -> bool:
-    deadline, fd, seen = time.monotonic() + timeout, proc.stdout.fileno(), b""
-    while (left := deadline - time.monotonic()) > 0:
-        readable, _, _ = select.select([fd], [], [], left)
-        if not readable:
-            return False
-        chunk = os.read(fd, 64)
-        if not chunk:
-            return False  # EOF: the worker exited (or closed stdout) without starting the candidate
-        seen += chunk
-        if seen.startswith(_READY):
-            return True
-        if len(seen) >= len(_READY):
-            return False
-    return False
+        return "killed", f"killed by signal {sig} ({name}){hint}", b""
+    if code != 0:
+        return "error", f"sandbox worker exited with code {code}: {last}", b""
+    return "", "", bytes(out[len(_READY):])
 
 
 def _exited(proc: subprocess.Popen, timeout: float) -> bool:
@@ -321,13 +469,8 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def _last_line(path: Path) -> str:
-    try:
-        with open(path, "rb") as handle:
-            handle.seek(max(0, path.stat().st_size - 2000))
-            lines = handle.read().decode("utf-8", "replace").strip().splitlines()
-    except OSError:
-        return ""
+def _last_line(data: bytes) -> str:
+    lines = data.decode("utf-8", "replace").strip().splitlines()
     return lines[-1][:300] if lines else ""
 
 
@@ -340,42 +483,72 @@ def _expected_shapes(features_path: str | os.PathLike) -> dict[str, tuple[int, .
         return {key: tuple(handle.get_slice(f"{key}.key_norm").get_shape()) for key in keys}
 
 
-def _collect(job: Path, expected: dict[str, tuple[int, ...]], done) -> SandboxResult:
-    """Read and validate what the worker wrote; anything malformed is the candidate's failure."""
-    path = job / "result.json"
+def json_depth_ok(data: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether the brackets of a JSON text nest at most ``limit`` deep (strings skipped), so that
+    ``json.loads`` cannot recurse out of the parent on ``[[[[...``."""
+    depth, in_string, escaped = 0, False, False
+    for byte in data:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):
+            depth += 1
+            if depth > limit:
+                return False
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return True
+
+
+def _collect(frame: bytes, expected: dict[str, tuple[int, ...]], done, level: str) -> SandboxResult:
+    """Parse and validate the worker's frame; anything malformed is the candidate's failure."""
     try:
-        if path.stat().st_size > MAX_RESULT_BYTES:
-            return done("error", "sandbox result is too large")
-        result = json.loads(path.read_text())
+        (size,) = struct.unpack("<Q", frame[:8])
+        if size > MAX_RESULT_BYTES or len(frame) < 16 + size:
+            raise ValueError("size")
+        text = frame[8:8 + size]
+        if not json_depth_ok(text):
+            return done("error", f"sandbox result nests deeper than {MAX_JSON_DEPTH}", isolation=level)
+        result = json.loads(text)
         status, reason, invariants = result["status"], result["reason"], result["invariants"]
         if status not in ("ok", "invalid", "error", "killed") or not isinstance(reason, str) or not (
                 isinstance(invariants, dict) and all(isinstance(v, bool) for v in invariants.values())):
             raise ValueError("malformed")
-    except (OSError, ValueError, KeyError, TypeError):
-        return done("error", "sandbox result is missing or malformed")
+        (scores_size,) = struct.unpack("<Q", frame[8 + size:16 + size])
+        scores_bytes = frame[16 + size:]
+        if scores_size != len(scores_bytes):
+            raise ValueError("scores size")
+    except (ValueError, KeyError, TypeError, struct.error, UnicodeDecodeError):
+        return done("error", "sandbox result is missing or malformed", isolation=level)
+    isolation = level + ("+seccomp" if result.get("seccomp") == "on" else "")
     invariants = {str(k): v for k, v in invariants.items()}
     if status != "ok":
-        return done(status, reason, invariants=invariants)
+        return done(status, reason, invariants=invariants, isolation=isolation)
     if not expected:
-        return done("ok", "", invariants=invariants)
-    scores, problem = _read_scores(job / "scores.safetensors", expected)
+        return done("ok", "", invariants=invariants, isolation=isolation)
+    scores, problem = _read_scores(scores_bytes, expected)
     if problem:
-        return done("invalid", problem, invariants=invariants)
-    return done("ok", "", scores, invariants)
+        return done("invalid", problem, invariants=invariants, isolation=isolation)
+    return done("ok", "", scores, invariants, isolation)
 
 
-def _read_scores(path: Path, expected: dict[str, tuple[int, ...]]) -> tuple[dict[str, torch.Tensor], str]:
-    from safetensors import SafetensorError, safe_open
+def _read_scores(data: bytes, expected: dict[str, tuple[int, ...]]) -> tuple[dict[str, torch.Tensor], str]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load
 
     try:
-        with safe_open(str(path), framework="pt") as handle:
-            keys = set(handle.keys())
-            if keys != set(expected):
-                missing, extra = sorted(set(expected) - keys), sorted(keys - set(expected))
-                return {}, f"scores file keys differ: missing {missing[:5]}, unexpected {extra[:5]}"
-            scores = {key: handle.get_tensor(key) for key in expected}
-    except (OSError, SafetensorError) as err:
-        return {}, f"scores file is missing or unreadable: {type(err).__name__}"
+        scores = load(data)
+    except (SafetensorError, ValueError, OSError) as err:
+        return {}, f"scores are missing or unreadable: {type(err).__name__}"
+    if set(scores) != set(expected):
+        missing, extra = sorted(set(expected) - set(scores)), sorted(set(scores) - set(expected))
+        return {}, f"scores keys differ: missing {missing[:5]}, unexpected {extra[:5]}"
     for key, shape in expected.items():
         tensor = scores[key]
         if tensor.dtype != torch.float32 or tuple(tensor.shape) != shape:

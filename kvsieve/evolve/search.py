@@ -69,6 +69,7 @@ class EvolveConfig:
     plateau_generations: int = 5
     db: str = "results/evolve/run.sqlite"
     out: str = "results/evolve"
+    sandbox: str = "default"  # "strict": refuse below full isolation (docs/security.md); not part of the identity
     executor: str = "local"  # "local" (this process) or "ray" (evolve/ray_executor.py); not part of the run's identity
     ray_address: str | None = None  # with executor "ray": None starts a local Ray instance; "auto" or "HOST:PORT"
     workers: int | None = None  # with executor "ray": actors (default: the cluster's CPUs)
@@ -80,7 +81,10 @@ class EvolveConfig:
             raise ValueError(f"mutator must be 'structural', 'local' or 'openai', got {self.mutator!r}")
         if self.mutator == "openai" and not (self.llm_base_url and self.llm_model):
             raise ValueError("the openai mutator needs llm_base_url and llm_model (--llm-base-url, --llm-model)")
-        for name in ("candidates", "islands", "per_island", "migration_interval", "dev_samples", "plateau_generations"):
+        if self.sandbox not in ("default", "strict"):
+            raise ValueError(f"sandbox must be 'default' or 'strict', got {self.sandbox!r}")
+        for name in ("candidates", "islands", "per_island", "migration_interval", "dev_samples", "heldout_samples",
+                     "plateau_generations", "length", "window", "llm_max_new_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -99,22 +103,29 @@ class EvolveConfig:
 
     def identity(self) -> dict:
         """What makes two runs the same run (the database refuses to resume under another)."""
-        where = ("db", "out", "llm_api_key_env", "executor", "ray_address", "workers")  # same results anywhere
+        where = ("db", "out", "llm_api_key_env", "executor", "ray_address", "workers", "sandbox")  # same anywhere
         return {k: v for k, v in asdict(self).items() if k not in where}
 
 
 def load_config(path: str | None, **overrides) -> EvolveConfig:
-    """Read a TOML or JSON config file (unknown keys are an error), then apply non-None overrides."""
+    """Read a TOML or JSON config file (unknown keys are an error), then apply non-None overrides.
+    Errors name the file."""
     values: dict = {}
     if path is not None:
-        text = Path(path).read_text(encoding="utf-8")
-        values = json.loads(text) if path.endswith(".json") else tomllib.loads(text)
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+            values = json.loads(text) if path.endswith(".json") else tomllib.loads(text)
+        except (OSError, UnicodeDecodeError, ValueError) as err:  # TOMLDecodeError and JSONDecodeError too
+            raise ValueError(f"{path}: cannot read the evolve config: {err}") from None
         allowed = {f.name for f in fields(EvolveConfig)}
         unknown = sorted(set(values) - allowed)
         if unknown:
             raise ValueError(f"{path}: unknown key(s) {unknown}; allowed: {', '.join(sorted(allowed))}")
     values.update({k: v for k, v in overrides.items() if v is not None})
-    return EvolveConfig(**values)
+    try:
+        return EvolveConfig(**values)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{path}: {err}" if path else str(err)) from None
 
 
 def _seed_sources(config: EvolveConfig) -> list[str]:
@@ -140,15 +151,16 @@ def _copy_row(record: ProgramRecord, generation: int, island: int, slot: int, st
 
 
 def max_gap(db: ProgramDatabase, config: EvolveConfig, generation: int) -> float | None:
-    """Stage 2's rejection threshold for a generation: the median proxy gap of the programs scored before
-    it (a child must be at least as good as half the population to be worth decoding), and never more
-    than ``max_gap_factor`` times the worst seed's gap. Computed from earlier generations only, so a
-    resumed generation uses the same threshold."""
+    """Stage 2's rejection threshold for a generation: the median proxy gap of every program that reached
+    stage 2 before it, rejected ones included (a child must be at least as good as half the population
+    to be worth decoding; the median of the survivors alone could only tighten), and never more than
+    ``max_gap_factor`` times the worst seed's gap. Computed from earlier generations only, so a resumed
+    generation uses the same threshold."""
     seeds = [r.proxy for r in db.records("generation = 0 AND proxy IS NOT NULL")]
     if not seeds:
         return None
     cap = config.max_gap_factor * max(max(seeds), 0.05)
-    earlier = [r.proxy for r in db.scored(before_generation=generation) if r.proxy is not None and r.evaluated]
+    earlier = [r.proxy for r in db.records("generation < ? AND proxy IS NOT NULL", (generation,)) if r.evaluated]
     return min(cap, statistics.median(earlier)) if earlier else cap
 
 
@@ -184,6 +196,10 @@ def evolve(config: EvolveConfig, executor: Executor, mutator: Mutator, db: Progr
                            "; ".join(f"{r.operation}: {r.status} {r.reason}" for r in db.records("generation = 0")))
     generation = max(db.last_generation(), 0)
     if _generation_complete(db, config, generation):
+        # a run stopped after a generation but before (or during) its migration migrates now, as the
+        # uninterrupted run did (_migrate skips what is stored already)
+        if generation > 0 and not out_of_budget() and _migrates(config, generation):
+            _migrate(config, db, generation)
         generation += 1
     barren = 0  # consecutive generations without a new program: the mutator's neighbourhood is exhausted
     while not out_of_budget():
@@ -196,11 +212,15 @@ def evolve(config: EvolveConfig, executor: Executor, mutator: Mutator, db: Progr
             break
         if out_of_budget():
             break
-        if config.strategy == "evolve" and config.islands > 1 and generation % config.migration_interval == 0:
+        if _migrates(config, generation):
             _migrate(config, db, generation)
         generation += 1
     bar.close()
     return db.best()
+
+
+def _migrates(config: EvolveConfig, generation: int) -> bool:
+    return config.strategy == "evolve" and config.islands > 1 and generation % config.migration_interval == 0
 
 
 def _generation_complete(db: ProgramDatabase, config: EvolveConfig, generation: int) -> bool:

@@ -4,7 +4,8 @@ A program may contain only what the compact interface (``features.py``) offers: 
 assignments, ``if``, ``for`` over a literal ``range``, ``return`` and expressions calling the listed
 helpers, builtins, ``torch`` functions and tensor methods. Everything else (imports, strings, dunders,
 loops without a bound, closures, classes) is rejected with the line it is on. This is the first of
-several layers: the candidate still runs in the sandbox (``sandbox.py``) with restricted builtins.
+several layers: the program is then interpreted, never run as Python (``interpreter.py``), inside the
+sandbox process (``sandbox.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ MAX_NODES = 2000
 MAX_DEPTH = 60
 MAX_INT = 10**6
 MAX_LOOP_ITERATIONS = 4096  # product over nested loops
+# keyword arguments that write into, retype or move a tensor, or call back into Python (max(key=...))
+REFUSED_KEYWORDS = frozenset({"out", "dtype", "device", "key", "layout", "pin_memory", "requires_grad",
+                              "memory_format", "generator", "names"})
 
 _EXPRESSIONS = (ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.IfExp, ast.Call, ast.Attribute, ast.Subscript,
                 ast.Slice, ast.Tuple, ast.List, ast.Constant, ast.Name)
@@ -133,6 +137,10 @@ class _Scorer:
             self._load_name(node.target)
             self._bind(node.target)
             self._expr(node.value)
+            if isinstance(node.op, ast.MatMult):
+                raise _fail(node, "matrix multiplication (@) is not allowed")
+            if isinstance(node.op, (ast.Pow, ast.LShift, ast.RShift)) and _constant_number(node.value) is None:
+                raise _fail(node, "a power or shift by a computed amount is not allowed")
         elif isinstance(node, ast.Return):
             if node.value is None:
                 raise _fail(node, "return needs a value (the scores)")
@@ -205,6 +213,12 @@ class _Scorer:
             folded = _constant_number(node)  # e.g. 10 ** 10 is as large as the literal
             if isinstance(folded, int) and abs(folded) > MAX_INT:
                 raise _fail(node, f"integer constant above {MAX_INT}")
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
+                raise _fail(node, "matrix multiplication (@) is not allowed")
+            if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Pow, ast.LShift, ast.RShift)) \
+                    and _constant_number(node.right) is None:
+                raise _fail(node, "a power or shift by a computed amount is not allowed (the right-hand side "
+                                  "must be a literal number)")
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult) and any(
                     isinstance(side, (ast.List, ast.Tuple)) for side in (node.left, node.right)):
                 raise _fail(node, "sequence repetition ([...] * n) is not allowed")
@@ -246,6 +260,8 @@ class _Scorer:
             if kw.arg is None:
                 raise _fail(kw, "**kwargs in calls are not allowed")
             self._check_identifier(kw, kw.arg)
+            if kw.arg in REFUSED_KEYWORDS:
+                raise _fail(kw, f"the keyword argument {kw.arg}= is not allowed")
             self._expr(kw.value)
 
     def _attribute(self, node: ast.Attribute, call: bool) -> None:

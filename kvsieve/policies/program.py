@@ -1,9 +1,12 @@
 """A policy read from a program file: what ``kvsieve evolve`` exports (``--policies program:best.py``).
 
-The file is an evolved program (``kvsieve/evolve/program.py`` format): it passes the same static
-check as a candidate's stage 0 before it is compiled, and it runs in-process against the compact
-interface (:class:`kvsieve.evolve.features.Features`), which exposes tensors and pure tensor maths
-only. Run files you did not check yourself through ``kvsieve evolve``'s sandbox instead.
+The file is an evolved program (``kvsieve/evolve/program.py`` format). It is never run as Python: it
+passes the same static check as a candidate's stage 0 and is then interpreted
+(``kvsieve/evolve/interpreter.py``) against the compact interface
+(:class:`kvsieve.evolve.features.Features`), every operation checked against limits before it runs,
+so a program that misbehaves on long inputs (a "sleeper") stops with an error naming the limit
+instead of hanging or exhausting memory. ``deadline_s=`` bounds the wall-clock time of one layer's
+scoring; ``max_elements=`` the size of any tensor it creates.
 """
 
 from __future__ import annotations
@@ -12,38 +15,51 @@ from pathlib import Path
 
 import torch
 
+from kvsieve.evolve.features import Features
+from kvsieve.evolve.interpreter import InterpreterError, Limits, ScoreProgram
+from kvsieve.evolve.program import Program, ProgramError
 from kvsieve.policies.base import Policy
 from kvsieve.selection import Selection
 from kvsieve.signals import Signals
+
+DEFAULT_LIMITS = Limits()
 
 
 class ProgramPolicy(Policy):
     name = "program"
 
-    def __init__(self, path: str | None = None, source: str | None = None, **kwargs) -> None:
-        from kvsieve.evolve.features import compile_score
-        from kvsieve.evolve.program import Program
-        from kvsieve.evolve.static import check_source
-
+    def __init__(self, path: str | None = None, source: str | None = None, deadline_s: float | None = None,
+                 max_elements: int | None = None, **kwargs) -> None:
         if (path is None) == (source is None):
             raise ValueError("give exactly one of path= (a program file) or source=")
+        label = path or "<program>"
         if path is not None:
             if not Path(path).is_file():
                 raise ValueError(f"program file {path!r} does not exist")
-            source = Path(path).read_text(encoding="utf-8")
-        check_source(source)
+            try:
+                source = Path(path).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as err:
+                raise ValueError(f"program file {path!r} cannot be read: {err}") from None
+        limits = Limits(deadline_s=DEFAULT_LIMITS.deadline_s if deadline_s is None else deadline_s,
+                        max_elements=DEFAULT_LIMITS.max_elements if max_elements is None else max_elements)
+        try:
+            self._score = ScoreProgram(source, limits=limits, filename=label)
+            self.program = Program(source)
+            self.program.selection_params  # noqa: B018 - validates SELECTION now, naming the file
+        except (InterpreterError, ProgramError) as err:
+            text = str(err)
+            raise ValueError(text if text.startswith(label) else f"{label}: {text}") from None
         self.path = path
-        self.program = Program(source)
-        self._score = compile_score(source, filename=path or "<program>")
         super().__init__(**kwargs)
 
     def default_selection(self) -> Selection:
         return self.program.selection(self.window)
 
     def score(self, signals: Signals) -> torch.Tensor:
-        from kvsieve.evolve.features import Features
-
-        scores = self._score(Features.from_signals(signals))
+        try:
+            scores = self._score(Features.from_signals(signals))
+        except InterpreterError as err:
+            raise RuntimeError(f"program {self.path or '<source>'} stopped: {err}") from None
         expected = (signals.batch_size, signals.num_kv_heads, signals.seq_len)
         if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != expected:
             raise ValueError(f"program {self.path or '<source>'} returned {getattr(scores, 'shape', type(scores))},"
