@@ -107,7 +107,8 @@ def rows() -> list[CellResult]:
         cell("kvzip", 0.5, "s0", 100, 70, 100, 30.0), cell("kvzip", 0.5, "s1", 100, 70, 100, 36.0),
         cell("kvzip", 0.5, "s3", 100, 70, 100, 24.0),
         # the oracle is question-aware
-        cell("oracle", 0.5, "s0", 100, qa=True), cell("oracle", 0.5, "s1", 100, qa=True),
+        cell("oracle", 0.5, "s0", 100, prefill=12.0, qa=True),
+        cell("oracle", 0.5, "s1", 100, prefill=13.0, qa=True),
         # a policy with no full row anywhere (another task)
         cell("knorm", 0.5, "x0", 100, task="other"),
     ]
@@ -164,6 +165,9 @@ def test_format_headline_names_model_and_requests(rows):
     assert lines[0] == "### m at 1024 tokens: 4 requests, 2 tasks"
     assert "| tova | 0.5 | 37.5 |" in text and text.count("| 4 |") >= 2
     assert "tova @ 0.5: 1" in text and "knorm @ 0.5" in text
+    assert "negative overhead" not in text
+    slower_full = [cell("full", 0.0, "s0", 100, prefill=20.0), cell("tova", 0.5, "s0", 100, prefill=10.0)]
+    assert "negative overhead" in format_headline(headline(slower_full)[0])
     kvzip = next(line for line in lines if line.startswith("| kvzip"))
     assert kvzip == "| kvzip | 0.5 | 100.0 | [100.0, 100.0] | 150.0 | 70.0 | 200.0 | 3 |"
 

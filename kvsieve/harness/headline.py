@@ -303,6 +303,10 @@ def format_headline(table: Headline, digits: int = 1) -> str:
         notes.append("requests without a full-cache row, left out: " + "; ".join(dropped))
     if table.unpaired:
         notes.append("no request paired with the full cache (not shown): " + "; ".join(table.unpaired))
+    if any(r.overhead_pct < 0 for r in table.rows):
+        notes.append("a negative overhead means the policy's cells and the full cells were timed in different runs "
+                     "(a resumed or extended grid): there the figure is run-to-run prefill noise, not the "
+                     "compression's cost")
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
