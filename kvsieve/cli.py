@@ -165,13 +165,13 @@ def cmd_generate(args) -> int:
 
 def cmd_certify(args) -> int:
     from kvsieve.harness.store import ResultsStore
-    from kvsieve.policies import parse_spec
-    from kvsieve.risk import Candidate, Contract, certify_buckets, loss_table
+    from kvsieve.risk import Contract, certify_buckets, loss_table
+    from kvsieve.risk.losses import candidates_for, split_label
 
     contract = Contract(alpha=args.alpha, delta=args.delta, epsilon=args.epsilon, loss=args.loss,
                         correction=args.correction)  # checks alpha, delta, epsilon before any work
     policies, ratios = split_specs(args.policies), _csv(args.ratios, float, "--ratios")
-    compressing = [p for p in policies if parse_spec(p)[0] != "full"]
+    compressing = [p for p in policies if split_label(p)[0] != "full"]
     if not compressing or not ratios:
         raise ValueError("give at least one compressing policy (--policies) and one ratio (--ratios)")
     tasks = _csv(args.tasks) if args.tasks else None
@@ -188,12 +188,12 @@ def cmd_certify(args) -> int:
         _run_grid(grid, args).close()
     if not Path(args.store).is_file():
         raise ValueError(f"results store {args.store} does not exist (add --run to evaluate the calibration cells)")
-    candidates = [Candidate(p, r, args.question_aware) for p in compressing for r in ratios]
+    candidates = candidates_for(compressing, ratios, args.question_aware)
     with ResultsStore(args.store) as store:
         table = loss_table(store, args.model, candidates, contract.epsilon, contract.loss, tasks, lengths)
     if table.left_out:
         print(table.left_out_summary())
-    result = certify_buckets(table, contract, args.model, args.by, edges)
+    result = certify_buckets(table, contract, table.model, args.by, edges)
     result.source = {"store": str(args.store), "policies": compressing, "ratios": ratios, "tasks": tasks,
                      "lengths": lengths, "question_aware": args.question_aware}
     path = result.write(args.out)
@@ -201,13 +201,9 @@ def cmd_certify(args) -> int:
           f"correction={contract.correction}, by {result.by}")
     for name, cert in result.buckets.items():
         print(f"\n[{name}] n={cert.n}, tested at delta={cert.delta:.4g}")
-        if cert.candidates:
-            print(f"  {'candidate':<28} {'kept':>6} {'risk':>7} {'p-value':>9}  certified")
-            for c in sorted(cert.candidates, key=lambda c: (c.policy, c.question_aware, c.ratio)):
-                print(f"  {str(c.candidate):<28} {c.kept_fraction:>6.3f} {c.empirical_risk:>7.3f} {c.p_value:>9.3g}  "
-                      f"{'yes' if c.certified else 'no'}")
-        print(f"  -> {cert.chosen} (kept {1 - cert.chosen.ratio:.3f} of the cache)" if cert.chosen
-              else f"  -> full KV: {cert.reason}")
+        for line in cert.table_lines():
+            print("  " + line)
+        print(f"  -> {cert.verdict()}")
     print(f"\nwrote {path}")
     return 0
 

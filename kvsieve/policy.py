@@ -80,6 +80,13 @@ class Policy:
     def default_selection(self) -> Selection:
         return Selection()
 
+    def check_model(self, model, name: str | None = None) -> None:
+        """Refuse a model this policy was not made for (``name``: the name it was loaded under, if known).
+
+        Policies computed from the signals alone fit any model; a learned policy is tied to the model it
+        was trained on and refuses others of the same geometry.
+        """
+
     def score(self, signals: Signals) -> torch.Tensor:
         """Return (batch, kv_heads, seq) scores; higher is kept first."""
         raise NotImplementedError

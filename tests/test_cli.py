@@ -184,3 +184,22 @@ def test_rows_record_the_dtype_the_model_computed_in(tmp_path):
         rows = store.rows()
     assert {r.config["dtype"] for r in rows} == {"float32"}  # not the config's "auto"
     assert json.dumps(rows[0].config)  # stays JSON
+
+
+def test_the_grid_refuses_a_learned_checkpoint_on_another_model_of_its_geometry():
+    # the shipped SmolLM2 checkpoint used to run on any random 30-layer Llama with 3 KV heads of 64 dims
+    import torch
+    from conftest import CharTokenizer
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from kvsieve.harness.runner import Cell, evaluate_sample
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=576, intermediate_size=64, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=1024)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    sample = generate("niah_single_1", 480, 0, lambda t: len(t))
+    cells = [Cell("learned(checkpoint='smollm2-135m-instruct')", 0.5)]
+    for name in ("", "smollm2-135m-instruct"):
+        with pytest.raises(ValueError, match="was trained for model 'smollm2-135m-instruct'"):
+            evaluate_sample(model, CharTokenizer(), sample, cells, name)

@@ -137,6 +137,7 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
     # decode-time eviction happens while the context is read, so nothing is shared between its cells
     for cell in cells if not shared else [c for c in cells if c.chunk_size]:
         policy = _policy_for(cell, sample, prompt, tokenizer)
+        policy.check_model(model, model_name or None)
         mode = dict(mode="decode", chunk_size=cell.chunk_size) if cell.chunk_size else {}
         gen = generate(model, tokenizer, sample.context, sample.question, policy, ratio=cell.ratio,
                        question_aware=cell.question_aware, answer_prefix=sample.answer_prefix,
@@ -148,6 +149,8 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
         return in_cell_order()
 
     policies = {cell: _policy_for(cell, sample, prompt, tokenizer) for cell in cells}
+    for policy in policies.values():
+        policy.check_model(model, model_name or None)
     capture = FullCache(window=max(p.window for p in policies.values()))
     capture.needs_accumulated_attention = any(p.needs_accumulated_attention for p in policies.values())
     capture.needs_query_stats = any(p.needs_query_stats for p in policies.values())
