@@ -6,12 +6,13 @@ Run: python benchmarks/decode_throughput.py --model smollm2-135m-instruct --leng
 For each policy and batch size: ``batch`` prose contexts of ``length`` tokens (different seeds, equal
 lengths: no padding) are read under ``kvsieve.attach(mode="decode", chunk_size=...)`` (the cache held
 under the budget after every chunk), then ``--tokens`` tokens are generated greedily, one forward per
-token, the cache still held under the budget (evicting whenever it is a chunk over). Printed per row:
+token, evicting once every ``--evict-every`` tokens (``attach(evict_every=...)``; 1 evicts after every
+token). Printed per row:
 
 * prefill seconds (reading the context in chunks, evictions included);
 * decode tokens/s: ``batch * tokens / decode seconds``;
-* peak cache bytes: the largest ``kvsieve.engine.cache.cache_bytes`` seen after any forward, and the
-  full cache's bytes at the end (every token seen);
+* peak cache bytes: ``Session.peak_cache_bytes``, the largest cache any forward held (before its
+  eviction: the in-forward peak), and the full cache's bytes at the end (every token seen);
 * policy ms per eviction: the time the policy's ``score`` takes for all layers of one eviction (the
   learned policy's features + network; other policies report the engine's compression seconds per
   event, which includes selection and the gather).
@@ -40,22 +41,21 @@ def contexts(tokenizer, length: int, batch: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def measure(model, spec: str, ids: torch.Tensor, ratio: float, chunk_size: int, tokens: int) -> dict:
+def measure(model, spec: str, ids: torch.Tensor, ratio: float, chunk_size: int, tokens: int,
+            evict_every: int = 32) -> dict:
     policy = from_spec(spec)
     with kvsieve.attach(model, policy, ratio=ratio if policy.compresses else 0.0, mode="decode",
-                        chunk_size=chunk_size) as session:
+                        chunk_size=chunk_size, evict_every=evict_every) as session:
         start = time.perf_counter()
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
         prefill_s = time.perf_counter() - start
         cache = out.cache
-        peak = cache_bytes(cache)
         events_before = session.report.events if session.report else 0
         next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
         start = time.perf_counter()
         for _ in range(tokens):
             out = model(input_ids=next_ids, cache=cache, use_cache=True)
             next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
-            peak = max(peak, cache_bytes(cache))
         decode_s = time.perf_counter() - start
         report = session.report
         events = report.events if report else 0
@@ -64,7 +64,8 @@ def measure(model, spec: str, ids: torch.Tensor, ratio: float, chunk_size: int, 
         else:
             per_event_ms = 1000 * report.seconds / max(events, 1) if report and events else 0.0
         return {"policy": spec, "batch": ids.shape[0], "prefill_s": prefill_s,
-                "tokens_per_s": ids.shape[0] * tokens / decode_s, "peak_bytes": peak,
+                "tokens_per_s": ids.shape[0] * tokens / decode_s,
+                "peak_bytes": max(session.peak_cache_bytes, cache_bytes(cache)),
                 "full_bytes": full_cache_bytes(cache), "decode_evictions": events - events_before,
                 "policy_ms_per_eviction": per_event_ms}
 
@@ -78,6 +79,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--chunk-size", type=int, default=512)
     parser.add_argument("--tokens", type=int, default=64, help="generated tokens per row")
+    parser.add_argument("--evict-every", type=int, default=32, help="generated tokens between evictions")
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
     torch.set_flush_denormal(True)
@@ -86,14 +88,14 @@ def main() -> None:
     print(f"machine: {cpu_name()}, {os.cpu_count()} CPUs, avx512_bf16 {'yes' if 'avx512_bf16' in flags else 'no'}, "
           f"amx_bf16 {'yes' if 'amx_bf16' in flags else 'no'}, torch threads {torch.get_num_threads()}, dtype "
           f"{next(model.parameters()).dtype}; {args.model}, context {args.length}, ratio {args.ratio}, chunk "
-          f"{args.chunk_size}, {args.tokens} generated tokens\n")
+          f"{args.chunk_size}, evict every {args.evict_every}, {args.tokens} generated tokens\n")
     print("| policy | batch | prefill s | decode tokens/s | peak cache MiB | full cache MiB | evictions while "
           "decoding | policy ms per eviction |")
     print("|---|---|---|---|---|---|---|---|")
     for batch in [int(b) for b in args.batches.split(",")]:
         ids = contexts(tokenizer, args.length, batch)
         for spec in split_specs(args.policies):
-            row = measure(model, spec, ids, args.ratio, args.chunk_size, args.tokens)
+            row = measure(model, spec, ids, args.ratio, args.chunk_size, args.tokens, args.evict_every)
             print(f"| {row['policy']} | {row['batch']} | {row['prefill_s']:.1f} | {row['tokens_per_s']:.1f} | "
                   f"{row['peak_bytes'] / 2**20:.1f} | {row['full_bytes'] / 2**20:.1f} | {row['decode_evictions']} | "
                   f"{row['policy_ms_per_eviction']:.1f} |", flush=True)

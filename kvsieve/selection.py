@@ -1,9 +1,16 @@
 """Scores -> kept indices: per-head top-k, chunks, protected sink/recent tokens, layer and head budgets.
 
-The engine asks a :class:`Selection` which cache entries of one layer to keep. Every KV head of a
-layer keeps the same number of entries (so the pruned cache stays one dense tensor), except under
-``head_budgets="adaptive"`` where heads get different budgets and the shorter heads are padded
-with masked entries.
+The engine asks a :class:`Selection` which cache entries to keep. ``allocation`` says where a budget
+may move: ``"uniform"`` (every KV head of a layer keeps the same number), ``"layer"`` (AdaKV: a layer's
+total goes to the best scores of any of its heads) or ``"global"`` (KVzip: the model's total goes to
+the best scores of any layer and head). Every head keeps at least its floor (its protected sinks and
+recent entries, ``adaptive_floor`` of the per-head budget, and one entry) and the total is exactly the
+budget. Heads left at different lengths are stored ragged by the engine, so no byte is padding.
+
+Moving budget between heads or layers compares their scores. A policy declares whether its scores
+are comparable (``Policy.comparable_across_heads`` / ``comparable_across_layers``); when they are
+not, ``normalization="zscore"`` standardises each head's free scores (mean 0, standard deviation 1
+over its finite, unprotected entries) before they are compared, else the policy refuses.
 """
 
 from __future__ import annotations
@@ -14,7 +21,10 @@ from typing import Literal
 
 import torch
 
-__all__ = ["Budget", "Selection"]
+__all__ = ["Budget", "Selection", "ALLOCATIONS", "NORMALIZATIONS", "check_allocation"]
+
+ALLOCATIONS = ("uniform", "layer", "global")
+NORMALIZATIONS = ("none", "zscore")
 
 
 @dataclass(frozen=True)
@@ -65,9 +75,13 @@ class Selection:
             and the rest of the budget stays unused (every head keeps the same number of entries).
         layer_budgets: ``"uniform"`` or ``"pyramid"`` (PyramidKV, see :meth:`layer_budgets_for`).
         pyramid_beta: PyramidKV's beta (top layer / mean of the non-protected budget).
-        head_budgets: ``"uniform"`` or ``"adaptive"`` (AdaKV: the layer's total budget goes to the
-            highest scores of any head, each head keeping at least ``adaptive_floor`` of ``k``).
-        adaptive_floor: AdaKV's safeguard fraction.
+        head_budgets: ``"uniform"`` or ``"adaptive"``: the older spelling of ``allocation="uniform"`` /
+            ``"layer"`` (either sets the other).
+        adaptive_floor: AdaKV's safeguard fraction: under ``"layer"`` and ``"global"`` every head keeps at
+            least this fraction of its layer's per-head budget.
+        allocation: ``"uniform"``, ``"layer"`` or ``"global"`` (see the module docstring).
+        normalization: ``"none"`` or ``"zscore"``, applied to the scores before heads (and layers) are
+            compared under ``"layer"``/``"global"``.
     """
 
     sink: int = 0
@@ -78,8 +92,19 @@ class Selection:
     pyramid_beta: float = 20.0
     head_budgets: Literal["uniform", "adaptive"] = "uniform"
     adaptive_floor: float = 0.2
+    allocation: Literal["uniform", "layer", "global"] = "uniform"
+    normalization: Literal["none", "zscore"] = "none"
 
     def __post_init__(self) -> None:
+        if self.allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation {self.allocation!r} is not one of {', '.join(map(repr, ALLOCATIONS))}")
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"normalization {self.normalization!r} is not one of "
+                             f"{', '.join(map(repr, NORMALIZATIONS))}")
+        if self.head_budgets == "adaptive" and self.allocation == "uniform":
+            object.__setattr__(self, "allocation", "layer")
+        elif self.allocation != "uniform" and self.head_budgets == "uniform":
+            object.__setattr__(self, "head_budgets", "adaptive")
         for name in ("sink", "recent", "chunk_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "chunk_size" else 0):
@@ -92,7 +117,8 @@ class Selection:
         if self.head_budgets not in ("uniform", "adaptive"):
             raise ValueError(f"head_budgets {self.head_budgets!r} is not one of 'uniform', 'adaptive'")
         if self.head_budgets == "adaptive" and self.chunk_size > 1:
-            raise ValueError("adaptive head budgets and chunk_size > 1 cannot be combined")
+            raise ValueError(f"allocation {self.allocation!r} (budgets moving between heads) and chunk_size > 1 "
+                             "cannot be combined")
         if self.pyramid_beta < 1:
             raise ValueError(f"pyramid_beta must be >= 1, got {self.pyramid_beta}")
         if not 0.0 <= self.adaptive_floor <= 1.0:
@@ -192,20 +218,102 @@ class Selection:
         return keep.long().argsort(dim=-1, descending=True, stable=True)[..., :width].sort(dim=-1).values
 
     def _adaptive(self, scores, order_key, protected, kept):
-        b, h, n = scores.shape
-        floor = min(kept, max(int(self.adaptive_floor * kept), int(protected.sum())))
-        guaranteed = order_key.argsort(dim=-1)[..., :floor]
-        chosen = torch.zeros(b, h, n, dtype=torch.bool, device=scores.device)
-        chosen.scatter_(-1, guaranteed, True)
-        remaining = h * kept - h * floor
-        if remaining > 0:
-            pool = scores.masked_fill(chosen, float("-inf")).reshape(b, h * n)
-            extra = torch.topk(pool, remaining, dim=-1).indices
-            chosen.view(b, h * n).scatter_(-1, extra, True)
-        width = int(chosen.sum(dim=-1).max())
-        key = (~chosen).long() * (n + 1) ** 2 + order_key
-        indices = torch.topk(-key, width, dim=-1).indices.sort(dim=-1).values
-        return indices, chosen.gather(-1, indices)
+        return self.allocate([scores], [kept], protected_tail=None, _keys=[(order_key, protected)])[0]
+
+    def allocate(self, scores: list[torch.Tensor], budgets: list[int], protected_tail: int | None = 0,
+                 _keys=None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Share ``sum(budgets) * kv_heads`` entries among the heads of several layers, per batch row.
+
+        ``scores``: one (b, h, n_l) tensor per layer (lengths may differ; ``-inf`` marks entries that
+        must not be kept, e.g. padding); ``budgets[l]``: the per-head budget of layer ``l`` (the
+        protected tail included, as in :meth:`kept_indices`). Every head first gets its floor (its
+        protected entries, then its best ones up to ``max(adaptive_floor * budget, 1)``); the rest of the
+        total goes to the highest (normalised) scores of any head in ``scores``, ties to the earlier
+        layer, head and entry. Returns per layer ``(indices, valid)`` as :meth:`kept_indices` does
+        under adaptive budgets: (b, h, w) ascending indices, ``w`` the layer's widest head, and the
+        mask of the entries really kept (``None`` when every head keeps ``w``).
+        """
+        if len(scores) != len(budgets):
+            raise ValueError(f"{len(scores)} layers of scores but {len(budgets)} budgets")
+        b, h = scores[0].shape[:2]
+        chosen, pools = [], []
+        for layer, (s, kept) in enumerate(zip(scores, budgets)):
+            n = s.shape[-1]
+            if _keys is not None:
+                order_key, protected = _keys[layer]
+            else:
+                protected = self.protected_mask(n, kept, protected_tail or 0, s.device)
+                if int(protected.sum()) > kept:
+                    raise ValueError(f"budget of {kept} entries is below the {int(protected.sum())} protected ones "
+                                     f"(sink={self.sink}, recent={self.recent}, protected tail={protected_tail});"
+                                     " raise the budget")
+                order_key = (~protected).long().expand(b, h, n) * (n + 1) + _descending_rank(
+                    torch.nan_to_num(s.double(), nan=float("-inf")))
+            s = torch.nan_to_num(s.double(), nan=float("-inf"))
+            keepable = s > float("-inf")
+            floor = min(kept, n, max(int(self.adaptive_floor * kept), int(protected.sum()), 1))
+            pick = torch.zeros(b, h, n, dtype=torch.bool, device=s.device)
+            pick.scatter_(-1, order_key.argsort(dim=-1)[..., :floor], True)
+            pick &= keepable | protected  # a floor never keeps padding (unless the caller protects it)
+            chosen.append(pick)
+            free = s.masked_fill(pick | ~keepable, float("-inf"))
+            if self.normalization == "zscore":
+                free = _zscore(free, protected)
+            pools.append(free.reshape(b, h * n))
+        total = h * sum(budgets)
+        pool = torch.cat(pools, dim=-1)
+        sizes = [p.shape[-1] for p in pools]
+        for row in range(b):  # rows hold different numbers of keepable entries: one pick per row
+            remaining = total - int(sum(c[row].sum() for c in chosen))
+            available = int((pool[row] > float("-inf")).sum())
+            take = max(0, min(remaining, available))
+            if take:
+                best = pool[row].argsort(descending=True, stable=True)[:take]
+                flat = torch.zeros(pool.shape[-1], dtype=torch.bool, device=pool.device)
+                flat[best] = True
+                for c, part in zip(chosen, flat.split(sizes)):
+                    c[row] |= part.view(h, -1)
+        picked = []
+        for c, s in zip(chosen, scores):
+            n = s.shape[-1]
+            width = int(c.sum(dim=-1).max())
+            order = ((~c).long() * n + torch.arange(n, device=c.device)).argsort(dim=-1)[..., :width]
+            indices = order.sort(dim=-1).values
+            valid = c.gather(-1, indices)
+            picked.append((indices, None if bool(valid.all()) else valid))
+        return picked
+
+
+def _zscore(free: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
+    """Standardise each head's finite free scores (mean 0, std 1); -inf and +inf stay as they are."""
+    finite = torch.isfinite(free) & ~protected
+    count = finite.sum(-1, keepdim=True).clamp_min(1)
+    zeros = torch.zeros_like(free)
+    mean = torch.where(finite, free, zeros).sum(-1, keepdim=True) / count
+    var = torch.where(finite, (free - mean) ** 2, zeros).sum(-1, keepdim=True) / count
+    scaled = (free - mean) / var.sqrt().clamp_min(1e-12)
+    return torch.where(torch.isfinite(free), scaled, free)
+
+
+def check_allocation(policy, selection: Selection) -> None:
+    """Refuse a selection that compares scores ``policy`` does not declare comparable.
+
+    Reads the policy's ``comparable_across_heads`` (default True: a layer's heads attend over the same
+    entries) and ``comparable_across_layers`` (default False).
+    """
+    if selection.normalization != "none" or selection.allocation == "uniform":
+        return
+    across = []
+    if not getattr(policy, "comparable_across_heads", True):
+        across.append("heads")
+    if selection.allocation == "global" and not getattr(policy, "comparable_across_layers", False):
+        across.append("layers")
+    if across:
+        raise ValueError(
+            f"policy {getattr(policy, 'name', policy)!r} does not declare its scores comparable across "
+            f"{' and '.join(across)}, so allocation={selection.allocation!r} cannot move budget between them: use "
+            "Selection(normalization='zscore') (each head's scores standardised first), or a narrower allocation"
+            + (" ('layer' or 'uniform')" if selection.allocation == "global" else " ('uniform')"))
 
 
 def _descending_rank(values: torch.Tensor) -> torch.Tensor:

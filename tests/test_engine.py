@@ -34,7 +34,11 @@ def test_kept_entries_are_the_top_scores_and_protected(llama, prompt_ids, name):
         scores = policy.score(signals)
         kept_layer = policy.selection.layer_kept(48, 96, idx, num_layers)
         expected, valid = policy.selection.kept_indices(scores, kept_layer)
-        assert torch.equal(layer.positions, expected), name
+        if valid is None:
+            assert not layer.is_ragged and torch.equal(layer.positions, expected), name
+        else:  # heads at their own lengths: each head holds exactly its kept entries, in order
+            assert [head.positions[0].tolist() for head in layer.heads] == [
+                expected[0, h][valid[0, h]].tolist() for h in range(expected.shape[1])], name
         sel = policy.selection
         for head in range(scores.shape[1]):
             kept = expected[0, head] if valid is None else expected[0, head][valid[0, head]]
@@ -47,8 +51,15 @@ def test_kept_entries_are_the_top_scores_and_protected(llama, prompt_ids, name):
                 if free_kept and dropped:
                     assert min(free_kept) >= max(dropped)
         # the kept keys are the reference keys at those positions: a physical gather
-        gathered = reference.keys.gather(2, layer.positions[..., None].expand(-1, -1, -1, layer.keys.shape[-1]))
-        assert torch.equal(layer.keys, gathered)
+        for h, (keys, positions) in enumerate(zip(stored(layer, "keys"), stored(layer, "positions"))):
+            assert torch.equal(keys[0], reference.keys[0, h, positions[0]])
+
+
+def stored(layer, name: str) -> list[torch.Tensor]:
+    """What each head of ``layer`` physically stores: (b, n_h, ...) per head, ragged or dense."""
+    if layer.is_ragged:
+        return [getattr(head, name) for head in layer.heads]
+    return list(getattr(layer, name).unbind(1))
 
 
 @pytest.mark.parametrize("name", ["snapkv", "knorm", "streaming_llm", "h2o"])  # chunkkv: whole chunks only
@@ -72,19 +83,20 @@ def test_pyramid_layers_have_different_lengths_and_still_decode(llama, prompt_id
     assert out.shape[1] == 96 + 5
 
 
-def test_adakv_masks_padding_and_reports_padded_bytes(llama, prompt_ids):
+def test_adakv_holds_exactly_its_budget_in_bytes(llama, prompt_ids):
     cache, session = prefill(llama, prompt_ids, get("adakv", window=16), ratio=0.5)
     uneven = 0
     for report, (_, layer) in zip(session.report.layers, sieve_layers(cache)):
-        h, width = layer.keys.shape[1], layer.physical_length
-        valid = layer.valid if layer.valid is not None else torch.ones(1, h, width, dtype=torch.bool)
-        counts = valid.sum(-1)[0].tolist()  # entries each KV head can attend to
+        counts = layer.head_lengths  # entries each KV head stores (batch 1: all of them real)
+        h, d = len(counts), llama.config.hidden_size // llama.config.num_attention_heads
         assert sum(counts) == h * 48  # the layer's budget exactly: heads share it, none is lost or added
         assert min(counts) >= 16  # every head keeps at least its window (the safeguard floor)
-        assert report.tokens_after == width == max(counts)  # stored at the widest head ...
-        per_token = 2 * h * layer.keys.shape[-1] * layer.keys.element_size()
-        assert report.bytes_after == layer.nbytes() == width * per_token  # ... and its bytes are reported as such
-        assert all(len(set(layer.positions[0, i][valid[0, i]].tolist())) == counts[i] for i in range(h))  # distinct
+        assert report.tokens_after == max(counts)
+        entry = 2 * d * 4  # one float32 key and value of one head
+        assert report.bytes_after == layer.nbytes() == sum(counts) * entry  # no padding is stored
+        positions = [head.positions[0].tolist() for head in layer.heads] if layer.is_ragged else \
+            layer.positions[0].tolist()
+        assert all(len(set(p)) == c for p, c in zip(positions, counts))  # distinct
         uneven += len(set(counts)) > 1
     assert uneven > 0  # not vacuous: in some layer the heads really got different budgets
 

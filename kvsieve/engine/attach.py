@@ -5,11 +5,14 @@ Two modes:
 * ``prefill``: the first forward on a fresh cache (the prompt) runs untouched; at its end every
   full-attention layer is pruned to the budget. Later forwards (question, generated tokens) use
   the smaller cache, with the original positions.
-* ``decode``: the input is consumed in chunks of ``chunk_size`` tokens and after every chunk, and
-  every generated token, the cache is evicted back to the budget; the latest chunk is protected
-  until the next eviction (it has not been answered yet). A layer never holds more than its
-  budget + ``chunk_size`` entries per head, which bounds peak memory (PyramidKV's layer budgets
-  vary by depth around the mean; AdaKV's heads vary around it and are stored at the widest head).
+* ``decode``: the input is consumed in chunks of ``chunk_size`` tokens and after every chunk the
+  cache is evicted back to the budget; generated tokens are evicted once every ``evict_every`` of
+  them (a policy's cost is then paid once per ``evict_every`` tokens, not per token). The latest
+  chunk is protected until the next eviction (it has not been answered yet). A layer never attends
+  over more than its budget + ``max(chunk_size, evict_every)`` entries per head on average, which
+  bounds peak memory (PyramidKV's layer budgets vary by depth around the mean; AdaKV's heads vary
+  around it, stored ragged). ``Session.peak_cache_bytes`` is the largest cache any forward held
+  (measured before its eviction), ``Session.peak_tokens`` the most entries one head attended over.
 """
 
 from __future__ import annotations
@@ -23,13 +26,17 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from kvsieve.engine.attention import ATTENTION_NAME
-from kvsieve.engine.cache import install, sieve_layers
+from kvsieve.engine.cache import attached, cache_bytes, install, sieve_layers
 from kvsieve.engine.compress import CompressionReport, compress_cache, layer_occupancy
 from kvsieve.engine.query_stats import query_stats_hooks
 from kvsieve.policies.base import Policy
 from kvsieve.selection import Budget
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "Session", "attach"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "DEFAULT_EVICT_EVERY", "Session", "attach"]
+
+# Generated tokens between decode-time evictions. At 32 the learned policy's eviction over SmolLM2's 30
+# layers (~170 ms) costs ~5 ms per token instead of 170; the cache grows by at most 32 entries a head.
+DEFAULT_EVICT_EVERY = 32
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 
@@ -48,6 +55,9 @@ class Session:
     peak_tokens: int = 0  # most entries any layer attended over in one forward
     budget_tokens: int | None = None  # decode mode: the resolved mean token budget per layer
     layer_budgets: list[int] | None = None  # decode mode: each cache layer's own budget
+    evict_every: int = 1  # decode mode: generated tokens between evictions
+    pending: int = 0  # decode mode: generated tokens read since the last eviction
+    peak_cache_bytes: int = 0  # largest cache held at the end of a forward, before its eviction
 
     def layer(self, idx: int):
         return None if self.cache is None else self.cache.layers[idx]
@@ -78,6 +88,7 @@ def attach(
     mode: Literal["prefill", "decode"] = "prefill",
     chunk_size: int = 512,
     protected_tail: int = 0,
+    evict_every: int = DEFAULT_EVICT_EVERY,
 ) -> Iterator[Session]:
     """Context manager under which ``model(...)`` and ``model.generate(...)`` run compressed.
 
@@ -86,7 +97,8 @@ def attach(
         ratio / kept: the budget, a compression ratio in [0, 1) or a kept-token count per layer.
         mode: ``"prefill"`` (compress once at the end of the prompt) or ``"decode"`` (hold the
             cache under the budget while consuming the prompt in chunks and while generating).
-        chunk_size: decode mode only, tokens consumed between evictions.
+        chunk_size: decode mode only, prompt tokens consumed between evictions.
+        evict_every: decode mode only, generated tokens between evictions (1: after every token).
         protected_tail: prefill mode, trailing prompt tokens kept on top of the budget (the
             question, in question-aware mode).
     """
@@ -102,10 +114,12 @@ def attach(
                          "repeating the whole context after the prefill, which decode-time eviction never holds")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if isinstance(evict_every, bool) or not isinstance(evict_every, int) or evict_every < 1:
+        raise ValueError(f"evict_every must be a positive int, got {evict_every!r}")
     if isinstance(protected_tail, bool) or not isinstance(protected_tail, int) or protected_tail < 0:
         raise ValueError(f"protected_tail must be an int >= 0, got {protected_tail!r}")
     budget = Budget(ratio=ratio, kept=kept) if policy.compresses else Budget(ratio=0.0)
-    session = Session(policy, budget, mode, chunk_size, protected_tail)
+    session = Session(policy, budget, mode, chunk_size, protected_tail, evict_every=evict_every)
     modules = _attention_modules(model)
     configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in modules)] if c is not None}
     saved_impl = {key: c._attn_implementation for key, c in configs.items()}
@@ -116,7 +130,7 @@ def attach(
         for module in modules:
             module._kvsieve_session = session
         model.forward = _compressing_forward(model, original_forward, session)
-        with query_stats_hooks(model, session):  # pre-RoPE query statistics, only if the policy asks
+        with attached(), query_stats_hooks(model, session):  # query statistics only if the policy asks
             yield session
     finally:
         model.__dict__.pop("forward", None)
@@ -160,13 +174,16 @@ def _compressing_forward(model, forward, session: Session):
                     f"window {session.policy.window} is larger than the context ({q_len} tokens); use a smaller window"
                 )
             output = forward(*args, **kwargs)
+            session.peak_cache_bytes = max(session.peak_cache_bytes, cache_bytes(cache))
             if fresh and session.policy.compresses and session.policy.needs_reconstruction:
                 _compress_with_reconstruction(model, cache, input_ids, session)  # KVzip: one more forward
             elif fresh and session.policy.compresses:
                 compress_cache(cache, session.policy, session.budget, session.protected_tail, session.report)
             return output
         if fresh:
-            session.budget_tokens = session.budget.resolve(q_len)
+            # a kept count may exceed the prompt: nothing is evicted until the cache grows past it
+            budget = session.budget
+            session.budget_tokens = budget.kept if budget.kept is not None else budget.resolve(q_len)
             selection = session.policy.selection
             # every layer keeps its sinks, window and the latest chunk; PyramidKV varies the rest by depth
             floor = selection.sink + max(selection.recent, session.chunk_size)
@@ -200,14 +217,23 @@ def _forward_in_chunks(forward, args, kwargs, by_ids: bool, q_len: int, session:
         if positions is not None:
             chunk_kwargs["position_ids"] = positions[:, start:stop]
         outputs = forward(*args, **chunk_kwargs)
+        if session.cache is not None:
+            session.peak_cache_bytes = max(session.peak_cache_bytes, cache_bytes(session.cache))
         if getattr(outputs, "logits", None) is not None:
             logits.append(outputs.logits)
+        read = stop - start
+        # a prompt chunk is evicted at once; generated tokens (one-token forwards) every evict_every of them
+        if q_len == 1:
+            session.pending += 1
+            if session.pending < session.evict_every:
+                continue
         over = any(layer_occupancy(layer) > session.layer_budgets[idx] for idx, layer in layers)
         if session.policy.compresses and over:
             # the chunk just read (e.g. the question) stays until the next compression: it is not answered yet
             report = CompressionReport(seconds=session.report.seconds, events=session.report.events)
-            session.report = compress_cache(session.cache, session.policy, protected_tail=stop - start,
+            session.report = compress_cache(session.cache, session.policy, protected_tail=read,
                                             report=report, layer_budgets=session.layer_budgets)
+        session.pending = 0
     if len(logits) > 1 and not kwargs.get("logits_to_keep"):  # all positions asked for: stitch the chunks
         outputs.logits = torch.cat(logits, dim=1)
     return outputs

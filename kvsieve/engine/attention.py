@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 from transformers import AttentionInterface
@@ -20,7 +21,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from kvsieve.engine.cache import SieveLayer
 
 __all__ = ["ATTENTION_NAME", "sieve_attention", "bottom_right_causal_mask", "blocked_causal_attention",
-           "use_blocked_prefill"]
+           "use_blocked_prefill", "ragged_attention"]
 
 ATTENTION_NAME = "kvsieve_sdpa"
 _QUERY_BLOCK = 512  # queries per block when accumulating attention, bounds the (q, k) buffer
@@ -152,6 +153,11 @@ def blocked_causal_attention(query, key, value, scaling: float | None = None, va
 def sieve_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     session = getattr(module, "_kvsieve_session", None)
     layer = session.layer(module.layer_idx) if session is not None else None
+    if isinstance(layer, SieveLayer) and layer.is_ragged:
+        layer.scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+        layer.remember_queries(query)
+        session.observe(layer.physical_length)
+        return ragged_attention(query, layer, layer.scaling), None
     q_len, k_len = query.shape[2], key.shape[2]
     sliding = getattr(module, "sliding_window", None)
     valid = layer.valid if isinstance(layer, SieveLayer) else None
@@ -173,6 +179,41 @@ def sieve_attention(module, query, key, value, attention_mask, dropout: float = 
             and getattr(module, "is_causal", True) and (dropout == 0.0 or not module.training)):
         return blocked_causal_attention(query, key, value, scaling, valid), None
     return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def ragged_attention(query: torch.Tensor, layer: SieveLayer, scaling: float) -> torch.Tensor:
+    """Attention of ``query`` (b, hq, q, d) over a ragged layer: each KV head against exactly its own entries.
+
+    The layer already holds the new tokens (``update`` appended them to every head), so the causal mask
+    is bottom-right per head; a head's batch padding is masked. One sdpa call per KV head, its ``hq / h``
+    query heads sharing the head's keys (no repeat). With attention tracking on, the softmax is computed
+    explicitly and its column sums added to the head's ``attention``. Returns (b, q, hq, d).
+    """
+    b, hq, q_len, d = query.shape
+    heads = layer.heads
+    groups = hq // len(heads)
+    outs, tracked = [], []
+    for i, head in enumerate(heads):
+        q = query[:, i * groups:(i + 1) * groups]
+        n = head.length
+        mask = bottom_right_causal_mask(q_len, n, query.device)[None, None] if q_len > 1 else None
+        if head.valid is not None:
+            visible = head.valid[:, None, None, :]
+            mask = visible if mask is None else mask & visible
+        keys, values = head.keys[:, None], head.values[:, None]
+        if layer.track_attention:
+            logits = torch.matmul(q * scaling, keys.transpose(-1, -2)).float()
+            if mask is not None:
+                logits = logits.masked_fill(~mask, float("-inf"))
+            probs = torch.softmax(logits, dim=-1)
+            tracked.append(head.attention + probs.sum(dim=(1, 2)) if head.attention is not None else None)
+            outs.append(torch.matmul(probs.to(values.dtype), values))
+        else:
+            outs.append(torch.nn.functional.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True))
+    if layer.track_attention:
+        layer.heads = [replace(h, attention=a) for h, a in zip(heads, tracked)]
+    return torch.cat(outs, dim=1).transpose(1, 2).contiguous()
 
 
 def _accumulate_attention(layer: SieveLayer, query, key, mask, scaling: float) -> None:

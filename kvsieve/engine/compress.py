@@ -10,7 +10,7 @@ from transformers.cache_utils import DynamicCache
 
 from kvsieve.engine.cache import SieveLayer, sieve_layers
 from kvsieve.policies.base import Policy
-from kvsieve.selection import Budget
+from kvsieve.selection import Budget, check_allocation
 from kvsieve.signals import Signals
 
 __all__ = ["LayerReport", "CompressionReport", "layer_signals", "compress_cache"]
@@ -20,7 +20,7 @@ __all__ = ["LayerReport", "CompressionReport", "layer_signals", "compress_cache"
 class LayerReport:
     layer: int
     tokens_before: int
-    tokens_after: int  # entries per head actually held (the widest head under adaptive budgets)
+    tokens_after: int  # entries per head held (the widest head of a ragged layer)
     bytes_before: int
     bytes_after: int
     valid_tokens_after: float  # mean entries per head that attention can see (< tokens_after when masked)
@@ -93,9 +93,24 @@ def _checked_scores(policy: Policy, signals: Signals) -> torch.Tensor:
 
 def layer_occupancy(layer: SieveLayer) -> float:
     """Entries per head attention can see: the physical length, or the mean valid count under masks."""
+    if layer.is_ragged:
+        heads = layer.heads
+        rows = heads[0].keys.shape[0]
+        total = sum(float(h.valid.sum()) if h.valid is not None else h.length * rows for h in heads)
+        return total / (rows * len(heads))
     if layer.valid is None:
         return float(layer.physical_length)
     return float(layer.valid.float().sum(-1).mean())
+
+
+def _layer_scores(layer: SieveLayer, idx: int, num_layers: int, policy: Policy, protected_tail: int) -> torch.Tensor:
+    """The policy's scores of one layer; a ragged layer is made dense first (padded after its sinks, so
+    the sinks and the most recent entries of every head sit where ``Selection.protected_mask`` looks)."""
+    layer.densify(pad_at=policy.selection.sink)
+    scores = _checked_scores(policy, layer_signals(layer, idx, num_layers, protected_tail, policy.window))
+    if layer.valid is not None:
+        scores = scores.masked_fill(~layer.valid, float("-inf"))
+    return scores
 
 
 @torch.no_grad()
@@ -111,37 +126,49 @@ def compress_cache(
 
     Prefill mode (``budget``): the budget applies to the entries before the protected tail (the
     context) and is spread over layers by the policy's selection; the tail (the question in
-    question-aware mode) is kept on top of it.
+    question-aware mode) is kept on top of it. ``Selection.allocation`` moves it between the heads
+    of a layer (``"layer"``) or between all layers and heads (``"global"``); the total is exactly
+    the budget, and heads left at different lengths are stored ragged.
 
     Decode mode (``layer_budgets``, one absolute budget per cache layer): a layer is pruned only when
     it holds more than its budget, and the ``protected_tail`` (the latest chunk) is kept *within* it.
-    Masked entries (AdaKV padding) count as gone and are never picked again.
+    ``"global"`` acts as ``"layer"`` here, so every layer stays within its own bound.
+    Masked entries (padding) count as gone and are never picked again.
     """
     if (budget is None) == (layer_budgets is None):
         raise ValueError("give exactly one of budget (prefill mode) or layer_budgets (decode mode)")
+    check_allocation(policy, policy.selection)
     report = report if report is not None else CompressionReport()
     start = time.perf_counter()
     layers = sieve_layers(cache)
     num_layers = len(cache.layers)
-    if budget is not None and layers:
+    prefill = budget is not None
+    if prefill and layers:
         context = layers[0][1].physical_length - protected_tail
         kept = budget.resolve(context)
         if kept < context:  # ratio 0 keeps everything, whatever the layer schedule
             layer_budgets = [b + protected_tail for b in policy.selection.layer_budgets_for(kept, context, num_layers)]
         else:
             layer_budgets = [context + protected_tail] * num_layers
+    before = {idx: (layer.physical_length, layer.nbytes()) for idx, layer in layers}
+    over = [(idx, layer) for idx, layer in layers if layer_occupancy(layer) > layer_budgets[idx]]
+    selection = policy.selection
+    if over and prefill and selection.allocation == "global":
+        scores = [_layer_scores(layer, idx, num_layers, policy, protected_tail) for idx, layer in over]
+        picked = selection.allocate(scores, [layer_budgets[idx] for idx, _ in over], protected_tail)
+        for (_, layer), (indices, valid) in zip(over, picked):
+            layer.prune(indices, valid, pad_at=selection.sink)
+    else:
+        for idx, layer in over:
+            scores = _layer_scores(layer, idx, num_layers, policy, protected_tail)
+            if selection.allocation == "uniform":
+                indices, valid = selection.kept_indices(scores, layer_budgets[idx], protected_tail)
+            else:
+                indices, valid = selection.allocate([scores], [layer_budgets[idx]], protected_tail)[0]
+            layer.prune(indices, valid, pad_at=selection.sink)
     for idx, layer in layers:
-        n = layer.physical_length
-        before = layer.nbytes()
-        kept_layer = layer_budgets[idx]
-        if layer_occupancy(layer) > kept_layer:
-            signals = layer_signals(layer, idx, num_layers, protected_tail, policy.window)
-            scores = _checked_scores(policy, signals)
-            if layer.valid is not None:
-                scores = scores.masked_fill(~layer.valid, float("-inf"))
-            indices, valid = policy.selection.kept_indices(scores, kept_layer, protected_tail)
-            layer.prune(indices, valid)
-        report.layers.append(LayerReport(idx, n, layer.physical_length, before, layer.nbytes(), layer_occupancy(layer)))
+        n, nbytes = before[idx]
+        report.layers.append(LayerReport(idx, n, layer.physical_length, nbytes, layer.nbytes(), layer_occupancy(layer)))
     report.seconds += time.perf_counter() - start
     report.events += 1
     return report

@@ -7,13 +7,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvsieve.engine.attach import attach
+from kvsieve.engine.attach import DEFAULT_EVICT_EVERY, attach
 from kvsieve.engine.cache import cache_bytes, full_cache_bytes
 from kvsieve.engine.compress import CompressionReport
 from kvsieve.policies import get as get_policy
 from kvsieve.policies.base import Policy
 
-__all__ = ["Prompt", "Generation", "build_prompt", "greedy_decode", "generate"]
+__all__ = ["Prompt", "Generation", "build_prompt", "greedy_decode", "generate", "check_context_length",
+           "model_context_length"]
 
 
 @dataclass
@@ -107,6 +108,22 @@ def greedy_decode(
     return tokens
 
 
+def model_context_length(model) -> int | None:
+    """Positions the model was trained for (``max_position_embeddings``), ``None`` if it does not say."""
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    value = getattr(config, "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def check_context_length(model, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuse a request whose prompt plus answer runs past the model's context."""
+    limit = model_context_length(model)
+    if limit is not None and prompt_tokens + max_new_tokens > limit:
+        raise ValueError(
+            f"the prompt ({prompt_tokens} tokens) plus max_new_tokens={max_new_tokens} is longer than the model's "
+            f"context of {limit} tokens (max_position_embeddings): shorten the context or the answer")
+
+
 @dataclass
 class Generation:
     text: str
@@ -118,6 +135,7 @@ class Generation:
     prefill_seconds: float
     decode_seconds: float
     report: CompressionReport | None
+    peak_cache_bytes: int = 0  # largest cache held during any forward (decode mode: before its eviction)
 
 
 @torch.no_grad()
@@ -135,21 +153,25 @@ def generate(
     stop: tuple[str, ...] = (),
     mode: str = "prefill",
     chunk_size: int = 512,
+    evict_every: int = DEFAULT_EVICT_EVERY,
 ) -> Generation:
     """Answer ``question`` about ``context`` with the cache compressed by ``policy``.
 
     Query-agnostic by default: the context is prefilled and compressed before the question is
     seen. ``question_aware=True`` prefills context and question together (the question is the
-    observation window and is always kept).
+    observation window and is always kept). A prompt plus ``max_new_tokens`` longer than the model's
+    context (``max_position_embeddings``) is refused: positions it was never trained on give garbage.
     """
     policy = get_policy(policy) if isinstance(policy, str) else policy
     if ratio is None and kept is None:
         ratio = 0.0
     prompt = build_prompt(tokenizer, context, question, answer_prefix)
     n_ctx = prompt.context_ids.shape[1]
+    check_context_length(model, n_ctx + prompt.question_ids.shape[1], max_new_tokens)
     start = time.perf_counter()
     protected = prompt.question_ids.shape[1] if question_aware and mode == "prefill" else 0
-    options = dict(ratio=ratio, kept=kept, mode=mode, chunk_size=chunk_size, protected_tail=protected)
+    options = dict(ratio=ratio, kept=kept, mode=mode, chunk_size=chunk_size, protected_tail=protected,
+                   evict_every=evict_every)
     with attach(model, policy, **options) as session:
         if question_aware:
             ids = torch.cat([prompt.context_ids, prompt.question_ids], dim=1)
@@ -176,4 +198,5 @@ def generate(
         prefill_seconds=prefill_seconds,
         decode_seconds=decode_seconds,
         report=session.report,
+        peak_cache_bytes=session.peak_cache_bytes,
     )

@@ -2,9 +2,10 @@
 LLM Inference", 2024, arXiv:2407.11550.
 
 Signal: SnapKV's pooled window attention; the layer's budget goes to the highest scores of any KV
-head (each head keeps at least ``floor`` of the uniform budget). Heads then hold different numbers
-of entries: kvsieve stores the layer at the widest head's length and masks the padding, so memory
-is saved only down to that widest head (reported as such in the cache bytes).
+head (each head keeps at least ``floor`` of the uniform budget, and its protected window): the
+selection's ``allocation="layer"``. Heads then hold different numbers of entries and the engine stores
+them ragged, each at its own length, so the cache holds exactly the budget's bytes. Its scores are
+attention mass over the same entries, comparable across the heads of a layer (the paper's premise).
 """
 
 import torch
@@ -24,7 +25,7 @@ class AdaKV(Policy):
         super().__init__(**kwargs)
 
     def default_selection(self) -> Selection:
-        return Selection(recent=self.window, head_budgets="adaptive", adaptive_floor=self.floor)
+        return Selection(recent=self.window, allocation="layer", adaptive_floor=self.floor)
 
     def score(self, signals: Signals) -> torch.Tensor:
         return snapkv_scores(signals, self.kernel_size)

@@ -22,9 +22,9 @@ scores S in R^{L x H x n_c} and evicts "pairs with the lowest scores"; the autho
 scores of every layer and head together and keeps those above one threshold (``KVScore._threshold``
 in ``attention/score.py``; kvpress's ``KVzipPress`` does the same unless ``layerwise=True``). So the
 budget is global across heads *and* layers: here the ``layers x kv_heads x kept`` best entries of the
-whole model, where ``kept`` is the budget per layer. Layers then hold different lengths and each is
-stored at its widest head with the rest masked (as AdaKV), so the bytes saved are less than the entries
-dropped. Every head keeps at least its best entry (a head with no entry cannot attend); with a chat
+whole model, where ``kept`` is the budget per layer, through ``Selection.allocate``. Layers and heads
+then hold different lengths and the engine stores them ragged, so the cache holds exactly the budget's
+bytes. Every head keeps at least its best entry (a head with no entry cannot attend); with a chat
 template the header fills that role and the floor never binds. ``allocation="uniform"`` (the paper's
 uniform-head variant, ``_threshold_uniform``) keeps the top ``kept`` entries of every head through
 this policy's :class:`~kvsieve.selection.Selection`, like every other policy.
@@ -50,12 +50,14 @@ from typing import ClassVar
 import torch
 
 from kvsieve.policies.base import Policy
+from kvsieve.selection import Selection
 from kvsieve.signals import Signals
 
 __all__ = ["KVzip"]
 
 ALLOCATIONS = ("global", "uniform")
 NORMALIZATIONS = ("chunk", "full")
+GLOBAL = Selection(allocation="global", adaptive_floor=0.0)  # the paper's allocation: one entry a head at least
 
 
 class KVzip(Policy):
@@ -74,6 +76,8 @@ class KVzip(Policy):
     name = "kvzip"
     needs_reconstruction: ClassVar[bool] = True  # the engine runs kvsieve.engine.reconstruct before scoring
     uses_window = False
+    comparable_across_heads = True  # attention probabilities of the same reconstruction queries
+    comparable_across_layers = True  # the paper ranks every layer's and head's scores together
 
     def __init__(self, allocation: str = "global", normalization: str = "chunk", chunk_size: int = 2048,
                  tokenizer=None, window: int = 1, **kwargs) -> None:
@@ -111,36 +115,21 @@ class KVzip(Policy):
         """Pick ``len(scores) * kv_heads * kept`` entries over all layers and heads, per batch row.
 
         ``scores``: one (b, h, n) tensor per layer, all of the same length; the last ``protected_tail``
-        entries of every head are kept on top of the budget. Returns per layer ``(indices, valid)``:
-        (b, h, w) ascending indices, ``w`` the layer's widest head, and a (b, h, w) mask of the entries
-        really kept (``None`` when every head keeps ``w``).
+        entries of every head are kept on top of the budget. This is
+        :meth:`~kvsieve.selection.Selection.allocate` with ``allocation="global"`` and no floor beyond one
+        entry a head (the paper's). Returns per layer ``(indices, valid)``: (b, h, w) ascending indices,
+        ``w`` the layer's widest head, and a (b, h, w) mask of the entries really kept (``None`` when
+        every head keeps ``w``); the engine stores such layers ragged, so the bytes are the budget's.
         """
         b, h, n = scores[0].shape
         if any(s.shape != scores[0].shape for s in scores):
             raise ValueError("global allocation needs every layer's scores at the same length")
-        context, heads = n - protected_tail, len(scores) * h
+        context = n - protected_tail
         if not 1 <= kept <= context:
             raise ValueError(f"kept={kept} must be in [1, {context}]")
-        flat = torch.stack([s.double() for s in scores], dim=1)[..., :context].reshape(b, heads, context)
-        flat = torch.nan_to_num(flat, nan=-1e300, neginf=-1e300)  # below every real score, above "taken"
-        chosen = torch.zeros_like(flat, dtype=torch.bool)
-        chosen.scatter_(-1, flat.argsort(dim=-1, descending=True, stable=True)[..., :1], True)  # floor: 1 a head
-        pool = flat.masked_fill(chosen, float("-inf")).reshape(b, heads * context)
-        rest = pool.argsort(dim=-1, descending=True, stable=True)[:, : heads * (kept - 1)]
-        chosen.view(b, heads * context).scatter_(-1, rest, True)
-        chosen = chosen.view(b, len(scores), h, context)
-        if protected_tail:
-            tail = torch.ones(b, len(scores), h, protected_tail, dtype=torch.bool, device=chosen.device)
-            chosen = torch.cat([chosen, tail], dim=-1)
-        position = torch.arange(n, device=chosen.device)
-        picked = []
-        for layer in chosen.unbind(dim=1):
-            width = int(layer.sum(dim=-1).max())
-            order = ((~layer).long() * n + position).argsort(dim=-1)[..., :width]  # kept entries first
-            indices = order.sort(dim=-1).values
-            valid = layer.gather(-1, indices)
-            picked.append((indices, None if bool(valid.all()) else valid))
-        return picked
+        # below every real score, above "never keep"; the tail's scores do not matter (it is protected)
+        scores = [torch.nan_to_num(s.double(), nan=-1e300, neginf=-1e300) for s in scores]
+        return GLOBAL.allocate(scores, [kept + protected_tail] * len(scores), protected_tail)
 
     def __repr__(self) -> str:
         return (f"KVzip(allocation={self.allocation!r}, normalization={self.normalization!r}, "
