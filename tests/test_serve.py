@@ -135,15 +135,17 @@ def test_streaming_reassembles_to_the_non_streamed_text(model):
         whole = c.chat.completions.create(model=NAME, messages=messages, max_tokens=24)
         chunks = list(c.chat.completions.create(model=NAME, messages=messages, max_tokens=24, stream=True,
                                                 stream_options={"include_usage": True}))
-        stop_whole = c.completions.create(model=NAME, prompt=DOC + "\nx", max_tokens=30, stop=["q"])
-        stop_stream = list(c.completions.create(model=NAME, prompt=DOC + "\nx", max_tokens=30, stop=["q"],
+        free = c.completions.create(model=NAME, prompt=DOC + "\nx", max_tokens=30).choices[0].text
+        stop = free[12:14]  # two characters the unstopped answer reaches: the stopped one must end before them
+        stop_whole = c.completions.create(model=NAME, prompt=DOC + "\nx", max_tokens=30, stop=[stop])
+        stop_stream = list(c.completions.create(model=NAME, prompt=DOC + "\nx", max_tokens=30, stop=[stop],
                                                 stream=True))
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == whole.choices[0].message.content and len(chunks) > 3
     assert chunks[-1].choices == [] and chunks[-1].usage.kv_cache == whole.usage.kv_cache
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
     assert "".join(ch.choices[0].text for ch in stop_stream) == stop_whole.choices[0].text
-    assert "q" not in stop_whole.choices[0].text
+    assert stop_whole.choices[0].text == free[: free.index(stop)] and stop_whole.choices[0].finish_reason == "stop"
 
 
 def test_each_bucket_gets_its_point_and_full_kv_fallbacks_are_reported(model):
