@@ -117,26 +117,27 @@ def cmd_eval(args) -> int:
 
 def _print_tables(store, model: str | None, out: str | None = None, markdown: bool = False,
                   tasks: list[str] | None = None) -> None:
-    from kvsieve.harness.report import format_summary, format_table, plot_scores, plot_task_panels, score_table
+    from kvsieve.bundled import canonical_name
+    from kvsieve.harness.report import report_text, write_plots
 
-    filters = {k: v for k, v in (("model", model), ("task", tasks)) if v}
+    filters = {k: v for k, v in (("model", model and canonical_name(model)), ("task", tasks)) if v}
     results = store.rows(**filters)
     if not results:
         print("the store holds no results" + (f" for model {model}" if model else ""))
         return
-    table = score_table(results)
-    for ratio in sorted(table):
-        if ratio == 0:
-            continue
-        print(f"\n## compression ratio {ratio} ({model or 'all models'})\n")
-        print(format_table(table, ratio, fmt="markdown" if markdown else "text"))
-    print(f"\n## average over tasks, by compression ratio ({model or 'all models'})\n")
-    print(format_summary(table))
+    print(report_text(results, markdown=markdown))  # one block per model, never pooled
     if out:
-        folder = Path(out)
-        folder.mkdir(parents=True, exist_ok=True)
-        scores, panels = plot_scores(results, folder / "scores.png"), plot_task_panels(results, folder / "tasks.png")
-        print(f"\nplots: {scores}, {panels}")
+        print("\nplots: " + ", ".join(str(p) for p in write_plots(results, out)))
+
+
+def _compare_pairs(texts: list[str]) -> list[tuple[str, str]]:
+    pairs = []
+    for text in texts:
+        pair = split_specs(text)  # specs may hold commas inside parentheses
+        if len(pair) != 2:
+            raise ValueError(f"--compare {text!r}: expected two policy specs A,B (e.g. kvzip,tova)")
+        pairs.append((pair[0], pair[1]))
+    return pairs
 
 
 def cmd_report(args) -> int:
@@ -144,6 +145,14 @@ def cmd_report(args) -> int:
 
     if not Path(args.store).is_file():
         raise ValueError(f"results store {args.store} does not exist")
+    if args.compare and not args.headline:
+        raise ValueError("--compare needs --headline")
+    if args.headline:
+        from kvsieve.harness.headline import headline_report
+
+        print(headline_report(args.store, args.model, _compare_pairs(args.compare),
+                              _csv(args.tasks) if args.tasks else None, resamples=args.resamples))
+        return 0
     with ResultsStore(args.store) as store:
         _print_tables(store, args.model, args.out, args.markdown, _csv(args.tasks) if args.tasks else None)
     return 0
@@ -294,6 +303,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tasks", help="only these comma-separated tasks")
     p.add_argument("--out", help="folder for PNG plots")
     p.add_argument("--markdown", action="store_true")
+    p.add_argument("--headline", action="store_true",
+                   help="the headline table (markdown): per policy and ratio the mean over requests, its 95%% "
+                        "bootstrap interval, %% of full, bytes held and compression overhead, paired with full")
+    p.add_argument("--compare", action="append", default=[], metavar="A,B",
+                   help="with --headline: the paired difference A - B and its 95%% interval at every ratio both "
+                        "have (repeatable)")
+    p.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples for --headline")
     p.set_defaults(func=cmd_report)
     p = sub.add_parser("generate", help="write RULER-style samples to JSONL")
     p.add_argument("--model", default="smollm2-135m", help="whose tokenizer measures the length")
