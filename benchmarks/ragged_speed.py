@@ -86,15 +86,15 @@ def main() -> None:
                 times.append(time.perf_counter() - start)
             layers = sieve_layers(cache)
             entries = sum(sum(layer.head_lengths) for _, layer in layers)
+            held = cache_bytes(cache)  # before decoding adds its tokens
             token = torch.tensor([[1]])
             model(input_ids=token, cache=cache, use_cache=True)  # warm-up step
             start = time.perf_counter()
             for _ in range(args.tokens):
                 token = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
             rate = args.tokens / (time.perf_counter() - start)
-            entries_at_compression = entries
-            print(f"| {label} | {1000 * statistics.median(times):.0f} | {rate:.1f} | {entries_at_compression} | "
-                  f"{cache_bytes(cache) / 2**20:.1f} | {sum(layer.is_ragged for _, layer in layers)} |", flush=True)
+            print(f"| {label} | {1000 * statistics.median(times):.0f} | {rate:.1f} | {entries} | "
+                  f"{held / 2**20:.1f} | {sum(layer.is_ragged for _, layer in layers)} |", flush=True)
 
 
 if __name__ == "__main__":
