@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import random
@@ -196,3 +197,162 @@ def test_bad_databases_and_configs_are_refused_up_front(tmp_path):
     path.write_text("sandbox = 'loose'\n")
     with pytest.raises(ValueError, match="c.toml: sandbox must be 'default' or 'strict'"):
         load_config(str(path))
+
+
+# --- resume, exactly, across migrations (no model: a deterministic fake evaluator) --------------------
+
+
+class _FakeExecutor:
+    """Scores derived from the program's hash alone (an independent, fixed function), so two runs agree."""
+
+    def evaluate(self, programs, max_gap=None, on_result=None):
+        from kvsieve.evolve.evaluate import Evaluation
+
+        out = []
+        for i, program in enumerate(programs):
+            value = int(program.code_hash[:6], 16) % 1000 / 10.0
+            evaluation = Evaluation("ok", 3, proxy=1.0 / (1.0 + value), score=value, cells={"0/0.5": value})
+            if on_result is not None:
+                on_result(i, evaluation)
+            out.append(evaluation)
+        return out
+
+    def close(self):
+        pass
+
+
+class _Killed(Exception):
+    pass
+
+
+class _DyingDatabase(ProgramDatabase):
+    """Raises after ``rows`` insertions, as if the process had been killed there."""
+
+    def __init__(self, path, rows: int) -> None:
+        super().__init__(path)
+        self.left = rows
+
+    def add(self, record):
+        if self.left <= 0:
+            raise _Killed
+        self.left -= 1
+        return super().add(record)
+
+
+def _whole_rows(path) -> list[tuple]:
+    import sqlite3
+
+    conn = sqlite3.connect(str(path))
+    try:
+        return conn.execute("SELECT * FROM programs ORDER BY id").fetchall()
+    finally:
+        conn.close()
+
+
+def test_resume_is_exact_across_migrations(tmp_path):
+    """A run stopped after any row, then resumed, stores exactly the rows (every column, ids included)
+    of the uninterrupted run; the run crosses several migrations."""
+    from kvsieve.evolve.search import evolve
+
+    config = tiny_run_config(tmp_path, 20, islands=3, per_island=2, migration_interval=1)
+    straight = tmp_path / "straight.sqlite"
+    db = ProgramDatabase(straight)
+    evolve(config, _FakeExecutor(), StructuralMutator(), db, progress=False)
+    db.close()
+    expected = _whole_rows(straight)
+    assert sum(1 for r in expected if r[6] == "migration") >= 2  # migrations happened (the mutator column)
+    for stop in range(1, len(expected)):
+        path = tmp_path / f"stopped-{stop}.sqlite"
+        dying = _DyingDatabase(path, stop)
+        with pytest.raises(_Killed):
+            evolve(config, _FakeExecutor(), StructuralMutator(), dying, progress=False)
+        dying.close()
+        db = ProgramDatabase(path)
+        evolve(config, _FakeExecutor(), StructuralMutator(), db, progress=False)
+        db.close()
+        assert _whole_rows(path) == expected, f"resumed after {stop} rows"
+
+
+def test_plateaus_follow_one_rule_mid_run_and_at_the_end(tmp_path):
+    """A best score flat for exactly ``plateau_generations`` counts as a plateau wherever it falls."""
+    from kvsieve.evolve.report import diagnostics
+
+    config = tiny_run_config(tmp_path, 5, plateau_generations=3)
+    db = ProgramDatabase(tmp_path / "p.sqlite")
+    # best per generation: 1 | 2 2 2 (flat for 3: gens 1-3) | 5 5 5 (flat for 3 at the end: gens 4-6)
+    for generation, score in enumerate([1, 2, 2, 2, 5, 5, 5]):
+        db.add(dict(generation=generation, island=0, slot=0, mutator="m", status="ok", stage=3, score=score,
+                    proxy=0.1, source=f"# {generation}", code_hash=str(generation)))
+    plateaus = diagnostics(db, config)["plateaus"]
+    db.close()
+    assert plateaus == [(1, 3), (4, 6)]
+
+
+def test_proxy_better_task_worse_fires_for_a_low_seed(tmp_path):
+    from kvsieve.evolve.report import diagnostics
+
+    config = tiny_run_config(tmp_path, 5)
+    db = ProgramDatabase(tmp_path / "d.sqlite")
+    db.add(dict(generation=0, island=0, slot=0, mutator="seed", status="ok", stage=3, score=5.0, proxy=0.5,
+                source="a", code_hash="a"))
+    child = db.add(dict(generation=1, island=0, slot=0, mutator="m", status="ok", stage=3, score=0.0, proxy=0.3,
+                        source="b", code_hash="b"))
+    db.add(dict(generation=1, island=0, slot=1, mutator="m", status="ok", stage=3, score=9.0, proxy=0.2,
+                source="c", code_hash="c"))
+    suspects = diagnostics(db, config)["suspects"]
+    db.close()
+    assert [(s["id"], s["kind"]) for s in suspects] == [(child, "proxy better, task no better")]
+
+
+def test_stage2_threshold_counts_rejected_candidates(tmp_path):
+    from kvsieve.evolve.search import max_gap
+
+    config = tiny_run_config(tmp_path, 5, max_gap_factor=100.0)
+    db = ProgramDatabase(tmp_path / "t.sqlite")
+    db.add(dict(generation=0, island=0, slot=0, mutator="seed", status="ok", stage=3, score=5.0, proxy=0.5,
+                source="a", code_hash="a"))
+    for slot, proxy in enumerate([0.9, 1.1, 1.3]):
+        db.add(dict(generation=1, island=0, slot=slot, mutator="m", status="proxy_rejected", stage=1, proxy=proxy,
+                    source=str(slot), code_hash=str(slot)))
+    threshold = max_gap(db, config, 2)
+    db.close()
+    assert threshold == pytest.approx(1.0)  # median of 0.5, 0.9, 1.1, 1.3; survivors alone would give 0.5
+
+
+def test_structural_mutator_never_builds_maximum_of_a_number():
+    mutator = StructuralMutator(operations=("operator",))
+    parent = Program(SEEDS["frc"])  # 0.4 * unit_mean(...) + ...: numbers on one side of every product
+    for i in range(200):
+        child = mutator.propose(parent, [], random.Random(i))
+        if child is None:
+            continue
+        for node in ast.walk(ast.parse(child.source)):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "maximum":
+                assert not any(isinstance(a, ast.Constant) for a in node.args), child.source
+        ScoreProgram(child.source)(synthetic_features(i))  # runs: no torch.maximum(float, tensor)
+
+
+def test_code_hash_ignores_docstrings():
+    a = Program('"""One."""\ndef score(f):\n    return f.key_norm\n')
+    b = Program('"""Two."""\ndef score(f):\n    """inner"""\n    return f.key_norm\n')
+    assert a.code_hash == b.code_hash != Program("def score(f):\n    return f.value_norm\n").code_hash
+
+
+def test_the_proxy_answer_keeps_its_leading_space():
+    from kvsieve.evolve.evaluate import answer_token_ids
+    from kvsieve.tasks.sample import Sample
+
+    seen = []
+
+    def tokenizer(text, add_special_tokens, return_tensors):
+        seen.append(text)
+        return {"input_ids": torch.tensor([[len(text)]])}
+
+    def sample(prefix):
+        return Sample(id="x", task="niah_single_1", context="c", question="q", answer_prefix=prefix, answers=["4711"],
+                      max_new_tokens=4, length=16, seed=0, metric="string_match_all")
+
+    answer_token_ids(tokenizer, sample("The number is:"))
+    answer_token_ids(tokenizer, sample("The number is: "))
+    answer_token_ids(tokenizer, sample(""))
+    assert seen == [" 4711", "4711", "4711"]

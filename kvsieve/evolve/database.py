@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kvsieve.evolve.features import TENSOR_FIELDS
 
-__all__ = ["ProgramRecord", "ProgramDatabase", "behaviour_cell"]
+__all__ = ["ProgramRecord", "ProgramDatabase", "behaviour_cell", "rank_key"]
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -184,13 +184,13 @@ class ProgramDatabase:
         best: dict[str, ProgramRecord] = {}
         for record in self.scored(island, before_generation):
             current = best.get(record.cell)
-            if current is None or _rank_key(record) > _rank_key(current):
+            if current is None or rank_key(record) > rank_key(current):
                 best[record.cell] = record
         return sorted(best.values(), key=lambda r: (r.generation, r.island, r.slot))
 
     def best(self, island: int | None = None, before_generation: int | None = None) -> ProgramRecord | None:
         scored = self.scored(island, before_generation)
-        return max(scored, key=_rank_key) if scored else None
+        return max(scored, key=rank_key) if scored else None
 
     def last_generation(self) -> int:
         row = self.conn.execute("SELECT MAX(generation) FROM programs").fetchone()
@@ -205,7 +205,7 @@ class ProgramDatabase:
 RESUMABLE_KEYS = ("candidates", "time_budget_s")  # a resumed run may be given more budget
 
 
-def _rank_key(record: ProgramRecord) -> tuple:
+def rank_key(record: ProgramRecord) -> tuple:
     """Higher is better: task score, then a smaller proxy gap, then the earlier slot (never the insertion
     order, which a parallel executor does not fix)."""
     proxy = record.proxy if record.proxy is not None else float("inf")

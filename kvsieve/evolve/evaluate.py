@@ -37,7 +37,7 @@ from kvsieve.engine.generate import Prompt, build_prompt, greedy_decode
 from kvsieve.evolve.features import Features, save_features
 from kvsieve.evolve.program import Program, ProgramError
 from kvsieve.evolve.sandbox import SandboxLimits, run_in_sandbox
-from kvsieve.harness.runner import clone_cache, stack_caches
+from kvsieve.engine.cache import clone_cache, stack_caches
 from kvsieve.policy import FullCache, Policy
 from kvsieve.selection import Budget, Selection
 from kvsieve.signals import Signals

@@ -14,7 +14,7 @@ from kvsieve.evolve.program import Program
 from kvsieve.evolve.report import write_report
 from kvsieve.evolve.sandbox import SandboxLimits, require_isolation
 from kvsieve.evolve.search import EvolveConfig, evolve, export_best
-from kvsieve.harness.runner import GridConfig
+from kvsieve.harness.grid import GridConfig
 from kvsieve.harness.validate import load_samples
 from kvsieve.models import load
 

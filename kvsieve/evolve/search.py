@@ -18,7 +18,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from kvsieve.evolve.database import ProgramDatabase, ProgramRecord, behaviour_cell
+from kvsieve.evolve.database import ProgramDatabase, ProgramRecord, behaviour_cell, rank_key
 from kvsieve.evolve.evaluate import Evaluation
 from kvsieve.evolve.executor import Executor
 from kvsieve.evolve.mutate import Mutator
@@ -276,14 +276,23 @@ def _run_generation(config, executor, mutator, db, generation, threshold, bar) -
 
 
 def _migrate(config: EvolveConfig, db: ProgramDatabase, generation: int) -> None:
-    """Copy each island's best to the next island (ring), unless that island already has it."""
+    """Copy each island's best to the next island (ring), unless that island already has it.
+
+    Every island's best is taken from the state before this generation's migration, so a migration
+    interrupted half-way and redone on resume copies the same programs as an uninterrupted one."""
     slot = config.per_island  # a slot no child uses
+    bests = {}
+    for island in range(config.islands):
+        rows = [r for r in db.scored(island, before_generation=generation + 1)
+                if not (r.generation == generation and r.mutator == "migration")]
+        bests[island] = max(rows, key=rank_key) if rows else None
     for island in range(config.islands):
         target = (island + 1) % config.islands
-        best = db.best(island, before_generation=generation + 1)
+        best = bests[island]
         if best is None or db.has_slot(generation, target, slot):
             continue
-        present = {r.code_hash for r in db.records("island = ?", (target,))}
+        present = {r.code_hash for r in db.records("island = ? AND NOT (generation = ? AND mutator = 'migration')",
+                                                   (target, generation))}
         if best.code_hash not in present:
             db.add(_copy_row(best, generation, target, slot, "migrated", best.id, "migration", "migration"))
 
