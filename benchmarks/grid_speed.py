@@ -18,7 +18,8 @@ import torch
 
 import kvsieve
 from kvsieve.engine.generate import generate
-from kvsieve.harness.runner import Cell, GridConfig, evaluate_sample
+from kvsieve.harness.evaluate import evaluate_sample
+from kvsieve.harness.grid import Cell, GridConfig
 from kvsieve.harness.validate import load_samples
 from kvsieve.models import load
 

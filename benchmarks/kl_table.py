@@ -22,7 +22,7 @@ from collections import defaultdict
 import torch
 
 import kvsieve
-from kvsieve.harness.runner import GridConfig
+from kvsieve.harness.grid import GridConfig
 from kvsieve.harness.validate import load_samples
 from kvsieve.learn.reward import kl_per_position
 from kvsieve.learn.rollout import continuation_logits, teacher_for

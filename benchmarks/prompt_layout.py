@@ -16,9 +16,10 @@ import argparse
 import functools
 from pathlib import Path
 
-import kvsieve.harness.runner as runner
+import kvsieve.harness.evaluate as runner
 from kvsieve.engine.generate import build_prompt
-from kvsieve.harness.runner import GridConfig, run_grid
+from kvsieve.harness.grid import GridConfig
+from kvsieve.harness.run import run_grid
 from kvsieve.harness.store import ResultsStore
 
 LAYOUTS = {"newline ends the context (RULER)": True, "context ends in the haystack (before)": False}

@@ -14,8 +14,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvsieve.harness.executor import LocalGridExecutor, RayGridExecutor
-from kvsieve.harness.runner import GridConfig, run_grid
+from kvsieve.harness.executor import LocalGridExecutor
+from kvsieve.harness.grid import GridConfig
+from kvsieve.harness.ray_executor import RayGridExecutor
+from kvsieve.harness.run import run_grid
 from kvsieve.harness.store import ResultsStore
 
 

@@ -96,8 +96,7 @@ def _add_executor_flags(parser: argparse.ArgumentParser) -> None:
 
 def _run_grid(config: GridConfig, args):
     """``run_grid`` through the executor the flags name (the local one when none is named)."""
-    from kvsieve.harness.executor import make_grid_executor
-    from kvsieve.harness.runner import run_grid
+    from kvsieve.harness.run import make_grid_executor, run_grid
 
     executor = make_grid_executor(args.executor or "local", args.ray_address, args.workers)
     if args.executor != "ray":
@@ -265,7 +264,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from kvsieve.harness.runner import run_grid
+    from kvsieve.harness.run import run_grid
 
     store = run_grid(DEMO)
     _print_tables(store, DEMO.model, out="results/demo", markdown=True)

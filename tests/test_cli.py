@@ -175,7 +175,7 @@ def test_rows_record_the_dtype_the_model_computed_in(tmp_path):
     from conftest import CharTokenizer, tiny_model
 
     from kvsieve.harness.executor import LocalGridExecutor
-    from kvsieve.harness.runner import run_grid
+    from kvsieve.harness.run import run_grid
 
     config = GridConfig(model="tiny", tasks=["niah_single_1"], lengths=[480], policies=["full", "knorm"],
                         ratios=[0.5], samples=1, store=str(tmp_path / "r.sqlite"))
@@ -192,7 +192,8 @@ def test_the_grid_refuses_a_learned_checkpoint_on_another_model_of_its_geometry(
     from conftest import CharTokenizer
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from kvsieve.harness.runner import Cell, evaluate_sample
+    from kvsieve.harness.evaluate import evaluate_sample
+    from kvsieve.harness.grid import Cell
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128, hidden_size=576, intermediate_size=64, num_hidden_layers=30,

@@ -3,7 +3,9 @@
 import pytest
 
 from kvsieve.cli import main
-from kvsieve.harness.runner import Cell, GridConfig, cells_for, evaluate_sample, run_grid
+from kvsieve.harness.evaluate import evaluate_sample
+from kvsieve.harness.grid import Cell, GridConfig, cells_for
+from kvsieve.harness.run import run_grid
 from kvsieve.harness.store import ResultsStore
 from kvsieve.harness.validate import validate
 
@@ -118,7 +120,7 @@ def test_run_grid_survives_kill_9(tmp_path):
     import time
 
     store_path = tmp_path / "k.sqlite"
-    script = ("import sys; from kvsieve.harness.runner import GridConfig, run_grid; "
+    script = ("import sys; from kvsieve.harness.grid import GridConfig; from kvsieve.harness.run import run_grid; "
               "run_grid(GridConfig(tasks=['niah_single_1'], lengths=[512], policies=['full', 'knorm', 'snapkv'], "
               "ratios=[0.5, 0.75], samples=6, store=sys.argv[1]), progress=False)")
     proc = subprocess.Popen([sys.executable, "-c", script, str(store_path)], stderr=subprocess.PIPE)
@@ -151,9 +153,9 @@ def test_ragged_caches_decode_in_one_batch_as_they_do_alone():
     from conftest import tiny_model
 
     import kvsieve
+    from kvsieve.engine.cache import clone_cache, stack_caches
     from kvsieve.engine.compress import compress_cache
     from kvsieve.engine.generate import greedy_decode
-    from kvsieve.harness.runner import clone_cache, stack_caches
     from kvsieve.policies import FullCache
     from kvsieve.selection import Budget
 
@@ -207,7 +209,7 @@ def test_a_decode_batch_drops_rows_of_caches_captured_with_query_statistics():
     from conftest import tiny_model
 
     import kvsieve
-    from kvsieve.harness.runner import clone_cache, stack_caches
+    from kvsieve.engine.cache import clone_cache, stack_caches
     from kvsieve.policies import FullCache
 
     model = tiny_model("llama")

@@ -203,8 +203,9 @@ def test_cache_holds_the_budget_no_reconstruction_tokens_and_decodes(ids):
 
 @torch.no_grad()
 def test_grid_and_attach_keep_the_same_entries(monkeypatch):
-    from kvsieve.harness import runner
-    from kvsieve.harness.runner import Cell, evaluate_sample
+    from kvsieve.harness import evaluate as runner
+    from kvsieve.harness.evaluate import evaluate_sample
+    from kvsieve.harness.grid import Cell
     from kvsieve.tasks.sample import Sample
 
     model = tiny_model("llama")

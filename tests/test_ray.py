@@ -17,8 +17,10 @@ import time
 import pytest
 import ray
 
-from kvsieve.harness.executor import LocalGridExecutor, RayGridExecutor
-from kvsieve.harness.runner import GridConfig, run_grid
+from kvsieve.harness.executor import LocalGridExecutor
+from kvsieve.harness.grid import GridConfig
+from kvsieve.harness.ray_executor import RayGridExecutor
+from kvsieve.harness.run import run_grid
 from kvsieve.harness.store import ResultsStore
 
 pytestmark = pytest.mark.ray
@@ -127,8 +129,8 @@ def test_an_interrupted_driver_resumes_with_only_the_missing_cells(cluster, loca
     path = tmp_path / "resume.sqlite"
     grid = {**GRID, "samples": 8}
     code = ("import sys; sys.path.insert(0, sys.argv[3]); from test_ray import tiny_factory; "
-            "from kvsieve.harness.runner import GridConfig, run_grid; "
-            "from kvsieve.harness.executor import RayGridExecutor; "
+            "from kvsieve.harness.grid import GridConfig; from kvsieve.harness.run import run_grid; "
+            "from kvsieve.harness.ray_executor import RayGridExecutor; "
             f"run_grid(GridConfig(**{grid!r}, store=sys.argv[1]), progress=False, "
             "executor=RayGridExecutor(address=sys.argv[2], workers=1, factory=tiny_factory))")
     proc = subprocess.Popen([sys.executable, "-c", code, str(path), cluster, HERE], stderr=subprocess.PIPE)
@@ -267,7 +269,7 @@ def test_a_candidate_that_kills_its_sandbox_leaves_the_actor_alive(evolve_execut
 def test_executor_flags_are_checked():
     from kvsieve.cli import main
     from kvsieve.evolve.search import EvolveConfig
-    from kvsieve.harness.executor import make_grid_executor
+    from kvsieve.harness.run import make_grid_executor
 
     assert isinstance(make_grid_executor("ray", "auto", 3), RayGridExecutor)
     with pytest.raises(ValueError, match="need --executor ray"):

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-__all__ = ["HeadEntries", "SieveLayer", "install", "sieve_layers", "cache_bytes", "full_cache_bytes",
+__all__ = ["HeadEntries", "SieveLayer", "clone_cache", "install", "sieve_layers", "cache_bytes", "full_cache_bytes",
            "stack_caches", "attached"]
 
 _attached = [0]  # how many kvsieve.attach blocks are open (a ragged layer needs kvsieve's attention)
@@ -432,3 +432,22 @@ def stack_caches(caches: list[DynamicCache]) -> DynamicCache:
         layer.recent_queries = layer.query_stats = None
         layer.track_attention = False
     return stacked
+
+
+def clone_cache(cache: DynamicCache) -> DynamicCache:
+    """A cache that can be pruned or extended without touching ``cache``.
+
+    Pruning and appending make new tensors, so the layers' tensors are shared (a ragged layer's
+    :class:`HeadEntries` are immutable); only the attention accumulator, which the attention function
+    adds to in place, is copied, and a ragged layer stays ragged.
+    """
+    clone = copy.copy(cache)
+    clone.layers = [copy.copy(layer) for layer in cache.layers]
+    for layer in clone.layers:
+        if not isinstance(layer, SieveLayer):
+            continue
+        if layer.heads is not None:
+            layer.heads = [h if h.attention is None else replace(h, attention=h.attention.clone()) for h in layer.heads]
+        elif layer.__dict__.get("_attention") is not None:
+            layer.__dict__["_attention"] = layer.__dict__["_attention"].clone()
+    return clone

@@ -31,13 +31,12 @@ from pathlib import Path
 import torch
 
 from kvsieve.engine.attach import attach
-from kvsieve.engine.cache import sieve_layers
+from kvsieve.engine.cache import clone_cache, sieve_layers, stack_caches
 from kvsieve.engine.compress import compress_cache, layer_signals
 from kvsieve.engine.generate import Prompt, build_prompt, greedy_decode
 from kvsieve.evolve.features import Features, save_features
 from kvsieve.evolve.program import Program, ProgramError
 from kvsieve.evolve.sandbox import SandboxLimits, run_in_sandbox
-from kvsieve.engine.cache import clone_cache, stack_caches
 from kvsieve.policy import FullCache, Policy
 from kvsieve.selection import Budget, Selection
 from kvsieve.signals import Signals

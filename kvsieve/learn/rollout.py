@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvsieve.engine.attach import attach
+from kvsieve.engine.cache import clone_cache
 from kvsieve.engine.compress import compress_cache
-from kvsieve.harness.runner import clone_cache
 from kvsieve.learn.network import KeepNet
 from kvsieve.learn.policy import LearnedPolicy, ModelShape
 from kvsieve.learn.reward import Teacher, kl_per_position, teacher_from_logits

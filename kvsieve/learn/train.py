@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 from kvsieve.learn.checkpoint import load_checkpoint, save_checkpoint
+from kvsieve.learn.kvzap_train import KVzapTrainConfig, train_kvzap
 from kvsieve.learn.network import KeepNet, NetConfig
 from kvsieve.learn.policy import ModelShape
 from kvsieve.learn.reward import Teacher
@@ -68,7 +69,7 @@ __all__ = ["TrainConfig", "TrainResult", "train", "load_config", "episodes_from_
 EVAL_SEEDS_NOTE = ("evaluation grids use sample seeds from 0 and evolution dev sets from 1000/2000; training "
                    "defaults to 5000 so its samples are disjoint from both")
 MODES = ("decode", "prefill")
-OBJECTIVES = ("reinforce", "imitate")
+OBJECTIVES = ("reinforce", "imitate", "kvzap")
 BASELINES = ("greedy", "mean")
 # fields that may change when a run is resumed (how long and where, not what it learns)
 RESUMABLE = ("steps", "out", "save_every")
@@ -104,6 +105,8 @@ class TrainConfig:
     save_every: int = 10
     # "imitate": the supervised ablation, regression on KVzip's scores (kvsieve.learn.imitate); it
     # reads model, tasks, length, samples, seed, steps, lr, window, grad_clip, hidden, out, data, dtype
+    # "kvzap": the KVzip surrogate (kvsieve.learn.kvzap_train); it reads model, tasks, length, samples (and as
+    # many stdlib text excerpts), seed, steps, lr, hidden, out, dtype
     objective: str = "reinforce"
     # a policy checkpoint (path, run folder or shipped name) whose weights start the run, e.g. an
     # imitation run's: REINFORCE then fine-tunes it. None: the seeded random initialisation
@@ -200,7 +203,7 @@ def episodes_from_samples(samples, tokenizer) -> list[Episode]:
 
 
 def _load_episodes(config: TrainConfig, tokenizer) -> list[Episode]:
-    from kvsieve.harness.runner import GridConfig
+    from kvsieve.harness.grid import GridConfig
     from kvsieve.harness.validate import load_samples, read_samples
 
     samples = []
@@ -466,6 +469,10 @@ def train(config: TrainConfig, model=None, tokenizer=None, episodes: list[Episod
     """
     from tqdm import tqdm
 
+    if config.objective == "kvzap":  # the KVzip surrogate: its own data (RULER + stdlib text) and fit
+        result = train_kvzap(KVzapTrainConfig.from_train_config(config), model, tokenizer, progress)
+        return TrainResult(result.out, result.policy, result.policy, result.log, result.log, result.step,
+                           result.history)
     if model is None:
         from kvsieve.models import load
 

@@ -1,4 +1,4 @@
-"""Grid runner: model x task x length x policy x ratio x sample -> one row per cell in the store.
+"""One sample, every cell: model x (policy, ratio) on one request -> one row per cell.
 
 Speed through sharing: in prefill compression the forward pass over the prompt does not depend on
 the policy (each layer attends over its full input; only the cache left behind is pruned). So a
@@ -10,31 +10,27 @@ cells continue a copy of the full context cache with the question, and prune tha
 
 from __future__ import annotations
 
-import copy
 import time
 from collections import defaultdict
 from dataclasses import asdict
 
 import torch
 import transformers
-from transformers.cache_utils import DynamicCache
 
 import kvsieve
 from kvsieve.engine.attach import attach
-from kvsieve.engine.cache import cache_bytes, sieve_layers
+from kvsieve.engine.cache import cache_bytes, clone_cache, sieve_layers, stack_caches
 from kvsieve.engine.compress import compress_cache
 from kvsieve.engine.generate import Prompt, build_prompt, generate, greedy_decode
 from kvsieve.engine.reconstruct import ReconstructionPrompt, compress_with_reconstruction, reconstruction_scores
-from kvsieve.harness.content import check_store, content_digest
-from kvsieve.harness.grid import Cell, GridConfig, cells_for
-from kvsieve.harness.store import CellKey, CellResult, ResultsStore
-from kvsieve.harness.validate import validate
+from kvsieve.harness.grid import Cell
+from kvsieve.harness.store import CellKey, CellResult
 from kvsieve.policies import FullCache, Policy, from_spec, parse_spec
 from kvsieve.selection import Budget
 from kvsieve.tasks.metrics import score as metric_score
 from kvsieve.tasks.sample import Sample
 
-__all__ = ["Cell", "GridConfig", "evaluate_sample", "cells_for", "run_grid", "clone_cache", "stack_caches"]
+__all__ = ["evaluate_sample"]
 
 
 def _policy_for(cell: Cell, sample: Sample, prompt: Prompt, tokenizer) -> Policy:
@@ -60,52 +56,6 @@ def _reconstructions(model, tokenizer, cache, ids, cells, policies, protected: i
                 out[key] = reconstruction_scores(model, cache, ids, ReconstructionPrompt.from_tokenizer(tokenizer),
                                                  protected, policy.chunk_size, policy.normalization)
     return out
-
-
-def clone_cache(cache: DynamicCache) -> DynamicCache:
-    """A cache that can be pruned or extended without touching ``cache``.
-
-    Pruning and appending make new tensors, so the layers' tensors are shared; only the attention
-    accumulator, which the attention function adds to in place, is copied.
-    """
-    clone = copy.copy(cache)
-    clone.layers = [copy.copy(layer) for layer in cache.layers]
-    for layer in clone.layers:
-        if getattr(layer, "attention_received", None) is not None:
-            layer.attention_received = layer.attention_received.clone()
-    return clone
-
-
-def stack_caches(caches: list[DynamicCache]) -> DynamicCache:
-    """Concatenate pruned caches along the batch dimension.
-
-    Rows whose layers hold different numbers of entries (PyramidKV's per-layer budgets, AdaKV's
-    per-head ones) are padded at the end to the longest row; the padding is marked invalid, so the
-    attention mask hides it and every row decodes as it would alone.
-    """
-    stacked = clone_cache(caches[0])
-    for i, layer in enumerate(stacked.layers):
-        parts = [c.layers[i] for c in caches]
-        if getattr(layer, "positions", None) is None:
-            layer.keys = torch.cat([p.keys for p in parts])
-            layer.values = torch.cat([p.values for p in parts])
-            continue
-        width = max(p.physical_length for p in parts)
-        keys, values, positions, valid = [], [], [], []
-        for p in parts:
-            pad = width - p.physical_length
-            keys.append(torch.nn.functional.pad(p.keys, (0, 0, 0, pad)))
-            values.append(torch.nn.functional.pad(p.values, (0, 0, 0, pad)))
-            positions.append(torch.nn.functional.pad(p.positions, (0, pad)))
-            row_valid = p.valid if p.valid is not None else torch.ones_like(p.positions, dtype=torch.bool)
-            valid.append(torch.nn.functional.pad(row_valid, (0, pad), value=False))
-        layer.keys, layer.values, layer.positions = torch.cat(keys), torch.cat(values), torch.cat(positions)
-        layer.valid = torch.cat(valid)
-        if bool(layer.valid.all()):
-            layer.valid = None
-        layer.recent_queries = layer.query_stats = None  # no further compression happens on a decode batch
-        layer.attention_received, layer.track_attention = None, False
-    return stacked
 
 
 @torch.no_grad()
@@ -208,53 +158,3 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
                     record(cell, tokenizer.decode(row, skip_special_tokens=True), kept, kept_bytes, full_bytes,
                            prefill_s + compress_s, decode_s)
     return in_cell_order()
-
-
-def run_grid(config: GridConfig, progress: bool = True, executor=None) -> ResultsStore:
-    """Evaluate every missing cell of the grid; rows land in the store after each sample.
-
-    ``executor`` (``harness/executor.py``) computes the samples: in this process (``None``: a
-    ``LocalGridExecutor``, closed here) or on Ray actors (``RayGridExecutor``; the caller closes it).
-    Only this process writes the store.
-    """
-    from tqdm import tqdm
-
-    from kvsieve.harness.executor import LocalGridExecutor
-
-    validate(config)
-    cells = cells_for(config)
-    store = ResultsStore(config.store)
-    digests = {c.policy: content_digest(c.policy) for c in cells}
-    try:
-        check_store(store, config.model, {c.label: digests[c.policy] for c in cells})
-    except ValueError:
-        store.close()
-        raise
-    owned = executor is None
-    executor = LocalGridExecutor() if owned else executor
-    try:
-        todo = []
-        for sample in executor.samples(config):
-            keys = {c: CellKey(config.model, sample.task, sample.length, sample.id, c.label, c.ratio,
-                               c.question_aware) for c in cells}
-            missing = set(store.missing(list(keys.values())))
-            todo_cells = [c for c in cells if keys[c] in missing]
-            if todo_cells:
-                todo.append((sample, todo_cells))
-        total = sum(len(c) for _, c in todo)
-        bar = tqdm(total=total, unit="cell", disable=not progress, desc=f"{config.model}")
-        run_config = {k: v for k, v in asdict(config).items() if k not in ("store",)}
-        run_config["policy_digests"] = {spec: d for spec, d in digests.items() if d is not None}
-
-        def on_sample(results: list[CellResult]) -> None:
-            store.add_many(results)  # one transaction: a sample's rows land together
-            bar.update(len(results))
-
-        try:
-            executor.run(config, todo, run_config, on_sample)
-        finally:
-            bar.close()
-    finally:
-        if owned:
-            executor.close()
-    return store

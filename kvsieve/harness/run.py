@@ -1,0 +1,80 @@
+"""The run loop: every missing cell of a grid, through an executor, into the results store.
+
+Resumable by construction: the store says which cells are missing, a sample's rows land in one
+transaction, so a run stopped at any moment (Ctrl-C, a lost machine) is continued by rerunning it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from tqdm import tqdm
+
+from kvsieve.harness.content import check_store, content_digest
+from kvsieve.harness.executor import LocalGridExecutor
+from kvsieve.harness.grid import GridConfig, cells_for
+from kvsieve.harness.ray_executor import RayGridExecutor
+from kvsieve.harness.store import CellKey, CellResult, ResultsStore
+from kvsieve.harness.validate import validate
+
+__all__ = ["run_grid", "make_grid_executor", "EXECUTORS"]
+
+EXECUTORS = ("local", "ray")
+
+
+def run_grid(config: GridConfig, progress: bool = True, executor=None) -> ResultsStore:
+    """Evaluate every missing cell of the grid; rows land in the store after each sample.
+
+    ``executor`` (``harness/executor.py``) computes the samples: in this process (``None``: a
+    ``LocalGridExecutor``, closed here) or on Ray actors (``RayGridExecutor``; the caller closes it).
+    Only this process writes the store.
+    """
+    validate(config)
+    cells = cells_for(config)
+    store = ResultsStore(config.store)
+    digests = {c.policy: content_digest(c.policy) for c in cells}
+    try:
+        check_store(store, config.model, {c.label: digests[c.policy] for c in cells})
+    except ValueError:
+        store.close()
+        raise
+    owned = executor is None
+    executor = LocalGridExecutor() if owned else executor
+    try:
+        todo = []
+        for sample in executor.samples(config):
+            keys = {c: CellKey(config.model, sample.task, sample.length, sample.id, c.label, c.ratio,
+                               c.question_aware) for c in cells}
+            missing = set(store.missing(list(keys.values())))
+            todo_cells = [c for c in cells if keys[c] in missing]
+            if todo_cells:
+                todo.append((sample, todo_cells))
+        total = sum(len(c) for _, c in todo)
+        bar = tqdm(total=total, unit="cell", disable=not progress, desc=f"{config.model}")
+        run_config = {k: v for k, v in asdict(config).items() if k not in ("store",)}
+        run_config["policy_digests"] = {spec: d for spec, d in digests.items() if d is not None}
+
+        def on_sample(results: list[CellResult]) -> None:
+            store.add_many(results)  # one transaction: a sample's rows land together
+            bar.update(len(results))
+
+        try:
+            executor.run(config, todo, run_config, on_sample)
+        finally:
+            bar.close()
+    finally:
+        if owned:
+            executor.close()
+    return store
+
+
+def make_grid_executor(kind: str = "local", address: str | None = None,
+                       workers: int | None = None) -> LocalGridExecutor | RayGridExecutor:
+    """The executor ``--executor`` names; ``--ray-address`` and ``--workers`` only apply to Ray."""
+    if kind == "local":
+        if address is not None or workers is not None:
+            raise ValueError("--ray-address and --workers need --executor ray")
+        return LocalGridExecutor()
+    if kind == "ray":
+        return RayGridExecutor(address=address, workers=workers)
+    raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got {kind!r}")
