@@ -37,7 +37,7 @@ from kvsieve.learn.network import KeepNet, NetConfig
 from kvsieve.learn.policy import ModelShape
 from kvsieve.learn.rollout import Episode, context_cache_for
 
-__all__ = ["imitation_targets", "collect", "imitate", "LOG_FIELDS"]
+__all__ = ["imitation_targets", "kvzip_reconstruction", "collect", "imitate", "LOG_FIELDS"]
 
 LOG_FIELDS = ("step", "episode", "loss", "seconds")
 _EPS = 1e-8
@@ -62,14 +62,22 @@ def imitation_targets(scores: torch.Tensor, header: int, window: int) -> tuple[t
 
 
 @torch.no_grad()
+def kvzip_reconstruction(model, tokenizer, episode: Episode, window: int):
+    """(full context cache, :class:`~kvsieve.engine.reconstruct.Reconstruction`) of ``episode``: KVzip's teacher
+    scores on the whole context, shared by this module and the KVzip surrogate (:mod:`kvsieve.learn.kvzap_train`)."""
+    from kvsieve.engine.reconstruct import ReconstructionPrompt, reconstruction_scores
+
+    cache = context_cache_for(model, episode, window)
+    return cache, reconstruction_scores(model, cache, episode.context, ReconstructionPrompt.from_tokenizer(tokenizer))
+
+
+@torch.no_grad()
 def collect(model, tokenizer, episode: Episode, window: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per layer of ``episode``'s context cache: (features (b, h, n, F), targets (b, h, n), mask (b, h, n))."""
     from kvsieve.engine.cache import sieve_layers
     from kvsieve.engine.compress import layer_signals
-    from kvsieve.engine.reconstruct import ReconstructionPrompt, reconstruction_scores
 
-    cache = context_cache_for(model, episode, window)
-    rebuilt = reconstruction_scores(model, cache, episode.context, ReconstructionPrompt.from_tokenizer(tokenizer))
+    cache, rebuilt = kvzip_reconstruction(model, tokenizer, episode, window)
     layers = sieve_layers(cache)
     out = []
     for idx, layer in layers:

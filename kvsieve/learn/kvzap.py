@@ -1,0 +1,333 @@
+"""``kvzap``: a per-layer surrogate of KVzip's scores, read off the cache in one pass.
+
+KVzap (Jegou et al., NVIDIA kvpress, arXiv:2601.07891) trains, for every layer, a linear map or a small
+MLP from the hidden state entering the layer to the log of KVzip's score of each KV head at that
+position, and evicts the entries whose predicted score is low. KVzip (arXiv:2505.23416) pays a second
+prefill to make the model repeat its context; the surrogate costs a few small matmuls per layer.
+
+How this one differs from KVzap:
+
+* **Inputs.** KVzap reads the layer's hidden states. A kvsieve policy sees the cache
+  (:class:`~kvsieve.signals.Signals`), not the residual stream, so the input here is, per position, the
+  concatenation over the layer's KV heads of its **pre-RoPE key and its value**
+  (``2 * kv_heads * head_dim`` numbers). Both are affine images of the layer's normed hidden state
+  (``W_k x + b_k``, ``W_v x + b_v``; Qwen3/Gemma3 add a per-head norm on the key), so this is a
+  projection of KVzap's input onto a ``2 h d``-dimensional subspace: for SmolLM2-135M 384 of 576 hidden
+  dims, for Qwen2.5-0.5B 256 of 896. It needs no engine change. The pre-RoPE keys are recovered
+  exactly by rotating the cached keys back (:func:`pre_rope_keys`) with the rotary frequencies the
+  checkpoint recorded from its model. The hidden states themselves would need an engine hook
+  (docs/kvzap.md names it).
+* **Alignment.** The heads' inputs are concatenated at the same cache index, so every KV head of a
+  layer must hold the same positions: true of a prefill compression (the first one) and of a cache no
+  per-head choice has touched. A ragged or per-head-pruned cache (decode-time eviction) is refused.
+* **Budget.** KVzap prunes below a score threshold (kvpress ``ThresholdPress``); here the budget is a
+  ratio, spent like KVzip's: ``allocation="global"`` (default) keeps the ``layers x kv_heads x kept``
+  best predicted scores of the whole model, every head at least one entry, the chat template's header
+  (``header`` tokens, recorded at training) always kept inside the budget, as KVzip does. The scores
+  are log KVzip scores, one scale for every head and layer, hence ``comparable_across_*``.
+* **Training data** (:mod:`kvsieve.learn.kvzap_train`): generated RULER-style samples (seeds 5000+)
+  and Python standard-library sources, not KVzap's Nemotron pretraining sample.
+
+Checkpoints (one safetensors file, metadata key ``kvsieve_kvzap``) hold both variants, ``linear`` and
+``mlp``, the per-layer input standardisation, the rotary frequencies, the header length, the held-out
+losses and the model they were trained for (:class:`~kvsieve.learn.policy.ModelShape`: name, geometry and
+config fingerprint); the policy refuses another model. ``kvzap(checkpoint=NAME)`` loads a shipped one
+(:data:`SHIPPED`), ``kvzap(checkpoint=PATH)`` a file or a ``kvsieve train --objective kvzap`` folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kvsieve.learn.policy import ModelShape
+from kvsieve.policy import Policy
+from kvsieve.selection import Selection
+from kvsieve.signals import Signals
+
+__all__ = ["SHIPPED", "VARIANTS", "KVzapNetConfig", "KVzapNet", "KVzap", "pre_rope_keys", "kvzap_inputs",
+           "save_kvzap", "load_kvzap", "resolve_kvzap_checkpoint"]
+
+CHECKPOINT_DIR = Path(__file__).parent / "checkpoints"
+# shipped name (the model it was trained for) -> file in CHECKPOINT_DIR; how each was trained: docs/kvzap.md
+SHIPPED: dict[str, str] = {
+    "smollm2-135m-instruct": "kvzap-smollm2-135m-instruct.safetensors",
+    "qwen2.5-coder-0.5b-instruct": "kvzap-qwen2.5-coder-0.5b-instruct.safetensors",
+}
+VARIANTS = ("mlp", "linear")
+ALLOCATIONS = ("global", "layer", "uniform")
+METADATA_KEY = "kvsieve_kvzap"
+FORMAT = 1
+_HOW_TO_TRAIN = ("train one with `kvsieve train --objective kvzap --model MODEL --out DIR` and use "
+                 "kvzap(checkpoint='DIR')")
+
+
+def pre_rope_keys(keys: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                  attention_scaling: float = 1.0) -> torch.Tensor:
+    """Undo the rotary embedding: (b, h, n, d) rotated keys at (b, h, n) positions -> the keys before it.
+
+    transformers' ``rotate_half`` convention: with ``r = 2 * len(inv_freq)`` rotated dims, halves
+    ``x1 = x[:r/2]``, ``x2 = x[r/2:r]`` and ``t = position * inv_freq``, the model stores
+    ``y1 = a (x1 cos t - x2 sin t)``, ``y2 = a (x2 cos t + x1 sin t)``; a rotation's inverse is its
+    transpose, so ``x1 = (y1 cos t + y2 sin t) / a``, ``x2 = (y2 cos t - y1 sin t) / a``. Dims past ``r``
+    are not rotated (partial rotary).
+    """
+    half = inv_freq.shape[-1]
+    if 2 * half > keys.shape[-1]:
+        raise ValueError(f"{2 * half} rotary dims do not fit keys of head dim {keys.shape[-1]}")
+    angle = positions.float()[..., None] * inv_freq.float().to(keys.device)  # (b, h, n, r/2)
+    cos, sin = angle.cos(), angle.sin()
+    y = keys.float()
+    y1, y2 = y[..., :half], y[..., half: 2 * half]
+    x1 = (y1 * cos + y2 * sin) / attention_scaling
+    x2 = (y2 * cos - y1 * sin) / attention_scaling
+    return torch.cat([x1, x2, y[..., 2 * half:]], dim=-1)
+
+
+def kvzap_inputs(signals: Signals, inv_freq: torch.Tensor | None, attention_scaling: float = 1.0) -> torch.Tensor:
+    """(b, n, 2 h d) per position: every KV head's pre-RoPE key, then every head's value (float32)."""
+    positions = signals.positions
+    if signals.num_kv_heads > 1 and not bool((positions == positions[:, :1]).all()):
+        raise ValueError("kvzap concatenates a layer's KV heads at each cached position, but this layer's heads hold "
+                         "different positions (a cache pruned per head, e.g. decode-time eviction): kvzap scores "
+                         "prefill compressions only")
+    keys = signals.keys.float() if inv_freq is None else pre_rope_keys(signals.keys, positions, inv_freq,
+                                                                        attention_scaling)
+    b, h, n, d = keys.shape
+    both = torch.cat([keys, signals.values.float()], dim=1)  # (b, 2h, n, d)
+    return both.permute(0, 2, 1, 3).reshape(b, n, 2 * h * d)
+
+
+@dataclass(frozen=True)
+class KVzapNetConfig:
+    num_layers: int
+    num_kv_heads: int
+    input_dim: int
+    hidden: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "input_dim", "hidden"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"KVzapNetConfig.{name} must be a positive int, got {value!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class KVzapNet(nn.Module):
+    """Per layer: standardise the input, then a linear map and a one-hidden-layer GELU MLP to ``h`` outputs.
+
+    Parameters are stacked over layers ((L, D, H) ...), so training fits every layer at once with batched
+    matmuls; the layers share nothing, so that is the same as fitting each alone.
+    """
+
+    def __init__(self, config: KVzapNetConfig) -> None:
+        super().__init__()
+        self.config = c = config
+        L, D, H, M = c.num_layers, c.input_dim, c.num_kv_heads, c.hidden
+        self.register_buffer("mean", torch.zeros(L, D))
+        self.register_buffer("std", torch.ones(L, D))
+        self.linear_weight = nn.Parameter(torch.zeros(L, D, H))
+        self.linear_bias = nn.Parameter(torch.zeros(L, H))
+        self.mlp_w1 = nn.Parameter(torch.randn(L, D, M) / D ** 0.5)
+        self.mlp_b1 = nn.Parameter(torch.zeros(L, M))
+        self.mlp_w2 = nn.Parameter(torch.randn(L, M, H) / M ** 0.5)
+        self.mlp_b2 = nn.Parameter(torch.zeros(L, H))
+
+    def standardise(self, x: torch.Tensor, layers: slice | int) -> torch.Tensor:
+        return (x - self.mean[layers, None, :]) / self.std[layers, None, :] if isinstance(layers, slice) else \
+            (x - self.mean[layers]) / self.std[layers]
+
+    def forward_all(self, x: torch.Tensor, variant: str) -> torch.Tensor:
+        """(L, N, D) raw inputs, one row set per layer -> (L, N, H) predicted log scores."""
+        z = self.standardise(x, slice(None))
+        if variant == "linear":
+            return torch.baddbmm(self.linear_bias[:, None, :], z, self.linear_weight)
+        hidden = nn.functional.gelu(torch.baddbmm(self.mlp_b1[:, None, :], z, self.mlp_w1))
+        return torch.baddbmm(self.mlp_b2[:, None, :], hidden, self.mlp_w2)
+
+    def forward(self, x: torch.Tensor, layer: int, variant: str = "mlp") -> torch.Tensor:
+        """(..., D) raw inputs of ``layer`` -> (..., H) predicted log KVzip scores."""
+        if variant not in VARIANTS:
+            raise ValueError(f"kvzap variant {variant!r} is not one of {', '.join(map(repr, VARIANTS))}")
+        if not 0 <= layer < self.config.num_layers:
+            raise ValueError(f"layer {layer} is outside the surrogate's {self.config.num_layers} layers")
+        z = self.standardise(x, layer)
+        if variant == "linear":
+            return z @ self.linear_weight[layer] + self.linear_bias[layer]
+        return nn.functional.gelu(z @ self.mlp_w1[layer] + self.mlp_b1[layer]) @ self.mlp_w2[layer] + self.mlp_b2[layer]
+
+    def num_parameters(self, variant: str) -> int:
+        names = ("linear_weight", "linear_bias") if variant == "linear" else ("mlp_w1", "mlp_b1", "mlp_w2", "mlp_b2")
+        return sum(getattr(self, n).numel() for n in names)
+
+
+# -- checkpoints ----------------------------------------------------------------------------------------
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    sha = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].contiguous()
+        sha.update(name.encode() + str(tensor.dtype).encode() + str(tuple(tensor.shape)).encode())
+        sha.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
+    return sha.hexdigest()
+
+
+def save_kvzap(path: str | Path, net: KVzapNet, meta: dict) -> Path:
+    """Write the network (weights as float16: the file stays small) and ``meta`` atomically to ``path``.
+
+    ``meta`` must hold ``model`` (a :meth:`ModelShape.to_dict`), ``header``, ``rope`` ({"inv_freq": per
+    layer list or None, "attention_scaling": per layer}) and ``variant`` (the default one)."""
+    from safetensors.torch import save_file
+
+    for key in ("model", "header", "rope", "variant"):
+        if key not in meta:
+            raise ValueError(f"kvzap checkpoint metadata needs {key!r}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to(torch.float16).contiguous().cpu() for k, v in net.state_dict().items()}
+    meta = dict(meta, format=FORMAT, net=net.config.to_dict(), sha256=_digest(tensors))
+    partial = path.with_name(path.name + ".partial")
+    save_file(tensors, str(partial), metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
+    os.replace(partial, path)
+    return path
+
+
+def load_kvzap(path: str | Path) -> tuple[KVzapNet, dict]:
+    """(network in float32, metadata) of a kvzap checkpoint; every problem is a ValueError naming the file."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            header = handle.metadata() or {}
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    except (SafetensorError, OSError, RuntimeError, ValueError) as err:
+        raise ValueError(f"kvzap checkpoint {str(path)!r} is not a readable safetensors file: {err}") from err
+    if METADATA_KEY not in header:
+        raise ValueError(f"{str(path)!r} is not a kvzap checkpoint (no {METADATA_KEY!r} metadata); {_HOW_TO_TRAIN}")
+    meta = json.loads(header[METADATA_KEY])
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"kvzap checkpoint {str(path)!r} has format {meta.get('format')!r}; this kvsieve reads "
+                         f"format {FORMAT}")
+    if meta.get("sha256") != _digest(tensors):
+        raise ValueError(f"kvzap checkpoint {str(path)!r} is corrupt: its tensors do not match their checksum")
+    net = KVzapNet(KVzapNetConfig(**meta["net"]))
+    try:
+        net.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
+    except RuntimeError as err:
+        raise ValueError(f"kvzap checkpoint {str(path)!r} does not hold the network its metadata describes: "
+                         f"{err}") from err
+    return net.eval(), meta
+
+
+def _canonical(name: str) -> str:
+    from kvsieve.models import ALIASES
+
+    return ALIASES.get(name, name)
+
+
+def resolve_kvzap_checkpoint(spec: str | Path) -> Path:
+    """A kvzap checkpoint from a shipped name, a file, or a ``kvsieve train --objective kvzap`` folder."""
+    if isinstance(spec, str) and _canonical(spec) in SHIPPED:
+        path = CHECKPOINT_DIR / SHIPPED[_canonical(spec)]
+        if path.is_file():
+            return path
+    path = Path(spec)
+    if path.is_dir() and (path / "policy.safetensors").is_file():
+        return path / "policy.safetensors"
+    if path.is_file():
+        return path
+    shipped = ", ".join(n for n in sorted(SHIPPED) if (CHECKPOINT_DIR / SHIPPED[n]).is_file()) or "none yet"
+    raise ValueError(f"kvzap checkpoint {str(spec)!r} is neither a file nor a shipped name (shipped: {shipped}); "
+                     f"{_HOW_TO_TRAIN}")
+
+
+# -- the policy -----------------------------------------------------------------------------------------
+class KVzap(Policy):
+    """Predicted log KVzip scores (see the module docstring).
+
+    Args:
+        checkpoint: shipped name (the model's), a checkpoint file or a training folder.
+        variant: ``"mlp"`` or ``"linear"``; default: the checkpoint's (the lower held-out loss).
+        allocation: ``"global"`` (KVzip's: one budget for every layer and head), ``"layer"`` or ``"uniform"``.
+        model: the name the policy will run on, checked against the checkpoint's model.
+        selection: overrides the selection ``allocation`` builds.
+        window: unused (the scores read no queries); kept for the interface.
+    """
+
+    name = "kvzap"
+    uses_window = False
+    comparable_across_heads = True  # log KVzip scores: one scale for every head ...
+    comparable_across_layers = True  # ... and every layer (KVzip ranks them together)
+
+    def __init__(self, checkpoint: str | None = None, variant: str | None = None, allocation: str = "global",
+                 model: str | None = None, selection: Selection | None = None, window: int = 1) -> None:
+        if checkpoint is None:
+            raise ValueError(f"kvzap needs checkpoint=NAME or PATH (shipped: {', '.join(sorted(SHIPPED))}); "
+                             f"{_HOW_TO_TRAIN}")
+        if allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation {allocation!r} is not one of {', '.join(map(repr, ALLOCATIONS))}")
+        path = resolve_kvzap_checkpoint(checkpoint)
+        self.net, self.meta = load_kvzap(path)
+        self.variant = variant or self.meta["variant"]
+        if self.variant not in VARIANTS:
+            raise ValueError(f"kvzap variant {self.variant!r} is not one of {', '.join(map(repr, VARIANTS))}")
+        self.checkpoint = str(path)
+        self.trained_for = ModelShape(**self.meta["model"])
+        self.header = int(self.meta["header"])
+        rope = self.meta["rope"]
+        self.inv_freq = [None if f is None else torch.tensor(f, dtype=torch.float32) for f in rope["inv_freq"]]
+        self.attention_scaling = [float(a) for a in rope["attention_scaling"]]
+        self.allocation = allocation
+        self.overhead_seconds, self.overhead_calls = 0.0, 0
+        if model is not None and _canonical(model) != _canonical(self.trained_for.name):
+            raise ValueError(f"kvzap checkpoint {self.checkpoint!r} was trained for model {self.trained_for.name!r}, "
+                             f"not {model!r}; {_HOW_TO_TRAIN}")
+        super().__init__(selection=selection, window=window)
+
+    def default_selection(self) -> Selection:
+        if self.allocation == "uniform":
+            return Selection(sink=self.header)
+        # KVzip's floor: one entry a head (the header, kept in every head, fills it)
+        return Selection(sink=self.header, allocation=self.allocation, adaptive_floor=0.0)
+
+    def check_model(self, model, name: str | None = None) -> None:
+        """Refuse ``model`` unless it is the checkpoint's: same name (when given), geometry and config fingerprint."""
+        want = self.trained_for
+        where = f"kvzap checkpoint {self.checkpoint!r} was trained for model {want.name!r}"
+        if name is not None and _canonical(name) != _canonical(want.name):
+            raise ValueError(f"{where}, not {name!r}; {_HOW_TO_TRAIN}")
+        problem = want.mismatch(ModelShape.of(model, name or ""))
+        if problem:
+            raise ValueError(f"{where} ({want.describe()}); {problem}: {_HOW_TO_TRAIN}")
+
+    def check(self, signals: Signals) -> None:
+        want = self.trained_for
+        have = (signals.num_layers, signals.num_kv_heads, signals.keys.shape[-1])
+        if have != (want.num_layers, want.num_kv_heads, want.head_dim):
+            raise ValueError(f"kvzap checkpoint {self.checkpoint!r} was trained for model {want.name!r} "
+                             f"({want.describe()}); the model it is applied to has {have[0]} layers, {have[1]} KV "
+                             f"heads, head dim {have[2]}: {_HOW_TO_TRAIN}")
+
+    @torch.no_grad()
+    def score(self, signals: Signals) -> torch.Tensor:
+        start = time.perf_counter()
+        self.check(signals)
+        layer = signals.layer_idx
+        inputs = kvzap_inputs(signals, self.inv_freq[layer], self.attention_scaling[layer])
+        scores = self.net(inputs, layer, self.variant).transpose(1, 2)  # (b, h, n)
+        self.overhead_seconds += time.perf_counter() - start
+        self.overhead_calls += 1
+        return scores
+
+    def __repr__(self) -> str:
+        return (f"KVzap(checkpoint={self.checkpoint!r}, variant={self.variant!r}, model={self.trained_for.name!r}, "
+                f"selection={self.selection})")

@@ -1,0 +1,341 @@
+"""Training the KVzip surrogate (:mod:`kvsieve.learn.kvzap`): ``kvsieve train --objective kvzap``.
+
+1. **Data.** ``samples`` generated RULER-style samples per task of ``tasks`` (sample seeds from ``seed``,
+   5000 by default: disjoint from the evaluation grids' 0+ and the evolution dev sets' 1000+/2000+) and
+   ``text_docs`` excerpts of the Python standard library's own sources (``.py`` files under
+   ``sysconfig.get_paths()['stdlib']``, picked and cut by a seeded hash, so every machine with the same
+   Python builds the same set), each about ``length`` tokens, chat-templated like an evaluation prompt.
+2. **Targets.** Per sequence, KVzip's reconstruction scores of the whole context
+   (:func:`kvsieve.learn.imitate.kvzip_reconstruction`, the collection the imitation objective uses):
+   target = ``log(max(score, 1e-8))`` of every KV head at ``positions`` positions drawn (seeded) after
+   the chat template's header, whose entries KVzip never scores (it always keeps them).
+   Inputs: :func:`~kvsieve.learn.kvzap.kvzap_inputs` at the same positions. Each sequence is saved
+   as it is collected (``out/kvzap-data/NNN.safetensors``), so an interrupted run resumes where it
+   stopped, and a rerun of a finished one only refits.
+3. **Fit.** The last ``holdout`` share of the sequences (RULER and text alike, interleaved) is held
+   out. Per layer, inputs standardised on the training rows; ``linear``: ridge regression in closed
+   form (``alpha = ridge``); ``mlp``: one hidden GELU layer of ``hidden`` units, full-batch Adam for
+   ``steps`` steps at ``lr``. Held-out mean squared error (over layers, heads and positions) of both
+   and of a constant predictor (each layer's and head's training mean) goes into the checkpoint's
+   metadata and ``report.json``; the default variant is the lower one.
+
+Outputs in ``out``: ``policy.safetensors`` (``kvzap(checkpoint=out)``), ``log.csv`` (MLP step, train
+and held-out loss), ``report.json`` (mixture, losses, wall times).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import sysconfig
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvsieve.learn.imitate import kvzip_reconstruction
+from kvsieve.learn.kvzap import KVzapNet, KVzapNetConfig, kvzap_inputs, save_kvzap
+from kvsieve.learn.policy import ModelShape
+from kvsieve.learn.rollout import Episode
+from kvsieve.prompt import build_prompt
+from kvsieve.tasks.load import SampleSpec, load_samples
+
+__all__ = ["KVzapTrainConfig", "KVzapResult", "train_kvzap", "kvzap_targets", "stdlib_texts", "collect_sequence",
+           "fit"]
+
+DEFAULT_TASKS = ["niah_multikey_2", "niah_multivalue", "niah_multiquery", "vt", "fwe", "qa_1"]
+FLOOR = 1e-8  # KVzip scores are softmax weights in (0, 1]; the floor keeps log finite for the never-attended
+LOG_FIELDS = ("step", "train_loss", "heldout_loss", "seconds")
+
+
+@dataclass
+class KVzapTrainConfig:
+    model: str = "smollm2-135m-instruct"
+    tasks: list[str] = field(default_factory=lambda: list(DEFAULT_TASKS))
+    length: int = 2048
+    samples: int = 4  # per task
+    text_docs: int = 24
+    seed: int = 5000
+    positions: int = 512  # per sequence
+    hidden: int = 64
+    steps: int = 400
+    lr: float = 3e-3
+    ridge: float = 1.0
+    holdout: float = 0.2
+    out: str = "runs/kvzap"
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("length", 16), ("samples", 0), ("text_docs", 0), ("positions", 1), ("hidden", 1),
+                              ("steps", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        if self.samples * len(self.tasks) + self.text_docs < 2:
+            raise ValueError("kvzap training needs at least 2 sequences (one to hold out): raise samples or text_docs")
+        if not 0 < self.holdout < 1:
+            raise ValueError(f"holdout must be a fraction in (0, 1), got {self.holdout!r}")
+        if not 0 < self.lr <= 1 or self.ridge < 0:
+            raise ValueError(f"lr must be in (0, 1] and ridge >= 0, got lr={self.lr!r}, ridge={self.ridge!r}")
+        from kvsieve.tasks import TASKS
+
+        unknown = [t for t in self.tasks if t not in TASKS]
+        if unknown:
+            raise ValueError(f"unknown task(s) {unknown}; available: {', '.join(TASKS)}")
+
+    @classmethod
+    def from_train_config(cls, config) -> KVzapTrainConfig:
+        """The fields of a :class:`~kvsieve.learn.train.TrainConfig` that mean the same here; as many text
+        excerpts as generated samples."""
+        return cls(model=config.model, tasks=list(config.tasks), length=config.length, samples=config.samples,
+                   text_docs=config.samples * len(config.tasks), seed=config.seed, hidden=config.hidden,
+                   steps=config.steps, lr=config.lr, out=config.out,
+                   dtype="float32" if config.dtype == "auto" else config.dtype)
+
+    def data_key(self) -> dict:
+        """What a collected sequence depends on (not the fit's settings)."""
+        keep = ("model", "length", "seed", "positions", "dtype")
+        return {k: getattr(self, k) for k in keep}
+
+
+@dataclass
+class KVzapResult:
+    out: Path
+    policy: Path
+    log: Path
+    report: dict
+    step: int
+    history: list[dict]
+
+
+def kvzap_targets(scores: torch.Tensor, header: int) -> torch.Tensor:
+    """(b, h, n) KVzip scores -> (b, h, n - header) targets: ``log(max(score, 1e-8))`` after the header."""
+    return torch.log(scores[..., header:].float().clamp_min(FLOOR))
+
+
+def _hash(*parts) -> int:
+    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little")
+
+
+def stdlib_texts(count: int, chars: int, seed: int) -> list[tuple[str, str]]:
+    """``count`` (name, text) excerpts of ``chars`` characters from the standard library's ``.py`` sources,
+    files and offsets chosen by a hash of ``seed`` (test suites left out: they repeat themselves)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "test" not in p.relative_to(root).parts[0]
+                   and "site-packages" not in p.parts and p.stat().st_size > 2 * chars)
+    if count and not files:
+        raise ValueError(f"no standard-library sources of more than {2 * chars} characters under {root}")
+    files.sort(key=lambda p: _hash(seed, "file", p.relative_to(root)))
+    out = []
+    for i in range(count):
+        path = files[i % len(files)]
+        text = path.read_text(encoding="utf-8", errors="replace")
+        start = _hash(seed, "offset", i) % max(1, len(text) - chars)
+        start = text.rfind("\n", 0, start) + 1  # from the start of a line
+        out.append((f"stdlib:{path.relative_to(root)}", text[start: start + chars]))
+    return out
+
+
+def _episodes(config: KVzapTrainConfig, tokenizer) -> list[tuple[str, Episode]]:
+    """(kind, episode) of every training sequence, RULER samples and text excerpts interleaved."""
+    ruler = []
+    if config.samples:
+        spec = SampleSpec(model=config.model, tasks=config.tasks, lengths=[config.length], samples=config.samples,
+                          seed=config.seed)
+        for sample in load_samples(spec, tokenizer):  # the context as an evaluation prompt holds it
+            context = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix).context_ids
+            ruler.append(("ruler", Episode(context, context[:, :0], sample.id)))
+    texts = []
+    for name, text in stdlib_texts(config.text_docs, 4 * config.length, config.seed):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        text = tokenizer.decode(ids[: config.length - 64])  # room for the template
+        context = build_prompt(tokenizer, text, "").context_ids
+        texts.append(("text", Episode(context, context[:, :0], name)))
+    mixed = []
+    for i in range(max(len(ruler), len(texts))):
+        mixed.extend(x for x in (ruler[i] if i < len(ruler) else None, texts[i] if i < len(texts) else None) if x)
+    return mixed
+
+
+def rope_tables(model) -> tuple[list, list[float]]:
+    """Per decoder layer: the rotary inverse frequencies (list, or None) and attention scaling its keys got."""
+    from kvsieve.engine.query_stats import rope_of
+
+    rotary = next((m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
+    attentions = sorted((m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj")),
+                        key=lambda m: m.layer_idx)
+    freqs, scales = [], []
+    for attention in attentions:
+        inv_freq, scale = rope_of(rotary, attention)
+        freqs.append(None if inv_freq is None else [float(f) for f in inv_freq.float()])
+        scales.append(scale)
+    return freqs, scales
+
+
+@torch.no_grad()
+def collect_sequence(model, tokenizer, episode: Episode, rope: tuple[list, list[float]], positions: int,
+                     seed: int) -> dict[str, torch.Tensor]:
+    """One sequence's rows: ``inputs`` (L, P, D) float16, ``targets`` (L, P, H), ``positions`` (P,)."""
+    from kvsieve.engine.cache import sieve_layers
+    from kvsieve.engine.compress import layer_signals
+
+    cache, rebuilt = kvzip_reconstruction(model, tokenizer, episode, window=1)
+    layers = sieve_layers(cache)
+    n, header = episode.context.shape[1], rebuilt.header
+    if len(layers) != len(cache.layers):
+        raise ValueError("kvzap is trained on models whose every layer is full attention")
+    free = n - header
+    take = min(positions, free)
+    generator = torch.Generator().manual_seed(seed & ((1 << 63) - 1))
+    picked = (torch.randperm(free, generator=generator)[:take] + header).sort().values
+    inputs, targets = [], []
+    for idx, layer in layers:
+        signals = layer_signals(layer, idx, len(cache.layers), 0, 1)
+        inv_freq = None if rope[0][idx] is None else torch.tensor(rope[0][idx])
+        x = kvzap_inputs(signals, inv_freq, rope[1][idx])[0, picked]  # (P, D)
+        y = kvzap_targets(rebuilt.scores[idx], header)[0].transpose(0, 1)[picked - header]  # (P, H)
+        inputs.append(x.to(torch.float16))
+        targets.append(y)
+    return {"inputs": torch.stack(inputs), "targets": torch.stack(targets), "positions": picked,
+            "header": torch.tensor(header), "tokens": torch.tensor(n), "seconds": torch.tensor(rebuilt.seconds)}
+
+
+def _collect_all(config: KVzapTrainConfig, model, tokenizer, progress: bool,
+                 episodes: list[tuple[str, Episode]] | None = None) -> tuple[list[dict], list[dict]]:
+    """Every sequence's rows, read from ``out/kvzap-data`` where a sequence with the same key was saved."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    folder = Path(config.out) / "kvzap-data"
+    folder.mkdir(parents=True, exist_ok=True)
+    episodes = _episodes(config, tokenizer) if episodes is None else episodes
+    rope = rope_tables(model)
+    data, info = [], []
+    for i, (kind, episode) in enumerate(tqdm(episodes, desc="kvzip targets", unit="seq", disable=not progress)):
+        key = json.dumps({**config.data_key(), "name": episode.name, "kind": kind,
+                          "ids": hashlib.sha256(episode.context.numpy().tobytes()).hexdigest()}, sort_keys=True)
+        path = folder / f"{i:03d}.safetensors"
+        rows = None
+        if path.is_file():
+            with safe_open(str(path), framework="pt") as handle:
+                if (handle.metadata() or {}).get("key") == key:
+                    rows = {name: handle.get_tensor(name) for name in handle.keys()}
+        if rows is None:
+            start = time.perf_counter()
+            rows = collect_sequence(model, tokenizer, episode, rope, config.positions, _hash(config.seed, "pos", i))
+            rows["wall"] = torch.tensor(time.perf_counter() - start)
+            partial = path.with_name(path.name + ".partial")
+            save_file({k: v.contiguous() for k, v in rows.items()}, str(partial), metadata={"key": key})
+            partial.replace(path)
+        data.append(rows)
+        info.append({"kind": kind, "name": episode.name, "tokens": int(rows["tokens"]),
+                     "wall": float(rows["wall"])})
+    return data, info
+
+
+def _split(count: int, holdout: float) -> tuple[list[int], list[int]]:
+    """The last ``holdout`` share of the (interleaved) sequences is held out, at least one."""
+    held = max(1, round(count * holdout))
+    return list(range(count - held)), list(range(count - held, count))
+
+
+def _rows(data: list[dict], indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.cat([data[i]["inputs"] for i in indices], dim=1).float()
+    y = torch.cat([data[i]["targets"] for i in indices], dim=1).float()
+    return x, y
+
+
+def fit(net: KVzapNet, x: torch.Tensor, y: torch.Tensor, x_held: torch.Tensor, y_held: torch.Tensor, steps: int,
+        lr: float, ridge: float, seed: int) -> tuple[dict, list[dict]]:
+    """Fit both variants of ``net`` in place on (L, N, D) inputs and (L, N, H) targets; held-out losses and
+    the MLP's per-step log."""
+    mean, std = x.mean(dim=1), x.std(dim=1).clamp_min(1e-6)
+    net.mean.copy_(mean)
+    net.std.copy_(std)
+    z = (x - mean[:, None]) / std[:, None]
+    # ridge in closed form, per layer: [z 1] w = y (the bias column not penalised)
+    L, N, D = z.shape
+    design = torch.cat([z, torch.ones(L, N, 1)], dim=-1).double()
+    penalty = torch.eye(D + 1, dtype=torch.float64) * ridge
+    penalty[D, D] = 0.0
+    w = torch.linalg.solve(design.transpose(1, 2) @ design + penalty, design.transpose(1, 2) @ y.double())
+    with torch.no_grad():
+        net.linear_weight.copy_(w[:, :D].float())
+        net.linear_bias.copy_(w[:, D].float())
+    with torch.random.fork_rng():
+        torch.manual_seed(seed & ((1 << 63) - 1))
+        with torch.no_grad():
+            net.mlp_w1.copy_(torch.randn_like(net.mlp_w1) / D ** 0.5)
+            net.mlp_w2.copy_(torch.randn_like(net.mlp_w2) / net.config.hidden ** 0.5)
+            net.mlp_b1.zero_()
+            net.mlp_b2.copy_(y.mean(dim=1))  # start at the constant predictor
+    params = [net.mlp_w1, net.mlp_b1, net.mlp_w2, net.mlp_b2]
+    optimizer = torch.optim.Adam(params, lr=lr)
+    history, start = [], time.perf_counter()
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = ((net.forward_all(x, "mlp") - y) ** 2).mean()
+        loss.backward()
+        optimizer.step()
+        if step % 10 == 9 or step == steps - 1:
+            with torch.no_grad():
+                held = float(((net.forward_all(x_held, "mlp") - y_held) ** 2).mean())
+            history.append({"step": step + 1, "train_loss": float(loss.detach()), "heldout_loss": held,
+                            "seconds": time.perf_counter() - start})
+    with torch.no_grad():
+        constant = float(((y.mean(dim=1, keepdim=True) - y_held) ** 2).mean())
+        losses = {"constant": constant, **{v: float(((net.forward_all(x_held, v) - y_held) ** 2).mean())
+                                           for v in ("linear", "mlp")},
+                  **{f"train_{v}": float(((net.forward_all(x, v) - y) ** 2).mean()) for v in ("linear", "mlp")}}
+    return losses, history
+
+
+def train_kvzap(config: KVzapTrainConfig, model=None, tokenizer=None, progress: bool = True,
+                episodes: list[tuple[str, Episode]] | None = None) -> KVzapResult:
+    """Collect (or reuse) the data, fit both variants, write ``out/policy.safetensors``; see the module docstring.
+
+    ``episodes``: (kind, episode) sequences to train on instead of the config's RULER samples and texts."""
+    from kvsieve.engine.reconstruct import ReconstructionPrompt
+
+    start = time.perf_counter()
+    if model is None:
+        from kvsieve.models import load
+
+        model, tokenizer = load(config.model, dtype=config.dtype)
+    if tokenizer is None:
+        raise ValueError("kvzap training needs the model's tokenizer (KVzip prompts the model to repeat the context)")
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    shape = ModelShape.of(model, config.model)
+    data, info = _collect_all(config, model, tokenizer, progress, episodes)
+    collected = time.perf_counter() - start
+    train_idx, held_idx = _split(len(data), config.holdout)
+    x, y = _rows(data, train_idx)
+    x_held, y_held = _rows(data, held_idx)
+    net = KVzapNet(KVzapNetConfig(x.shape[0], y.shape[-1], x.shape[-1], config.hidden))
+    losses, history = fit(net, x, y, x_held, y_held, config.steps, config.lr, config.ridge, _hash(config.seed, "init"))
+    variant = "mlp" if losses["mlp"] <= losses["linear"] else "linear"
+    header = len(ReconstructionPrompt.from_tokenizer(tokenizer).header)
+    kinds = sorted({r["kind"] for r in info})
+    mixture = {kind: {"sequences": sum(r["kind"] == kind for r in info),
+                      "tokens": sum(r["tokens"] for r in info if r["kind"] == kind)} for kind in kinds}
+    report = {"config": asdict(config), "mixture": mixture, "heldout_sequences": len(held_idx),
+              "train_rows_per_layer": int(x.shape[1]), "heldout_rows_per_layer": int(x_held.shape[1]),
+              "losses": losses, "variant": variant,
+              "parameters": {v: net.num_parameters(v) for v in ("linear", "mlp")},
+              "collection_seconds_this_run": collected, "collection_seconds_total": sum(r["wall"] for r in info),
+              "fit_seconds": time.perf_counter() - start - collected}
+    rope = rope_tables(model)
+    meta = {"model": shape.to_dict(), "header": header, "rope": {"inv_freq": rope[0], "attention_scaling": rope[1]},
+            "variant": variant, "train": report, "kvsieve_train": "kvzap"}
+    policy = save_kvzap(out / "policy.safetensors", net, meta)
+    (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    log = out / "log.csv"
+    with log.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=LOG_FIELDS)
+        writer.writeheader()
+        writer.writerows(history)
+    return KVzapResult(out, policy, log, report, config.steps, history)
