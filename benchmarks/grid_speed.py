@@ -20,8 +20,8 @@ import kvsieve
 from kvsieve.engine.generate import generate
 from kvsieve.harness.evaluate import evaluate_sample
 from kvsieve.harness.grid import Cell, GridConfig
-from kvsieve.harness.validate import load_samples
 from kvsieve.models import load
+from kvsieve.tasks.load import load_samples
 
 
 def main() -> None:
@@ -38,14 +38,14 @@ def main() -> None:
     model, tokenizer = load(args.model)
     grid = GridConfig(model=args.model, tasks=[args.task], lengths=[args.length], samples=args.agreement_samples,
                       seed=args.seed)
-    sample, *more_samples = load_samples(grid, tokenizer)  # the samples a grid with these settings runs
+    sample, *more_samples = load_samples(grid.sample_spec(), tokenizer)  # the samples a grid with these settings runs
     policies = [n for n in kvsieve.policies.names() if n != "full"]
     cells = [Cell(p, float(r)) for p in policies for r in args.ratios.split(",")]
     print(f"# {args.model}, {args.task} at {args.length} tokens, {len(policies)} policies x "
           f"{len(args.ratios.split(','))} ratios = {len(cells)} cells, {torch.get_num_threads()} threads")
 
     start = time.perf_counter()
-    full = generate(model, tokenizer, sample.context, sample.question, "full", answer_prefix=sample.answer_prefix,
+    full = generate(model, tokenizer, sample.context, sample.question, answer_prefix=sample.answer_prefix,
                     max_new_tokens=sample.max_new_tokens, stop=tuple(sample.stop))
     one_run = time.perf_counter() - start
     print(f"one full-cache run: {one_run:.1f} s (answer {full.text!r})")

@@ -22,13 +22,12 @@ from collections import defaultdict
 import torch
 
 import kvsieve
-from kvsieve.harness.grid import GridConfig
-from kvsieve.harness.validate import load_samples
 from kvsieve.learn.reward import kl_per_position
 from kvsieve.learn.rollout import continuation_logits, teacher_for
 from kvsieve.learn.train import episodes_from_samples
 from kvsieve.models import load
 from kvsieve.policies import from_spec, split_specs
+from kvsieve.tasks.load import SampleSpec, load_samples
 
 
 @torch.no_grad()
@@ -51,9 +50,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_flush_denormal(True)
     model, tokenizer = load(args.model, dtype=args.dtype)
-    grid = GridConfig(model=args.model, tasks=args.tasks.split(","), lengths=[args.length], samples=args.samples,
-                      seed=args.seed, policies=["full"])
-    episodes = episodes_from_samples(list(load_samples(grid, tokenizer)), tokenizer)
+    spec = SampleSpec(model=args.model, tasks=args.tasks.split(","), lengths=[args.length], samples=args.samples,
+                      seed=args.seed)
+    episodes = episodes_from_samples(list(load_samples(spec, tokenizer)), tokenizer)
     specs, ratios = split_specs(args.policies), [float(r) for r in args.ratios.split(",")]
     kl: dict[tuple[str, float], list[float]] = defaultdict(list)
     for i, episode in enumerate(episodes):

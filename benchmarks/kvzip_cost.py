@@ -20,10 +20,10 @@ import time
 import torch
 
 import kvsieve
-from kvsieve.engine.generate import build_prompt
 from kvsieve.engine.reconstruct import ReconstructionPrompt, reconstruction_scores
 from kvsieve.models import load
 from kvsieve.policies import FullCache
+from kvsieve.prompt import build_prompt
 from kvsieve.tasks.haystack import prose
 
 

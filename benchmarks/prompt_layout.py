@@ -17,10 +17,10 @@ import functools
 from pathlib import Path
 
 import kvsieve.harness.evaluate as runner
-from kvsieve.engine.generate import build_prompt
 from kvsieve.harness.grid import GridConfig
 from kvsieve.harness.run import run_grid
 from kvsieve.harness.store import ResultsStore
+from kvsieve.prompt import build_prompt
 
 LAYOUTS = {"newline ends the context (RULER)": True, "context ends in the haystack (before)": False}
 

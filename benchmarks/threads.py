@@ -29,6 +29,7 @@ import json, sys, time
 import torch
 from kvsieve.engine.generate import generate
 from kvsieve.models import load
+from kvsieve.policies import get
 from kvsieve.tasks.ruler import generate as make_sample
 
 model, tokenizer = load("smollm2-135m-instruct")
@@ -37,8 +38,8 @@ sample = make_sample("niah_single_1", int(sys.argv[1]), 0, count, 80)
 times = []
 for _ in range(int(sys.argv[2])):
     start = time.perf_counter()
-    generate(model, tokenizer, sample.context, sample.question, "snapkv", ratio=0.5, answer_prefix=sample.answer_prefix,
-             max_new_tokens=16)
+    generate(model, tokenizer, sample.context, sample.question, get("snapkv"), ratio=0.5,
+             answer_prefix=sample.answer_prefix, max_new_tokens=16)
     times.append(time.perf_counter() - start)
 print(json.dumps({"seconds": sorted(times)[len(times) // 2], "threads": torch.get_num_threads(),
                   "dtype": str(model.dtype).removeprefix("torch.")}))

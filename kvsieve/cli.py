@@ -14,10 +14,9 @@ import sys
 from pathlib import Path
 
 from kvsieve.config import load_config
-from kvsieve.harness.grid import GridConfig
 from kvsieve.spec import split_specs
 
-DEMO = GridConfig(
+DEMO = dict(  # the GridConfig of `kvsieve demo`
     model="smollm2-135m-instruct",
     tasks=["niah_single_1", "niah_single_2", "niah_multikey_1", "vt"],
     lengths=[2048],
@@ -44,7 +43,9 @@ def _csv(text: str, kind=str, flag: str = "") -> list:
     return out
 
 
-def _grid(args) -> GridConfig:
+def _grid(args):
+    from kvsieve.harness.grid import GridConfig
+
     flags = {
         "model": args.model,
         "tasks": args.tasks and _csv(args.tasks),
@@ -94,7 +95,7 @@ def _add_executor_flags(parser: argparse.ArgumentParser) -> None:
                         "of the model (default: the cluster's CPUs)")
 
 
-def _run_grid(config: GridConfig, args):
+def _run_grid(config, args):
     """``run_grid`` through the executor the flags name (the local one when none is named)."""
     from kvsieve.harness.run import make_grid_executor, run_grid
 
@@ -158,15 +159,17 @@ def cmd_report(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from kvsieve.harness.validate import load_samples, validate
+    from kvsieve.harness.grid import GridConfig
+    from kvsieve.harness.validate import validate
     from kvsieve.models import load
     from kvsieve.tasks import write_jsonl
+    from kvsieve.tasks.load import load_samples
 
     config = GridConfig(model=args.model, tasks=_csv(args.tasks), lengths=_csv(args.lengths, int, "--lengths"),
                         samples=args.samples, seed=args.seed, policies=["full"])
     validate(config)
     _, tokenizer = load(config.model)
-    count = write_jsonl(load_samples(config, tokenizer), args.out)
+    count = write_jsonl(load_samples(config.sample_spec(), tokenizer), args.out)
     print(f"wrote {count} samples to {args.out}")
     return 0
 
@@ -188,6 +191,8 @@ def cmd_certify(args) -> int:
     if args.run:
         if not tasks or not lengths:
             raise ValueError("--run needs --tasks and --lengths to know which calibration cells to evaluate")
+        from kvsieve.harness.grid import GridConfig
+
         grid = GridConfig(model=args.model, tasks=tasks, lengths=lengths, policies=["full", *compressing],
                           ratios=ratios, samples=args.samples, seed=args.seed, store=args.store,
                           question_aware=args.question_aware)
@@ -264,10 +269,11 @@ def cmd_train(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    from kvsieve.harness.grid import GridConfig
     from kvsieve.harness.run import run_grid
 
-    store = run_grid(DEMO)
-    _print_tables(store, DEMO.model, out="results/demo", markdown=True)
+    store = run_grid(GridConfig(**DEMO))
+    _print_tables(store, DEMO["model"], out="results/demo", markdown=True)
     return 0
 
 

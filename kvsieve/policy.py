@@ -11,32 +11,15 @@ so a policy is only a scorer plus a default selection.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import ClassVar
 
 import torch
 
-from kvsieve.selection import Selection
+from kvsieve.selection import Selection, check_allocation
 from kvsieve.signals import Signals
 
 __all__ = ["Policy", "FullCache", "check_allocation"]
-
-
-def check_allocation(policy: Policy, selection: Selection) -> None:
-    """Refuse a selection that compares scores the policy does not declare comparable."""
-    if selection.normalization != "none" or selection.allocation == "uniform":
-        return
-    across = []
-    if not policy.comparable_across_heads:
-        across.append("heads")
-    if selection.allocation == "global" and not policy.comparable_across_layers:
-        across.append("layers")
-    if across:
-        what = " and ".join(across)
-        raise ValueError(
-            f"policy {policy.name!r} does not declare its scores comparable across {what}, so "
-            f"allocation={selection.allocation!r} cannot move budget between them: use "
-            "Selection(normalization='zscore') (each head's scores standardised first), or a narrower allocation"
-            + (" ('layer' or 'uniform')" if selection.allocation == "global" else " ('uniform')"))
 
 
 class Policy:
@@ -54,6 +37,8 @@ class Policy:
         compresses: ``False`` only for the full-cache policy.
         uses_window: reads the observation window (its queries or the protected recent tokens);
             ``False`` lets a context shorter than ``window`` be compressed.
+        is_reference: a reference line for reports (the answer-span oracle), never offered for real use.
+        needs_spans: built per sample from the answer's spans (``important_positions``); such samples only.
         comparable_across_heads / comparable_across_layers: whether a score of one KV head (layer)
             means as much as the same score of another, so a budget may move to the higher one
             (``Selection(allocation="layer")`` needs the first, ``"global"`` both, unless the selection
@@ -67,6 +52,8 @@ class Policy:
     needs_reconstruction: ClassVar[bool] = False
     compresses: ClassVar[bool] = True
     uses_window: ClassVar[bool] = True
+    is_reference: ClassVar[bool] = False
+    needs_spans: ClassVar[bool] = False
     comparable_across_heads: ClassVar[bool] = True
     comparable_across_layers: ClassVar[bool] = False
 
@@ -79,6 +66,14 @@ class Policy:
 
     def default_selection(self) -> Selection:
         return Selection()
+
+    @classmethod
+    def content_path(cls, **params) -> Path | None:
+        """The file whose bytes define this policy (an evolved program, a trained checkpoint), else ``None``.
+
+        Results of such a policy are keyed by that file's sha256 (:class:`kvsieve.policies.registry.PolicySpec`).
+        """
+        return None
 
     def check_model(self, model, name: str | None = None) -> None:
         """Refuse a model this policy was not made for (``name``: the name it was loaded under, if known).

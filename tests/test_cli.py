@@ -8,11 +8,13 @@ import sys
 import pytest
 
 import kvsieve.cli as cli
-from kvsieve.harness.content import check_store, content_digest
+from kvsieve.harness.content import check_store
 from kvsieve.harness.grid import GridConfig
 from kvsieve.harness.store import CellKey, CellResult, ResultsStore
-from kvsieve.harness.validate import read_samples, validate
+from kvsieve.harness.validate import validate
 from kvsieve.models import check_length
+from kvsieve.policies import parse
+from kvsieve.tasks.load import read_samples
 from kvsieve.tasks.ruler import generate
 from kvsieve.tasks.sample import write_jsonl
 
@@ -149,15 +151,15 @@ def test_program_rows_are_keyed_by_the_file_contents(tmp_path):
     program = tmp_path / "best.py"
     program.write_text("SELECTION = {}\n")
     spec = f"program:{program}"
-    digest = content_digest(spec)
+    digest = parse(spec).digest
     assert digest == hashlib.sha256(program.read_bytes()).hexdigest()
-    assert content_digest("snapkv(window=8)") is None
+    assert parse("snapkv(window=8)").digest is None
     with ResultsStore(tmp_path / "r.sqlite") as store:
         store.add(_row(spec, digest))
         check_store(store, "m", {spec: digest})  # same bytes: the rows are reused
         program.write_text("SELECTION = {'chunk': 4}\n")
         with pytest.raises(ValueError, match=r"computed from other file contents.*another --store"):
-            check_store(store, "m", {spec: content_digest(spec)})
+            check_store(store, "m", {spec: parse(spec).digest})
         store.add(_row("program:old.py", None))  # rows from before digests were recorded
         with pytest.raises(ValueError, match="unrecorded"):
             check_store(store, "m", {"program:old.py": "f" * 64})
@@ -168,7 +170,7 @@ def test_learned_rows_are_keyed_by_the_checkpoint_bytes():
 
     spec = "learned(checkpoint='smollm2-135m-instruct')"
     path = resolve_checkpoint("smollm2-135m-instruct")
-    assert content_digest(spec) == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert parse(spec).digest == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_rows_record_the_dtype_the_model_computed_in(tmp_path):

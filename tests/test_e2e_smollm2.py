@@ -5,6 +5,7 @@ import random
 import pytest
 
 from kvsieve.engine.generate import generate
+from kvsieve.policies import get
 
 pytestmark = pytest.mark.model
 
@@ -49,7 +50,7 @@ def test_needle_found_with_full_cache_and_query_agnostic_kvzip(smollm2, depth):
 
     model, tokenizer = smollm2
     context = haystack_with_needle(80, depth)
-    full = generate(model, tokenizer, context, QUESTION, "full", answer_prefix=PREFIX, max_new_tokens=10)
+    full = generate(model, tokenizer, context, QUESTION, answer_prefix=PREFIX, max_new_tokens=10)
     assert 900 <= full.context_tokens <= 1200
     assert "4819273" in full.text
     # KVzip keeps what the model needs to repeat the context, without seeing the question
@@ -65,7 +66,7 @@ def test_query_agnostic_prefill_then_question_keeps_positions(smollm2):
     model, tokenizer = smollm2
     context = haystack_with_needle(80, 0.5)
     # streaming_llm keeps the sinks and the most recent half: the needle (at the middle) survives
-    out = generate(model, tokenizer, context, QUESTION, "streaming_llm", ratio=0.4, answer_prefix=PREFIX,
+    out = generate(model, tokenizer, context, QUESTION, get("streaming_llm"), ratio=0.4, answer_prefix=PREFIX,
                    max_new_tokens=10)
     assert "4819273" in out.text
     assert max(out.kept_tokens) == round(out.context_tokens * 0.6)
@@ -74,7 +75,7 @@ def test_query_agnostic_prefill_then_question_keeps_positions(smollm2):
 def test_decode_time_eviction_on_a_real_model(smollm2):
     model, tokenizer = smollm2
     context = haystack_with_needle(80, 0.9)
-    out = generate(model, tokenizer, context, QUESTION, "streaming_llm", kept=512, mode="decode", chunk_size=128,
+    out = generate(model, tokenizer, context, QUESTION, get("streaming_llm"), kept=512, mode="decode", chunk_size=128,
                    answer_prefix=PREFIX, max_new_tokens=10)
     assert max(out.kept_tokens) <= 512
     assert "4819273" in out.text
@@ -82,7 +83,7 @@ def test_decode_time_eviction_on_a_real_model(smollm2):
 
 @pytest.mark.parametrize("separator_in_context", [True, False])
 def test_prompt_context_ends_with_the_newline_before_the_question(smollm2, separator_in_context):
-    from kvsieve.engine.generate import build_prompt
+    from kvsieve.prompt import build_prompt
 
     _, tokenizer = smollm2
     context = haystack_with_needle(20, 0.5)

@@ -30,7 +30,7 @@ HERE = os.path.dirname(__file__)
 def tiny_run_config(tmp, candidates: int, **changes) -> EvolveConfig:
     values = dict(model="smollm2-135m-instruct", tasks=["niah_single_1"], length=384, ratios=[0.75],
                   dev_samples=2, heldout_samples=1, window=16, candidates=candidates, islands=2, per_island=2,
-                  migration_interval=2, seed_programs=["snapkv", "tova"], sandbox_timeout_s=60,
+                  migration_interval=1, seed_programs=["snapkv", "tova"], sandbox_timeout_s=60,
                   db=str(tmp / "run.sqlite"), out=str(tmp / "out"))
     values.update(changes)
     return EvolveConfig(**values)
@@ -58,12 +58,16 @@ def run_tiny(tmp: str, candidates: int) -> None:
 
 
 def rows(db_path) -> list[tuple]:
-    db = ProgramDatabase(db_path)
+    """Every column of every row but the two wall-clock timings (which differ between any two runs)."""
+    import sqlite3
+
+    conn = sqlite3.connect(str(db_path))
     try:
-        return [(r.generation, r.island, r.slot, r.code_hash, r.status, r.parent_id is None, r.score,
-                 None if r.proxy is None else round(r.proxy, 5)) for r in db.records()]
+        names = [r[1] for r in conn.execute("PRAGMA table_info(programs)")]
+        keep = ", ".join(n for n in names if n not in ("seconds", "sandbox_seconds"))
+        return conn.execute(f"SELECT {keep} FROM programs ORDER BY id").fetchall()
     finally:
-        db.close()
+        conn.close()
 
 
 # --- structural mutator ------------------------------------------------------------------------------
@@ -133,9 +137,9 @@ def test_evolution_runs_end_to_end_and_resumes_after_kill(tmp_path):
     straight = tmp_path / "straight"
     result = run_evolution(tiny_run_config(straight, 8), progress=False, model=model, tokenizer=tokenizer)
     expected = rows(straight / "run.sqlite")
-    evaluated = [r for r in expected if r[4] not in ("duplicate", "no_proposal", "migrated")]
+    evaluated = [r for r in expected if r[10] not in ("duplicate", "no_proposal", "migrated")]
     assert len(evaluated) == 8
-    assert {r[4] for r in evaluated} <= {"ok", "proxy_rejected", "invalid", "error", "rejected", "killed"}
+    assert {r[10] for r in evaluated} <= {"ok", "proxy_rejected", "invalid", "error", "rejected", "killed"}
     assert result.best_path is not None and result.best_path.is_file()
     check_source(result.best_path.read_text())
     report = result.report.read_text()
@@ -356,3 +360,30 @@ def test_the_proxy_answer_keeps_its_leading_space():
     answer_token_ids(tokenizer, sample("The number is: "))
     answer_token_ids(tokenizer, sample(""))
     assert seen == [" 4711", "4711", "4711"]
+
+
+@pytest.mark.model
+def test_a_selection_too_big_for_a_dev_budget_is_rejected_not_fatal(tmp_path):
+    """``SELECTION = {"sink": 64}`` passes stage 0 (in range) but, with the window, protects more entries
+    than a dev cell keeps at ratio 0.9: it is rejected with that reason and the run carries on."""
+    from kvsieve.evolve.run import run_evolution
+
+    crashing = tmp_path / "sink64.py"
+    crashing.write_text('SELECTION = {"chunk_size": 1, "sink": 64}\n\n\ndef score(f):\n    return group_mean(f.attn)\n')
+    check_source(crashing.read_text())
+    model, tokenizer = tiny_model_and_tokenizer()
+    config = tiny_run_config(tmp_path, 4, ratios=[0.9], islands=1, per_island=2, heldout_samples=1,
+                             seed_programs=["snapkv", str(crashing)])
+    result = run_evolution(config, progress=False, model=model, tokenizer=tokenizer)
+    db = ProgramDatabase(config.db)
+    try:
+        seed_rows = db.records("generation = 0")
+        assert db.evaluated_count() == 4
+        assert db.meta("isolation")["level"] in ("none", "network", "full")
+    finally:
+        db.close()
+    bad = seed_rows[1]
+    assert bad.status == "invalid" and bad.stage == 0
+    assert "protects 80 entries (sinks and the window of 16)" in bad.reason and "at ratio 0.9" in bad.reason
+    assert seed_rows[0].status == "ok" and result.best is not None
+    assert "Sandbox isolation:" in result.report.read_text()

@@ -59,8 +59,8 @@ def smollm2():
 
 @pytest.fixture(scope="module")
 def niah_sample(smollm2):
-    from kvsieve.harness.validate import template_overhead
     from kvsieve.tasks import generate
+    from kvsieve.tasks.load import template_overhead
 
     _, tokenizer = smollm2
     overhead = template_overhead(tokenizer, "niah_single_2", 0)
@@ -191,7 +191,7 @@ def test_ragged_caches_decode_in_one_batch_as_they_do_alone():
 
 @pytest.mark.parametrize("samples,expected", [(None, 7), (3, 3)])
 def test_data_file_uses_every_sample_unless_told(tmp_path, samples, expected):
-    from kvsieve.harness.validate import load_samples
+    from kvsieve.tasks.load import load_samples
     from kvsieve.tasks.ruler import generate
     from kvsieve.tasks.sample import write_jsonl
 
@@ -199,7 +199,7 @@ def test_data_file_uses_every_sample_unless_told(tmp_path, samples, expected):
     write_jsonl([generate("niah_single_1", 300, seed, lambda t: len(t) // 4) for seed in range(7)], path)
     config = GridConfig(data=str(path), samples=samples)
     validate(config)
-    assert len(list(load_samples(config, tokenizer=None))) == expected
+    assert len(list(load_samples(config.sample_spec(), tokenizer=None))) == expected
 
 
 def test_a_decode_batch_drops_rows_of_caches_captured_with_query_statistics():

@@ -7,9 +7,9 @@ from conftest import CharTokenizer, tiny_model
 import kvsieve
 from kvsieve.engine import reconstruct
 from kvsieve.engine.cache import sieve_layers
-from kvsieve.engine.generate import build_prompt
 from kvsieve.engine.reconstruct import ReconstructionPrompt, reconstruction_chunks, reconstruction_scores
 from kvsieve.policies import FullCache, get
+from kvsieve.prompt import build_prompt
 from kvsieve.selection import Budget
 from kvsieve.signals import Signals
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 from conftest import CharTokenizer, tiny_model
 
-from kvsieve.engine.generate import build_prompt, generate
+from kvsieve.engine.generate import generate
 from kvsieve.harness.store import CellKey, CellResult, ResultsStore
+from kvsieve.prompt import build_prompt
 from kvsieve.risk import Candidate, Certification, CertifiedPolicy, Contract, ContractFile, certify_buckets, loss_table
 from kvsieve.risk.contract import request_context_tokens
 

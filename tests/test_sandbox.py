@@ -333,7 +333,7 @@ class Case:
     process: tuple[str, str]  # (status, reason) in the sandbox with the interpreter bypassed
     both: tuple[str, str] | None = None  # (status, reason) in the sandbox with the interpreter; None: the
     #                                      interpreter's reason, "killed" for a limit and "invalid" otherwise
-    features: bool = False  # score the real-shaped features file too
+    features: str = ""  # score a features file too: "short" (n 90) or "long" (n 20000)
 
     def expected_both(self) -> tuple[str, str]:
         if self.both is not None:
@@ -407,7 +407,7 @@ CORPUS = {
                          ("killed", "timed out")),
     # these pass stage 0: names hide the sizes from it
     "integer bomb from names": Case(body("a = 1000000", "b = a * a * a * a", "return f.key_norm + b"), None,
-                                    "limit: an integer of about 80 bits", ("ok", "")),
+                                    "limit: an integer of about 80 bits", ("error", "OverflowError")),
     "range bomb": Case(body("a = 1000", "x = max(range(a * a * a))", "return f.key_norm"), None,
                        "limit: a sequence or range of 1000000000 items", ("killed", "timed out")),
     "sequence bomb": Case(body("a = 100000", "x = f.key_norm.shape * a", "y = x * a", "return f.key_norm"), None,
@@ -415,13 +415,14 @@ CORPUS = {
     "outer product sleeper": Case(body("x = f.key_norm", "if f.n > 200:",
                                        "    x = (f.key_norm.unsqueeze(-1) * f.value_norm.unsqueeze(-2)).mean(dim=-1)",
                                        "return x"), None, "limit: a tensor of 50000000 elements",
-                                  ("killed", "memory limit"), ("killed", "limit: a tensor of"), features=True),
+                                  ("killed", "memory limit"), ("killed", "limit: a tensor of 800000000 elements"),
+                                  features="long"),
     "in-place add on an input": Case(body("a = f.key_norm", "a += 1.0", "return a"), None, None,
                                      ("invalid", "inputs_unchanged"), ("ok", "")),
     "behaves only on synthetic shapes": Case(body("x = group_mean(f.attn)",
                                                   "if f.n != f.window + 5 and f.n != 4 * f.window + 37:",
                                                   "    x = x / 0.0", "return x"), None, None,
-                                             ("invalid", "n 90"), ("invalid", "n 90"), features=True),
+                                             ("invalid", "n 90"), ("invalid", "n 90"), features="short"),
 }
 
 
@@ -460,12 +461,19 @@ def test_corpus_interpreter_alone(name, tmp_path):
     assert not outside.exists()
 
 
-def _sandboxed(case: Case, tmp_path, features_path, raw: bool) -> SandboxResult:
+@pytest.fixture(scope="module")
+def long_features_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("long") / "long.safetensors"
+    save_features(path, {"long": synthetic_features(0, group=1, n=20000, window=WINDOW)})
+    return path
+
+
+def _sandboxed(case: Case, tmp_path, paths: dict, raw: bool) -> SandboxResult:
     source, outside = _fill(case.source, tmp_path)
     layers = {"raw_loader": LOADER} if raw else None
     limits = SandboxLimits(timeout_s=8.0, memory_mb=1536)
-    result = run_in_sandbox(source, features_path if case.features else None, window=WINDOW, limits=limits,
-                            static_check=False, layers=layers)
+    result = run_in_sandbox(source, paths.get(case.features), window=WINDOW, limits=limits, static_check=False,
+                            layers=layers)
     assert not outside.exists()
     assert SECRET not in result.reason
     assert result.seconds < 60
@@ -473,17 +481,17 @@ def _sandboxed(case: Case, tmp_path, features_path, raw: bool) -> SandboxResult:
 
 
 @pytest.mark.parametrize("name", list(CORPUS))
-def test_corpus_process_layer_alone(name, tmp_path, features_path):
+def test_corpus_process_layer_alone(name, tmp_path, features_path, long_features_path):
     case = CORPUS[name]
-    result = _sandboxed(case, tmp_path, features_path, raw=True)
+    result = _sandboxed(case, tmp_path, {"short": features_path, "long": long_features_path}, raw=True)
     status, reason = case.process
     assert (result.status, reason in result.reason) == (status, True), (result.status, result.reason)
 
 
 @pytest.mark.parametrize("name", list(CORPUS))
-def test_corpus_both_layers(name, tmp_path, features_path):
+def test_corpus_both_layers(name, tmp_path, features_path, long_features_path):
     case = CORPUS[name]
-    result = _sandboxed(case, tmp_path, features_path, raw=False)
+    result = _sandboxed(case, tmp_path, {"short": features_path, "long": long_features_path}, raw=False)
     status, reason = case.expected_both()
     assert (result.status, reason in result.reason) == (status, True), (result.status, result.reason)
 

@@ -374,7 +374,7 @@ def test_metrics_count_requests_tokens_and_bytes(model):
 
 
 def test_one_message_splits_like_build_prompt():
-    from kvsieve.engine.generate import build_prompt
+    from kvsieve.prompt import build_prompt
 
     tok = ChatTokenizer()
     got = chat_prompt(tok, [ChatMessage(role="user", content="some context\nmore\nthe question")])

@@ -10,59 +10,11 @@ import torch
 from kvsieve.engine.attach import DEFAULT_EVICT_EVERY, attach
 from kvsieve.engine.cache import cache_bytes, full_cache_bytes
 from kvsieve.engine.compress import CompressionReport
-from kvsieve.policies import get as get_policy
-from kvsieve.policies.base import Policy
+from kvsieve.policy import FullCache, Policy
+from kvsieve.prompt import build_prompt
 
-__all__ = ["Prompt", "Generation", "build_prompt", "greedy_decode", "generate", "check_context_length",
+__all__ = ["Generation", "greedy_decode", "generate", "check_context_length",
            "model_context_length"]
-
-
-@dataclass
-class Prompt:
-    """Token ids of a request, split so the question can be kept out of compression."""
-
-    context_ids: torch.Tensor  # (1, n): chat-template header + context
-    question_ids: torch.Tensor  # (1, m): question + template tail + answer prefix
-    context_text: str = ""  # the text behind context_ids
-    context_offset: int = 0  # where the raw context starts inside context_text
-
-    def token_positions(self, tokenizer, spans: list[tuple[int, int]]) -> list[int]:
-        """Positions in ``context_ids`` of the tokens overlapping character ``spans`` of the raw context."""
-        encoded = tokenizer(self.context_text, add_special_tokens=False, return_offsets_mapping=True)
-        shifted = [(a + self.context_offset, b + self.context_offset) for a, b in spans]
-        return [i for i, (a, b) in enumerate(encoded["offset_mapping"]) if any(a < e and b > s for s, e in shifted)]
-
-    def header_length(self, tokenizer) -> int:
-        """Tokens of the chat template and instruction before the raw context starts."""
-        encoded = tokenizer(self.context_text, add_special_tokens=False, return_offsets_mapping=True)
-        return sum(1 for a, _ in encoded["offset_mapping"] if a < self.context_offset)
-
-
-def build_prompt(tokenizer, context: str, question: str, answer_prefix: str = "",
-                 separator_in_context: bool = True) -> Prompt:
-    """Apply the chat template to ``context + "\n" + question`` and split it where the context ends.
-
-    As in RULER's templates, a newline separates the context from the question, and it belongs to
-    the context part: the last context tokens (the observation window of SnapKV, TOVA's last query)
-    are then the end of a line, not the middle of the haystack. ``separator_in_context=False`` puts
-    the newline on the question's side instead (kvsieve's earlier layout, kept for comparison).
-    """
-    if not context:
-        raise ValueError("the context is empty")
-    separator = "\n"
-    if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": context + separator + question}]
-        full = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    else:
-        full = context + separator + question + "\n"
-    split = full.index(context) + len(context) + (len(separator) if separator_in_context else 0)
-    context_text, question_text = full[:split], full[split:] + answer_prefix
-
-    def ids(text: str) -> torch.Tensor:
-        return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]], dtype=torch.long)
-
-    offset = full.index(context)
-    return Prompt(ids(context_text), ids(question_text), context_text, offset)
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
@@ -144,7 +96,7 @@ def generate(
     tokenizer,
     context: str,
     question: str,
-    policy: Policy | str = "full",
+    policy: Policy | None = None,
     ratio: float | None = None,
     kept: int | None = None,
     question_aware: bool = False,
@@ -157,12 +109,16 @@ def generate(
 ) -> Generation:
     """Answer ``question`` about ``context`` with the cache compressed by ``policy``.
 
-    Query-agnostic by default: the context is prefilled and compressed before the question is
-    seen. ``question_aware=True`` prefills context and question together (the question is the
-    observation window and is always kept). A prompt plus ``max_new_tokens`` longer than the model's
-    context (``max_position_embeddings``) is refused: positions it was never trained on give garbage.
+    ``policy`` is a :class:`~kvsieve.policy.Policy` (``None``: the full cache), never a name.
+    Query-agnostic by default: the context is prefilled and compressed before the question is seen.
+    ``question_aware=True`` prefills context and question together (the question is the observation
+    window and is always kept). A prompt plus ``max_new_tokens`` longer than the model's context
+    (``max_position_embeddings``) is refused: positions it was never trained on give garbage.
     """
-    policy = get_policy(policy) if isinstance(policy, str) else policy
+    policy = FullCache() if policy is None else policy
+    if not isinstance(policy, Policy):
+        raise TypeError(f"policy must be a kvsieve Policy, got {type(policy).__name__} {policy!r}: build one with "
+                        "kvsieve.policies.get(name) or kvsieve.policies.from_spec(spec)")
     if ratio is None and kept is None:
         ratio = 0.0
     prompt = build_prompt(tokenizer, context, question, answer_prefix)

@@ -33,11 +33,12 @@ import torch
 from kvsieve.engine.attach import attach
 from kvsieve.engine.cache import clone_cache, sieve_layers, stack_caches
 from kvsieve.engine.compress import compress_cache, layer_signals
-from kvsieve.engine.generate import Prompt, build_prompt, greedy_decode
+from kvsieve.engine.generate import greedy_decode
 from kvsieve.evolve.features import Features, save_features
 from kvsieve.evolve.program import Program, ProgramError
 from kvsieve.evolve.sandbox import SandboxLimits, run_in_sandbox
 from kvsieve.policy import FullCache, Policy
+from kvsieve.prompt import Prompt, build_prompt
 from kvsieve.selection import Budget, Selection
 from kvsieve.signals import Signals
 from kvsieve.tasks.metrics import score as metric_score

@@ -14,9 +14,8 @@ from kvsieve.evolve.program import Program
 from kvsieve.evolve.report import write_report
 from kvsieve.evolve.sandbox import SandboxLimits, require_isolation
 from kvsieve.evolve.search import EvolveConfig, evolve, export_best
-from kvsieve.harness.grid import GridConfig
-from kvsieve.harness.validate import load_samples
 from kvsieve.models import load
+from kvsieve.tasks.load import SampleSpec, load_samples
 
 __all__ = ["EvolveResult", "run_evolution", "make_mutator"]
 
@@ -44,8 +43,8 @@ def make_mutator(config: EvolveConfig, model=None, tokenizer=None) -> Mutator:
 
 
 def dev_samples(config: EvolveConfig, tokenizer, seed: int, per_task: int):
-    grid = GridConfig(model=config.model, tasks=config.tasks, lengths=[config.length], samples=per_task, seed=seed)
-    return list(load_samples(grid, tokenizer))
+    spec = SampleSpec(model=config.model, tasks=config.tasks, lengths=[config.length], samples=per_task, seed=seed)
+    return list(load_samples(spec, tokenizer))
 
 
 def run_evolution(config: EvolveConfig, progress: bool = True, model=None, tokenizer=None) -> EvolveResult:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import asdict
 
 import torch
 import transformers
@@ -21,11 +20,12 @@ import kvsieve
 from kvsieve.engine.attach import attach
 from kvsieve.engine.cache import cache_bytes, clone_cache, sieve_layers, stack_caches
 from kvsieve.engine.compress import compress_cache
-from kvsieve.engine.generate import Prompt, build_prompt, generate, greedy_decode
+from kvsieve.engine.generate import generate, greedy_decode
 from kvsieve.engine.reconstruct import ReconstructionPrompt, compress_with_reconstruction, reconstruction_scores
 from kvsieve.harness.grid import Cell
 from kvsieve.harness.store import CellKey, CellResult
-from kvsieve.policies import FullCache, Policy, from_spec, parse_spec
+from kvsieve.policy import FullCache, Policy
+from kvsieve.prompt import Prompt, build_prompt
 from kvsieve.selection import Budget
 from kvsieve.tasks.metrics import score as metric_score
 from kvsieve.tasks.sample import Sample
@@ -34,12 +34,11 @@ __all__ = ["evaluate_sample"]
 
 
 def _policy_for(cell: Cell, sample: Sample, prompt: Prompt, tokenizer) -> Policy:
-    name, params = parse_spec(cell.policy)
-    if name == "oracle":
+    if cell.spec.needs_spans:  # the reference keeps the template header and the answer's tokens
         header = prompt.header_length(tokenizer)
         important = list(range(header)) + prompt.token_positions(tokenizer, [tuple(s) for s in sample.spans])
-        return kvsieve.policies.get("oracle", important_positions=important, **params)
-    policy = from_spec(cell.policy)
+        return cell.spec.build(important_positions=important)
+    policy = cell.spec.build()
     if policy.needs_reconstruction and policy.tokenizer is None:  # KVzip prompts the model
         policy.tokenizer = tokenizer
     return policy
@@ -69,10 +68,9 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
     def record(cell: Cell, text: str, kept: int, kept_bytes: int, full_bytes: int, prefill_s: float, decode_s: float):
         key = CellKey(model_name, sample.task, sample.length, sample.id, cell.label, cell.ratio, cell.question_aware)
         # the dtype the model computed in, not the "auto" that asked for it
-        digests = (config or {}).get("policy_digests", {})
-        cfg = dict({k: v for k, v in (config or {}).items() if k != "policy_digests"},
-                   dtype=str(model.dtype).removeprefix("torch."), policy_digest=digests.get(cell.policy),
-                   cell=asdict(cell),
+        cfg = dict(config or {},
+                   dtype=str(model.dtype).removeprefix("torch."), policy_digest=cell.spec.digest,
+                   cell=cell.as_dict(),
                    sample_seed=sample.seed, metric=sample.metric, shared=shared,
                    context_tokens=prompt.context_ids.shape[1], kvsieve=kvsieve.__version__,
                    transformers=transformers.__version__)
@@ -88,7 +86,7 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
     for cell in cells if not shared else [c for c in cells if c.chunk_size]:
         policy = _policy_for(cell, sample, prompt, tokenizer)
         policy.check_model(model, model_name or None)
-        mode = dict(mode="decode", chunk_size=cell.chunk_size) if cell.chunk_size else {}
+        mode = dict(mode="decode", chunk_size=cell.chunk_size, evict_every=cell.evict_every) if cell.chunk_size else {}
         gen = generate(model, tokenizer, sample.context, sample.question, policy, ratio=cell.ratio,
                        question_aware=cell.question_aware, answer_prefix=sample.answer_prefix,
                        max_new_tokens=sample.max_new_tokens, stop=stop, **mode)

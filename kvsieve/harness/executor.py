@@ -27,8 +27,8 @@ from typing import Protocol
 from kvsieve.harness.evaluate import evaluate_sample
 from kvsieve.harness.grid import Cell, GridConfig
 from kvsieve.harness.store import CellResult
-from kvsieve.harness.validate import load_samples
 from kvsieve.models import load, resolve_dtype
+from kvsieve.tasks.load import load_samples
 from kvsieve.tasks.sample import Sample
 
 __all__ = ["GridExecutor", "LocalGridExecutor", "model_factory", "Work"]
@@ -74,7 +74,7 @@ class LocalGridExecutor:
 
     def samples(self, config: GridConfig) -> list[Sample]:
         self._ensure(config)
-        return list(load_samples(config, self.tokenizer))
+        return list(load_samples(config.sample_spec(), self.tokenizer))
 
     def run(self, config: GridConfig, work: Work, run_config: dict,
             on_sample: Callable[[list[CellResult]], None]) -> None:

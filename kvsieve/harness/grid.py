@@ -1,28 +1,48 @@
 """One evaluation grid: its configuration (:class:`GridConfig`) and the cells it expands to.
 
-Light on purpose (no torch): the CLI builds and checks a grid before anything heavy is imported.
+The grid's policy specs are parsed once, here, into :class:`~kvsieve.policies.registry.PolicySpec`s;
+cells, validation, the runner and the store read those.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from kvsieve.bundled import canonical_name
-from kvsieve.spec import parse_spec
+from kvsieve.policies.registry import PolicySpec, parse
+from kvsieve.tasks.load import SampleSpec
 
-__all__ = ["Cell", "GridConfig", "cells_for", "parse_spec"]
+__all__ = ["Cell", "GridConfig", "cells_for"]
 
 @dataclass(frozen=True)
 class Cell:
-    policy: str  # spec, e.g. "snapkv" or "snapkv(window=32)"
+    spec: PolicySpec  # a spec string is parsed on construction
     ratio: float
     question_aware: bool = False
     chunk_size: int = 0  # > 0: decode-time eviction, the context read in chunks of this many tokens
+    evict_every: int = 1  # decode mode: generated tokens between evictions (1: after every token)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.spec, str):
+            object.__setattr__(self, "spec", parse(self.spec))
+
+    @property
+    def policy(self) -> str:
+        """The spec's text, e.g. ``snapkv(window=32)``."""
+        return self.spec.text
 
     @property
     def label(self) -> str:
-        """The policy as the store keys it: the spec, with ``@decodeN`` for decode-time eviction."""
-        return f"{self.policy}@decode{self.chunk_size}" if self.chunk_size else self.policy
+        """The policy as the store keys it: the spec, with ``@decodeN`` for decode-time eviction reading the
+        context in chunks of N (and ``eE`` when generated tokens are evicted every E > 1)."""
+        if not self.chunk_size:
+            return self.policy
+        return f"{self.policy}@decode{self.chunk_size}" + (f"e{self.evict_every}" if self.evict_every != 1 else "")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy, "ratio": self.ratio, "question_aware": self.question_aware,
+                "chunk_size": self.chunk_size, "evict_every": self.evict_every}
 
 
 @dataclass
@@ -47,6 +67,7 @@ class GridConfig:
     # answer; stored as policy "SPEC@decodeN". Each cell then reads the whole sample itself.
     mode: str = "prefill"
     chunk_size: int = 128
+    evict_every: int = 1  # decode mode: generated tokens between evictions (the engine's default is 32)
 
     def __post_init__(self) -> None:
         # one name per bundled model in the store, whichever alias the user typed
@@ -61,18 +82,32 @@ class GridConfig:
                 setattr(self, name, list(value))
             elif not isinstance(value, list):
                 raise ValueError(f"{name} must be a list (or a single value), got {type(value).__name__} {value!r}")
+        # the specs are parsed once, here: unknown names and parameters fail before any work
+        self.policies = [spec if isinstance(spec, PolicySpec) else parse(spec) for spec in self.policies]
+        self.qa_policies = [spec if isinstance(spec, PolicySpec) else parse(spec) for spec in self.qa_policies]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The configuration as plain JSON-ready values (specs as their text)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["policies"] = [spec.text for spec in self.policies]
+        out["qa_policies"] = [spec.text for spec in self.qa_policies]
+        return out
+
+    def sample_spec(self) -> SampleSpec:
+        """Which samples this grid reads (generated or from ``data``)."""
+        return SampleSpec(model=self.model, tasks=list(self.tasks), lengths=list(self.lengths), samples=self.samples,
+                          seed=self.seed, data=self.data)
 
 
 def cells_for(config: GridConfig) -> list[Cell]:
     cells: list[Cell] = []
-    chunk = config.chunk_size if config.mode == "decode" else 0
+    decode = dict(chunk_size=config.chunk_size, evict_every=config.evict_every) if config.mode == "decode" else {}
     for spec in config.policies:
-        name, _ = parse_spec(spec)
-        if name == "full":
-            cells.append(Cell(spec, 0.0, chunk_size=chunk))
+        if not spec.compresses:  # the full cache: once per sample
+            cells.append(Cell(spec, 0.0, **decode))
             continue
         for ratio in config.ratios:
-            cells.append(Cell(spec, float(ratio), chunk_size=chunk))
+            cells.append(Cell(spec, float(ratio), **decode))
             if config.question_aware:
                 cells.append(Cell(spec, float(ratio), True))
     for spec in config.qa_policies:

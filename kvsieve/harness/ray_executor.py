@@ -14,7 +14,7 @@ from kvsieve.harness.evaluate import evaluate_sample
 from kvsieve.harness.executor import Work, model_factory
 from kvsieve.harness.grid import Cell, GridConfig
 from kvsieve.harness.store import CellResult
-from kvsieve.harness.validate import load_samples
+from kvsieve.tasks.load import load_samples
 from kvsieve.tasks.sample import Sample
 
 __all__ = ["GridWorker", "RayGridExecutor"]
@@ -33,7 +33,7 @@ class GridWorker:
         return os.getpid()
 
     def samples(self, config: GridConfig) -> list[Sample]:
-        return list(load_samples(config, self.tokenizer))
+        return list(load_samples(config.sample_spec(), self.tokenizer))
 
     def evaluate(self, sample: Sample, cells: list[Cell], model_name: str, shared: bool,
                  run_config: dict) -> list[CellResult]:
@@ -82,7 +82,7 @@ class RayGridExecutor(RayActors):
 
     def samples(self, config: GridConfig) -> list[Sample]:
         if config.data:  # read here: the file need not exist on the workers' machines
-            return list(load_samples(config, None))
+            return list(load_samples(config.sample_spec(), None))
         from kvsieve.distributed.cluster import import_ray
 
         return import_ray().get(self._ensure(config).first().samples.remote(config))

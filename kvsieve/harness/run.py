@@ -6,11 +6,9 @@ transaction, so a run stopped at any moment (Ctrl-C, a lost machine) is continue
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 from tqdm import tqdm
 
-from kvsieve.harness.content import check_store, content_digest
+from kvsieve.harness.content import check_store
 from kvsieve.harness.executor import LocalGridExecutor
 from kvsieve.harness.grid import GridConfig, cells_for
 from kvsieve.harness.ray_executor import RayGridExecutor
@@ -32,9 +30,8 @@ def run_grid(config: GridConfig, progress: bool = True, executor=None) -> Result
     validate(config)
     cells = cells_for(config)
     store = ResultsStore(config.store)
-    digests = {c.policy: content_digest(c.policy) for c in cells}
     try:
-        check_store(store, config.model, {c.label: digests[c.policy] for c in cells})
+        check_store(store, config.model, {c.label: c.spec.digest for c in cells})
     except ValueError:
         store.close()
         raise
@@ -51,8 +48,7 @@ def run_grid(config: GridConfig, progress: bool = True, executor=None) -> Result
                 todo.append((sample, todo_cells))
         total = sum(len(c) for _, c in todo)
         bar = tqdm(total=total, unit="cell", disable=not progress, desc=f"{config.model}")
-        run_config = {k: v for k, v in asdict(config).items() if k not in ("store",)}
-        run_config["policy_digests"] = {spec: d for spec, d in digests.items() if d is not None}
+        run_config = {k: v for k, v in config.as_dict().items() if k != "store"}
 
         def on_sample(results: list[CellResult]) -> None:
             store.add_many(results)  # one transaction: a sample's rows land together

@@ -169,6 +169,10 @@ class LearnedPolicy(Policy):
         """Mean milliseconds per :meth:`score` call (one layer's features and network forward)."""
         return 1000 * self.overhead_seconds / max(self.overhead_calls, 1)
 
+    @classmethod
+    def content_path(cls, checkpoint: str | None = None, **_) -> Path | None:
+        return resolve_checkpoint(checkpoint) if checkpoint is not None else None
+
     def check_model(self, model, name: str | None = None) -> None:
         """Refuse ``model`` (a HF model; ``name`` the name it was loaded under, when known) unless it is the
         checkpoint's model: same name (aliases resolve), geometry and config fingerprint."""

@@ -62,6 +62,7 @@ from kvsieve.learn.rollout import (
     teacher_for,
 )
 from kvsieve.selection import Budget
+from kvsieve.tasks.load import SampleSpec, load_samples, read_samples
 
 __all__ = ["TrainConfig", "TrainResult", "train", "load_config", "episodes_from_samples", "reinforce_loss",
            "plot_curve", "EVAL_SEEDS_NOTE"]
@@ -192,7 +193,7 @@ class TrainResult:
 
 def episodes_from_samples(samples, tokenizer) -> list[Episode]:
     """Context = the chat-templated context; continuation = question + answer prefix + first reference answer."""
-    from kvsieve.engine.generate import build_prompt
+    from kvsieve.prompt import build_prompt
 
     out = []
     for sample in samples:
@@ -203,14 +204,11 @@ def episodes_from_samples(samples, tokenizer) -> list[Episode]:
 
 
 def _load_episodes(config: TrainConfig, tokenizer) -> list[Episode]:
-    from kvsieve.harness.grid import GridConfig
-    from kvsieve.harness.validate import load_samples, read_samples
-
     samples = []
     if config.samples:
-        grid = GridConfig(model=config.model, tasks=config.tasks, lengths=[config.length], samples=config.samples,
-                          seed=config.seed, policies=["full"])
-        samples.extend(load_samples(grid, tokenizer))
+        spec = SampleSpec(model=config.model, tasks=config.tasks, lengths=[config.length], samples=config.samples,
+                          seed=config.seed)
+        samples.extend(load_samples(spec, tokenizer))
     if config.data:
         samples.extend(read_samples(config.data))
     return episodes_from_samples(samples, tokenizer)

@@ -18,6 +18,8 @@ from kvsieve.signals import Signals
 class Oracle(Policy):
     name = "oracle"
     uses_window = False
+    is_reference = True
+    needs_spans = True
 
     def __init__(self, important_positions: list[int] | None = None, sink: int = 4, **kwargs) -> None:
         self.important_positions = sorted(set(important_positions or []))

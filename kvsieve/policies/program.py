@@ -52,6 +52,10 @@ class ProgramPolicy(Policy):
         self.path = path
         super().__init__(**kwargs)
 
+    @classmethod
+    def content_path(cls, path: str | None = None, **_) -> Path | None:
+        return Path(path) if path is not None else None
+
     def default_selection(self) -> Selection:
         return self.program.selection(self.window)
 

@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvsieve.engine.generate import Prompt
+from kvsieve.prompt import Prompt
 from kvsieve.risk.runtime import OperatingPoint, canonical_model
 from kvsieve.serve.errors import APIError, error_body
 from kvsieve.serve.generation import CacheInfo, Completion, generate_completion

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvsieve.engine.cache import cache_bytes, full_cache_bytes
-from kvsieve.engine.generate import Prompt, greedy_decode
+from kvsieve.engine.generate import greedy_decode
+from kvsieve.prompt import Prompt
 from kvsieve.risk.runtime import OperatingPoint
 from kvsieve.serve.text_stream import IncrementalText, cut_at_stop
 

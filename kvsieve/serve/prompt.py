@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kvsieve.engine.generate import Prompt
+from kvsieve.prompt import Prompt
 from kvsieve.serve.errors import APIError
 from kvsieve.serve.schemas import ChatMessage
 

@@ -1,0 +1,150 @@
+"""The registry of policy families, and the one parsed form of a policy spec (:class:`PolicySpec`).
+
+A spec string (``snapkv``, ``snapkv(window=32)``, ``program:best.py``,
+``learned(checkpoint='smollm2-135m-instruct')``) is parsed once, at the edge (a grid, a contract, the
+server), into a :class:`PolicySpec`: its family's class, its literal parameters (checked against the
+class's signature, without building anything) and, for a family defined by a file, that file's
+sha256. Everything downstream reads the spec's attributes (is it the reference, does it need the
+answer's spans or the whole context) instead of comparing names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvsieve.policy import Policy
+from kvsieve.spec import parse_spec
+
+__all__ = ["PolicySpec", "parse", "register", "families", "names", "get", "from_spec"]
+
+_REGISTRY: dict[str, type[Policy]] = {}
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    """Add a policy class under its ``name`` (usable as a decorator)."""
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"policy name {cls.name!r} is already registered")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def _kind(cls: type[Policy]) -> str:
+    if cls.is_reference:
+        return "reference"
+    if cls.content_path.__func__ is not Policy.content_path.__func__:
+        return "file"
+    return "policy"
+
+
+def families() -> dict[str, str]:
+    """Every family a user can call -> its kind: ``policy`` (ready to build), ``file`` (defined by a file:
+    ``program:PATH``, ``learned(checkpoint=...)``) or ``reference`` (the answer-span oracle)."""
+    return {name: _kind(cls) for name, cls in sorted(_REGISTRY.items())}
+
+
+def names(kinds: tuple[str, ...] = ("policy", "file", "reference")) -> list[str]:
+    """Registered family names of the given kinds (all by default)."""
+    return [name for name, kind in families().items() if kind in kinds]
+
+
+def _listing() -> str:
+    return ", ".join(f"{name}" + ("" if kind == "policy" else f" ({kind})") for name, kind in families().items())
+
+
+@dataclass(frozen=True, eq=False)
+class PolicySpec:
+    """One parsed policy spec. Equal (and hashed) by its text, the label the results store keys rows by."""
+
+    text: str
+    family: str
+    params: dict[str, Any] = field(default_factory=dict)
+    digest: str | None = None  # sha256 of the file a "file" family reads
+    cls: type[Policy] = Policy
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PolicySpec) and other.text == self.text
+
+    def __hash__(self) -> int:
+        return hash(self.text)
+
+    def __str__(self) -> str:
+        return self.text
+
+    @property
+    def compresses(self) -> bool:
+        return self.cls.compresses
+
+    @property
+    def is_reference(self) -> bool:
+        return self.cls.is_reference
+
+    @property
+    def needs_spans(self) -> bool:
+        return self.cls.needs_spans
+
+    @property
+    def needs_whole_context(self) -> bool:
+        """Scores need the whole context after the prefill (KVzip's reconstruction): no decode-time eviction."""
+        return self.cls.needs_reconstruction
+
+    def build(self, **extra: Any) -> Policy:
+        """A fresh policy; ``extra`` adds what only the caller knows (a sample's answer positions)."""
+        try:
+            return self.cls(**self.params, **extra)
+        except TypeError as err:
+            raise ValueError(f"bad parameters for policy {self.text!r}: {err}") from err
+
+
+def _parameters(cls: type[Policy]) -> set[str]:
+    """Keyword parameters a policy class accepts: its own and those it forwards (``**kwargs``) up the MRO."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        parameters = list(inspect.signature(init).parameters.values())[1:]
+        names |= {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        if not any(p.kind == p.VAR_KEYWORD for p in parameters):
+            break  # this class does not forward further
+    return names
+
+
+def parse(text: str) -> PolicySpec:
+    """The :class:`PolicySpec` of ``text``; ValueError naming the bad name or parameter. Builds nothing."""
+    if not isinstance(text, str):
+        raise ValueError(f"a policy spec is a string such as 'snapkv(window=32)', got {type(text).__name__} "
+                         f"{text!r}")
+    family, params = parse_spec(text)
+    if family not in _REGISTRY:
+        raise ValueError(f"unknown policy {family!r}; available: {_listing()}")
+    cls = _REGISTRY[family]
+    allowed = _parameters(cls)
+    unknown = sorted(set(params) - allowed)
+    if unknown:
+        raise ValueError(f"bad parameters for policy {text.strip()!r}: unknown {', '.join(map(repr, unknown))}; "
+                         f"{family} takes {', '.join(sorted(allowed)) or 'no parameters'}")
+    path = cls.content_path(**params)
+    digest = None
+    if path is not None:
+        if not path.is_file():
+            raise ValueError(f"policy {text.strip()!r}: file {path} does not exist")
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    return PolicySpec(text.strip(), family, params, digest, cls)
+
+
+def get(name: str, **params) -> Policy:
+    """Build the policy registered as ``name``; unknown names and parameters raise ValueError."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown policy {name!r}; available: {_listing()}")
+    try:
+        return _REGISTRY[name](**params)
+    except TypeError as err:
+        raise ValueError(f"bad parameters for policy {name!r}: {err}") from err
+
+
+def from_spec(text: str) -> Policy:
+    """Build a policy from a spec string (parse, then build)."""
+    return parse(text).build()
