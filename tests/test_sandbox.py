@@ -7,7 +7,6 @@ asserting the specific reason each layer gives; this process carries on througho
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 import time
@@ -520,16 +519,19 @@ def test_full_isolation_alone_hides_the_machine(tmp_path):
 
 
 def test_candidate_cannot_obtain_secrets(monkeypatch, features_path):
-    """Run as plain Python in the worker, the program reads the environment and /proc/PID/environ of its
-    parent and of this process. It scores what it found (+1 each) and what failed (+100 each); run here,
-    unsandboxed, the same code finds the secret, so the assertion on the sandboxed run can fail."""
+    """Run as plain Python in the worker, the program reads its environment and /proc/PID/environ of its
+    parent and of a process holding the secret. It scores what it found (+1 each) and what failed
+    (+100 each); run here, unsandboxed, the same code finds the secret twice, so the assertion on the
+    sandboxed run can fail."""
     monkeypatch.setenv("KVSIEVE_TEST_SECRET", "kvsieve-test-secret")
+    holder = subprocess.Popen(["sleep", "60"], env={"PATH": "/usr/bin:/bin",
+                                                    "KVSIEVE_TEST_SECRET": "kvsieve-test-secret"})
     attack = body(
         "found, refused = 0.0, 0.0",
         f"env = {OS}",
         'if env["environ"].get("KVSIEVE_TEST_SECRET"):',
         "    found += 1.0",
-        f"for pid in (env['getppid'](), {os.getpid()}):",
+        f"for pid in (env['getppid'](), {holder.pid}):",
         "    try:",
         '        if b"kvsieve-test-secret" in env["__builtins__"]["open"](f"/proc/{pid}/environ", "rb").read():',
         "            found += 1.0",
@@ -540,9 +542,13 @@ def test_candidate_cannot_obtain_secrets(monkeypatch, features_path):
     spec = importlib.util.spec_from_file_location("raw_loader", LOADER)
     loader = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(loader)
-    assert float(loader.load(attack)(synthetic_features(0)).max()) == 2.0  # unsandboxed: environ and /proc
-    result = run_in_sandbox(attack, features_path, window=WINDOW, limits=FAST, static_check=False,
-                            layers={"raw_loader": LOADER})
+    try:
+        assert float(loader.load(attack)(synthetic_features(0)).max()) == 2.0  # unsandboxed: environ and /proc
+        result = run_in_sandbox(attack, features_path, window=WINDOW, limits=FAST, static_check=False,
+                                layers={"raw_loader": LOADER})
+    finally:
+        holder.kill()
+        holder.wait()
     assert result.status == "ok", result.reason
     assert all(torch.equal(s, torch.full_like(s, 200.0)) for s in result.scores.values())
 
