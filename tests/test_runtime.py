@@ -12,6 +12,7 @@ from conftest import CharTokenizer, tiny_model
 
 from kvsieve.engine.generate import generate
 from kvsieve.harness.store import CellKey, CellResult, ResultsStore
+from kvsieve.policies import get
 from kvsieve.prompt import build_prompt
 from kvsieve.risk import Candidate, Certification, CertifiedPolicy, Contract, ContractFile, certify_buckets, loss_table
 from kvsieve.risk.contract import request_context_tokens
@@ -92,8 +93,8 @@ def test_certified_generate_equals_the_engine_at_the_question_aware_point():
     model, tok = tiny_model("llama"), CharTokenizer()
     certified = CertifiedPolicy(_contract(Candidate("knorm", 0.5, question_aware=True)))
     got = certified.generate(model, tok, "k" * 150, "which key?", max_new_tokens=4)
-    want = generate(model, tok, "k" * 150, "which key?", "knorm", ratio=0.5, question_aware=True, max_new_tokens=4)
-    agnostic = generate(model, tok, "k" * 150, "which key?", "knorm", ratio=0.5, max_new_tokens=4)
+    want = generate(model, tok, "k" * 150, "which key?", get("knorm"), ratio=0.5, question_aware=True, max_new_tokens=4)
+    agnostic = generate(model, tok, "k" * 150, "which key?", get("knorm"), ratio=0.5, max_new_tokens=4)
     assert got.token_ids == want.token_ids and got.kept_tokens == want.kept_tokens
     assert got.kept_tokens != agnostic.kept_tokens  # the question is in the cache only question-aware
 

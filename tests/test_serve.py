@@ -21,6 +21,7 @@ import torch
 from conftest import CharTokenizer, tiny_model
 
 from kvsieve.engine.generate import generate
+from kvsieve.policies import from_spec, get
 from kvsieve.risk import Candidate, Certification, CertifiedPolicy, Contract, ContractFile
 from kvsieve.serve.command import build_state, point_source, serve
 from kvsieve.serve.points import PointSource
@@ -105,7 +106,7 @@ def test_chat_applies_the_certified_point_and_reports_it(model):
     assert kv["bytes_saved"] == kv["bytes_full"] - kv["bytes_kept"]
     assert reply.usage.prompt_tokens == n + len("which letter?\x04\x05A:") and reply.usage.completion_tokens == 8
     # the same answer as the engine on the same layout (one message = build_prompt's context + "\n" + question)
-    want = generate(model, ChatTokenizer(), DOC, "which letter?", "knorm", ratio=0.5, max_new_tokens=8)
+    want = generate(model, ChatTokenizer(), DOC, "which letter?", get("knorm"), ratio=0.5, max_new_tokens=8)
     assert reply.choices[0].message.content == want.text and reply.choices[0].finish_reason == "length"
     headers = raw.headers
     assert (headers["x-kvsieve-policy"], headers["x-kvsieve-ratio"], headers["x-kvsieve-status"]) == ("knorm", "0.5",
@@ -186,7 +187,7 @@ def test_question_aware_point_keeps_the_question(model):
             model=NAME, messages=[{"role": "user", "content": DOC + "\nwhich letter?"}], max_tokens=4)
     kv, n, m = reply.usage.kv_cache, len(DOC) + 7, len("which letter?\x04\x05A:")
     assert kv["question_aware"] and kv["kept_tokens_per_layer"] == [round(n * 0.5) + m] * 3
-    want = generate(model, ChatTokenizer(), DOC, "which letter?", "knorm", ratio=0.5, question_aware=True,
+    want = generate(model, ChatTokenizer(), DOC, "which letter?", get("knorm"), ratio=0.5, question_aware=True,
                     max_new_tokens=4)
     assert reply.choices[0].message.content == want.text
 
@@ -463,5 +464,6 @@ def test_smollm2_chat_end_to_end_with_a_contract_from_the_shipped_store(tmp_path
     kv = reply.usage.kv_cache
     assert (kv["policy"], kv["ratio"], kv["status"]) == (chosen.policy, chosen.ratio, "certified")
     assert len(kv["kept_tokens_per_layer"]) == 30 and kv["bytes_kept"] < kv["bytes_full"]
-    want = generate(model, tokenizer, context, question, chosen.policy, ratio=chosen.ratio, max_new_tokens=16)
+    want = generate(model, tokenizer, context, question, from_spec(chosen.policy), ratio=chosen.ratio,
+                    max_new_tokens=16)
     assert reply.choices[0].message.content == want.text
