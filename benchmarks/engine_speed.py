@@ -141,7 +141,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ratio", type=float, default=0.5, help="compression ratio for the prefill rows")
     parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--policies", default=",".join(kvsieve.policies.names()))
+    parser.add_argument("--policies", default=",".join(kvsieve.policies.names(kinds=("policy",))))
     parser.add_argument("--dtype", default="auto", help="dtype of the policy and decode tables")
     parser.add_argument("--prefill-lengths", default="1024,2048,4096", help="prefill table lengths ('' skips it)")
     parser.add_argument("--dtypes", default="bfloat16,float32", help="prefill table dtypes")

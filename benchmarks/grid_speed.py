@@ -39,7 +39,7 @@ def main() -> None:
     grid = GridConfig(model=args.model, tasks=[args.task], lengths=[args.length], samples=args.agreement_samples,
                       seed=args.seed)
     sample, *more_samples = load_samples(grid.sample_spec(), tokenizer)  # the samples a grid with these settings runs
-    policies = [n for n in kvsieve.policies.names() if n != "full"]
+    policies = [n for n in kvsieve.policies.names(kinds=("policy",)) if n != "full"]
     cells = [Cell(p, float(r)) for p in policies for r in args.ratios.split(",")]
     print(f"# {args.model}, {args.task} at {args.length} tokens, {len(policies)} policies x "
           f"{len(args.ratios.split(','))} ratios = {len(cells)} cells, {torch.get_num_threads()} threads")

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from kvsieve.engine.query_stats import QueryStats
+from kvsieve.query_stats import QueryStats
 
 __all__ = ["Signals"]
 

@@ -11,7 +11,7 @@ from kvsieve.engine.compress import layer_signals
 from kvsieve.policies import get, names
 
 # kvzip needs a tokenizer and a reconstruction forward, and refuses decode mode: tests/test_kvzip.py covers it
-COMPRESSING = [n for n in names() if n not in ("full", "kvzip")]
+COMPRESSING = [n for n in names(kinds=("policy",)) if n not in ("full", "kvzip")]
 
 
 @torch.no_grad()
@@ -261,7 +261,7 @@ def test_bad_inputs(llama, prompt_ids):
 
 
 def test_policy_returning_a_bad_shape_is_rejected(llama, prompt_ids):
-    from kvsieve.policies.base import Policy
+    from kvsieve.policy import Policy
 
     class Broken(Policy):
         name = "broken"

@@ -340,7 +340,10 @@ def test_learned_without_a_checkpoint_says_what_is_shipped_and_how_to_train():
     with pytest.raises(ValueError, match=r"shipped: qwen2.5-coder-0.5b-instruct, smollm2-135m-instruct\); train one "
                        r"with `kvsieve train"):
         from_spec("learned")
-    assert "learned" not in kvsieve.policies.names()  # needs a file, like program:PATH
+    # listed with every family a user can call, marked as needing a file like program:PATH
+    assert kvsieve.policies.families()["learned"] == kvsieve.policies.families()["program"] == "file"
+    assert kvsieve.policies.families()["oracle"] == "reference"
+    assert "learned" not in kvsieve.policies.names(kinds=("policy",))
 
 
 # the models' published configurations: layers, KV heads, head dim

@@ -25,8 +25,8 @@ from transformers.cache_utils import DynamicCache
 
 import kvsieve
 from kvsieve.engine.cache import sieve_layers
-from kvsieve.engine.query_stats import QueryStats
 from kvsieve.policies import get
+from kvsieve.query_stats import QueryStats
 from kvsieve.signals import Signals
 
 H, G, D = 2, 3, 8  # KV heads, query heads per KV head, head dim

@@ -29,7 +29,7 @@ from kvsieve.engine.attention import ATTENTION_NAME
 from kvsieve.engine.cache import attached, cache_bytes, install, sieve_layers
 from kvsieve.engine.compress import CompressionReport, compress_cache, layer_occupancy
 from kvsieve.engine.query_stats import query_stats_hooks
-from kvsieve.policies.base import Policy
+from kvsieve.policy import Policy
 from kvsieve.selection import Budget
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "DEFAULT_EVICT_EVERY", "Session", "attach"]

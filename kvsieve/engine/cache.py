@@ -104,7 +104,7 @@ class SieveLayer(DynamicLayer):
         heads: ``None`` (dense) or one :class:`HeadEntries` per KV head (ragged).
         recent_queries: (b, hq, <=w, d) the last queries the layer computed (the observation window).
         attention_received: (b, h, n) float32 accumulated attention, when tracking is on.
-        query_stats: pre-RoPE query statistics (:class:`~kvsieve.engine.query_stats.QueryStats`),
+        query_stats: pre-RoPE query statistics (:class:`~kvsieve.query_stats.QueryStats`),
             collected only while a policy with ``needs_query_stats`` is attached.
         rope: (inv_freq, attention_scaling) of the layer's rotary embedding, set with ``query_stats``.
     """

@@ -9,7 +9,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from kvsieve.engine.cache import SieveLayer, sieve_layers
-from kvsieve.policies.base import Policy
+from kvsieve.policy import Policy
 from kvsieve.selection import Budget, check_allocation
 from kvsieve.signals import Signals
 

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 from kvsieve.learn.policy import LearnedPolicy
 from kvsieve.policies.adakv import AdaKV
-from kvsieve.policies.base import Policy
 from kvsieve.policies.chunkkv import ChunkKV
 from kvsieve.policies.expected_attention import ExpectedAttention
 from kvsieve.policies.frc import FRC
-from kvsieve.policies.full import FullCache
 from kvsieve.policies.h2o import H2O
 from kvsieve.policies.knorm import KNorm
 from kvsieve.policies.kvzip import KVzip
@@ -24,6 +22,7 @@ from kvsieve.policies.registry import PolicySpec, families, from_spec, get, name
 from kvsieve.policies.snapkv import SnapKV
 from kvsieve.policies.streaming_llm import StreamingLLM
 from kvsieve.policies.tova import TOVA
+from kvsieve.policy import FullCache, Policy
 from kvsieve.spec import parse_spec, split_specs
 
 __all__ = ["Policy", "PolicySpec", "parse", "get", "names", "families", "register", "from_spec", "parse_spec",

@@ -10,8 +10,8 @@ attention mass over the same entries, comparable across the heads of a layer (th
 
 import torch
 
-from kvsieve.policies.base import Policy
 from kvsieve.policies.snapkv import snapkv_scores
+from kvsieve.policy import Policy
 from kvsieve.selection import Selection
 from kvsieve.signals import Signals
 

@@ -17,8 +17,8 @@ unused; the paper's layer-wise index reuse (a speed optimisation) is not impleme
 
 import torch
 
-from kvsieve.policies.base import Policy
 from kvsieve.policies.snapkv import snapkv_scores
+from kvsieve.policy import Policy
 from kvsieve.selection import Selection
 from kvsieve.signals import Signals
 

@@ -45,7 +45,7 @@ import math
 
 import torch
 
-from kvsieve.policies.base import Policy
+from kvsieve.policy import Policy
 from kvsieve.selection import Selection
 from kvsieve.signals import Signals
 

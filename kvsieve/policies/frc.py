@@ -24,7 +24,7 @@ neighbours without spending a large chunk's budget on haystack.
 
 import torch
 
-from kvsieve.policies.base import Policy
+from kvsieve.policy import Policy
 from kvsieve.selection import Selection
 from kvsieve.signals import Signals
 

@@ -6,7 +6,7 @@ Signal: key L2 norm; keys with a low norm tend to receive high attention, so the
 
 import torch
 
-from kvsieve.policies.base import Policy
+from kvsieve.policy import Policy
 from kvsieve.signals import Signals
 
 

@@ -18,7 +18,7 @@ import torch
 from kvsieve.evolve.features import Features
 from kvsieve.evolve.interpreter import InterpreterError, Limits, ScoreProgram
 from kvsieve.evolve.program import Program, ProgramError
-from kvsieve.policies.base import Policy
+from kvsieve.policy import Policy
 from kvsieve.selection import Selection
 from kvsieve.signals import Signals
 

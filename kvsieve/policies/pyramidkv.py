@@ -8,8 +8,8 @@ handles physically (no padding).
 
 import torch
 
-from kvsieve.policies.base import Policy
 from kvsieve.policies.snapkv import snapkv_scores
+from kvsieve.policy import Policy
 from kvsieve.selection import Selection
 from kvsieve.signals import Signals
 

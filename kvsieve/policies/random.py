@@ -2,7 +2,7 @@
 
 import torch
 
-from kvsieve.policies.base import Policy
+from kvsieve.policy import Policy
 from kvsieve.signals import Signals
 
 

@@ -19,7 +19,7 @@ averaging are linear, so their order does not matter.
 import torch
 import torch.nn.functional as F
 
-from kvsieve.policies.base import Policy
+from kvsieve.policy import Policy
 from kvsieve.selection import Selection
 from kvsieve.signals import Signals
 

@@ -6,7 +6,7 @@ Signal: position only. Keeps a few initial "attention sink" tokens and the most 
 
 import torch
 
-from kvsieve.policies.base import Policy
+from kvsieve.policy import Policy
 from kvsieve.selection import Selection
 from kvsieve.signals import Signals
 

@@ -13,7 +13,7 @@ its own attention is usually among the highest, so the two rarely differ. For th
 
 import torch
 
-from kvsieve.policies.base import Policy
+from kvsieve.policy import Policy
 from kvsieve.signals import Signals
 
 

@@ -12,7 +12,7 @@ from kvsieve.engine.attach import Session, attach
 from kvsieve.engine.generate import Generation, generate
 from kvsieve.models import bundled
 from kvsieve.policies import Policy, from_spec
-from kvsieve.policies.full import FullCache
+from kvsieve.policy import FullCache
 from kvsieve.prompt import build_prompt
 from kvsieve.risk.contract import ContractFile
 from kvsieve.risk.losses import length_bucket
