@@ -1,4 +1,4 @@
-"""Command line: kvsieve eval | report | generate | certify | evolve | train | demo.
+"""Command line: kvsieve eval | report | generate | certify | evolve | train | serve | demo.
 
 Only light modules are imported at the top (argparse, the grid definition, the spec parser): torch
 and transformers load after the arguments are parsed, so ``--help`` answers at once and the thread
@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from kvsieve.config import load_config
+from kvsieve.serve.arguments import add_arguments as add_serve_arguments
 from kvsieve.spec import split_specs
 
 DEMO = dict(  # the GridConfig of `kvsieve demo`
@@ -177,6 +178,7 @@ def cmd_generate(args) -> int:
 def cmd_certify(args) -> int:
     from kvsieve.harness.store import ResultsStore
     from kvsieve.risk import Contract, certify_buckets, loss_table
+    from kvsieve.risk.contract import request_context_tokens
     from kvsieve.risk.losses import candidates_for, split_label
 
     contract = Contract(alpha=args.alpha, delta=args.delta, epsilon=args.epsilon, loss=args.loss,
@@ -204,9 +206,11 @@ def cmd_certify(args) -> int:
     candidates = candidates_for(compressing, ratios, args.question_aware)
     with ResultsStore(args.store) as store:
         table = loss_table(store, args.model, candidates, contract.epsilon, contract.loss, tasks, lengths)
+        # length buckets route on a request's context tokens, so they calibrate on them too
+        tokens = request_context_tokens(store, table.model, table.requests) if args.by == "length" else None
     if table.left_out:
         print(table.left_out_summary())
-    result = certify_buckets(table, contract, table.model, args.by, edges)
+    result = certify_buckets(table, contract, table.model, args.by, edges, context_tokens=tokens)
     result.source = {"store": str(args.store), "policies": compressing, "ratios": ratios, "tasks": tasks,
                      "lengths": lengths, "question_aware": args.question_aware}
     path = result.write(args.out)
@@ -266,6 +270,12 @@ def cmd_train(args) -> int:
     print(f"policy: {result.policy}\nlog: {result.log}\ncurve: {result.curve}")
     print(f"evaluate it: kvsieve eval --model {config.model} --policies \"full,learned(checkpoint='{result.policy}')\"")
     return 0
+
+
+def cmd_serve(args) -> int:
+    from kvsieve.serve.command import run
+
+    return run(args)
 
 
 def cmd_demo(args) -> int:
@@ -390,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--init", help="start from this policy checkpoint's weights (path, run folder or shipped name), "
                    "e.g. an --objective imitate run")
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("serve", help="an OpenAI-compatible server applying a certified contract to every request")
+    add_serve_arguments(p)
+    p.set_defaults(func=cmd_serve)
     p = sub.add_parser("demo", help="the default grid on the bundled SmolLM2 (a few minutes on 2 cores)")
     p.set_defaults(func=cmd_demo)
     args = parser.parse_args(argv)

@@ -12,32 +12,12 @@ from kvsieve.models import bundled, context_length, load
 from kvsieve.risk.contract import ContractFile
 from kvsieve.risk.runtime import CertifiedPolicy, canonical_model
 from kvsieve.serve.app import create_app
+from kvsieve.serve.arguments import add_arguments
 from kvsieve.serve.points import PointSource
 from kvsieve.serve.scheduler import Scheduler
 from kvsieve.serve.state import ServerState
 
 __all__ = ["add_arguments", "run", "point_source", "build_state", "serve"]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2-135m-instruct",
-                        help="bundled model name or alias, or a local HF folder")
-    parser.add_argument("--contract", help="contract JSON from kvsieve certify: its point per request bucket")
-    parser.add_argument("--policy", help="an uncertified fixed policy spec instead of a contract (needs --ratio)")
-    parser.add_argument("--ratio", type=float, help="compression ratio in [0, 1) with --policy")
-    parser.add_argument("--question-aware", action="store_true", help="with --policy: keep the question out of it")
-    parser.add_argument("--allow-override", action="store_true",
-                        help="let clients ask for looser points than the contract's (kvsieve.policy / kvsieve.ratio)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-queue", type=int, default=16,
-                        help="requests waiting for the model before new ones get 429 (default 16)")
-    parser.add_argument("--max-tokens-limit", type=int, default=2048, help="most tokens one request may generate")
-    parser.add_argument("--default-max-tokens", type=int, default=256, help="when a request names no max_tokens")
-    parser.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32")
-    parser.add_argument("--drain-timeout", type=float, default=120.0,
-                        help="seconds SIGTERM waits for in-flight requests (default 120)")
-    parser.add_argument("--log-level", default="warning")
 
 
 def point_source(model: str, contract: str | None = None, policy: str | None = None, ratio: float | None = None,
