@@ -293,6 +293,11 @@ class KVzap(Policy):
                              f"not {model!r}; {_HOW_TO_TRAIN}")
         super().__init__(selection=selection, window=window)
 
+    @classmethod
+    def content_path(cls, checkpoint: str | None = None, **_) -> Path | None:
+        """The checkpoint file: results of ``kvzap`` are keyed by its sha256."""
+        return resolve_kvzap_checkpoint(checkpoint) if checkpoint is not None else None
+
     def default_selection(self) -> Selection:
         if self.allocation == "uniform":
             return Selection(sink=self.header)
