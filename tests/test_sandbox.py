@@ -573,3 +573,29 @@ def test_job_dirs_are_removed_kept_on_request_and_orphans_swept(monkeypatch, tmp
     assert {"in", "root", "KEPT"} == {p.name for p in kept.iterdir()}
     assert {"program.py", "job.json"} == {p.name for p in (kept / "in").iterdir()}
     sandbox._sweep_orphans.cache_clear()
+
+
+def test_the_interpreters_size_prediction_follows_torch_broadcasting():
+    import random
+
+    from kvsieve.evolve.interpreter import _broadcast_numel
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        shapes = [tuple(rng.choice([1, 2, 3]) for _ in range(rng.randint(0, 4))) for _ in range(rng.randint(1, 3))]
+        try:
+            expected = torch.Size(torch.broadcast_shapes(*shapes)).numel()
+        except RuntimeError:  # not broadcastable: the largest operand (the operation refuses them itself)
+            expected = max(torch.Size(s).numel() for s in shapes)
+        assert _broadcast_numel(shapes) == expected, shapes
+
+
+def test_interpreted_scores_equal_plain_tensor_maths():
+    """The interpreter computes what the same expressions compute when written out by hand."""
+    f = synthetic_features(4, group=3, n=300, window=WINDOW)
+    a = f.attn.mean(dim=2)
+    expected = 0.4 * (a / a.mean(dim=-1, keepdim=True).clamp_min(1e-12)) + torch.where(
+        f.key_norm > 10.0, f.key_norm, -f.value_norm) ** 2
+    source = body("a = group_mean(f.attn)", "x = torch.where(f.key_norm > 10.0, f.key_norm, -f.value_norm)",
+                  "return 0.4 * unit_mean(a) + x ** 2")
+    assert torch.allclose(ScoreProgram(source)(f), expected, rtol=0, atol=0)

@@ -572,11 +572,7 @@ class _Run:
     def bound(self, node: ast.AST, values: list) -> int:
         """Elements of the broadcast result of ``values`` (an upper bound for every allowed operation)."""
         shapes = [tuple(v.shape) for v in values if isinstance(v, torch.Tensor)]
-        try:
-            shape = torch.broadcast_shapes(*shapes)
-        except RuntimeError:
-            return max(math.prod(s) for s in shapes)  # the operation itself will refuse the shapes
-        return math.prod(shape)
+        return _broadcast_numel(shapes) if shapes else 0
 
     def spend(self, node: ast.AST, elements: int) -> None:
         if elements > self.limits.max_elements:
@@ -600,6 +596,21 @@ class _Builtin:
 
     def __init__(self, name: str) -> None:
         self.name = name
+
+
+def _broadcast_numel(shapes: list[tuple[int, ...]]) -> int:
+    """Elements of the broadcast of ``shapes`` (NumPy rules); the largest operand when they do not broadcast
+    (the operation itself will then refuse them)."""
+    out: list[int] = []
+    for shape in shapes:
+        for i, size in enumerate(reversed(shape)):
+            if i == len(out):
+                out.append(size)
+            elif out[i] == 1:
+                out[i] = size
+            elif size not in (1, out[i]):
+                return max(math.prod(s) for s in shapes)
+    return math.prod(out)
 
 
 def _plain(value: object) -> bool:
