@@ -206,3 +206,23 @@ def test_the_grid_refuses_a_learned_checkpoint_on_another_model_of_its_geometry(
     for name in ("", "smollm2-135m-instruct"):
         with pytest.raises(ValueError, match="was trained for model 'smollm2-135m-instruct'"):
             evaluate_sample(model, CharTokenizer(), sample, cells, name)
+
+
+def test_a_grid_reads_the_second_layout_beside_the_first():
+    # fmt2: tasks come from tasks/ruler_alt.py, written apart from ruler.py, so no policy is tuned to one layout
+    from conftest import CharTokenizer
+
+    from kvsieve.tasks import task_family
+    from kvsieve.tasks.load import load_samples
+
+    config = GridConfig(tasks=["niah_single_1", "fmt2:niah_single_1"], lengths=[480], samples=1,
+                        policies=["full"])
+    validate(config)
+    samples = list(load_samples(config.sample_spec(), CharTokenizer()))
+    assert [s.task for s in samples] == ["niah_single_1", "fmt2:niah_single_1"]
+    first, second = samples
+    assert second.answer_prefix.startswith(" ") and second.context.endswith("\n")
+    assert first.question != second.question or first.context != second.context
+    assert task_family("fmt2:niah_single_1") == task_family("niah_single_1") == "retrieval"
+    with pytest.raises(ValueError, match="unknown task.*'fmt3:vt'.*fmt2:niah_single_1"):
+        validate(GridConfig(tasks=["fmt3:vt"], lengths=[480], policies=["full"]))

@@ -6,8 +6,7 @@ from pathlib import Path
 
 from kvsieve.models import check_length
 from kvsieve.selection import Budget
-from kvsieve.tasks import TASKS
-from kvsieve.tasks.load import read_samples
+from kvsieve.tasks.load import ALL_TASKS, read_samples
 
 __all__ = ["validate"]
 
@@ -55,9 +54,9 @@ def validate(config) -> None:
         return
     if not config.tasks:
         raise ValueError("the grid is empty: give at least one task")
-    unknown = [t for t in config.tasks if t not in TASKS]
+    unknown = [t for t in config.tasks if t not in ALL_TASKS]
     if unknown:
-        raise ValueError(f"unknown task(s) {', '.join(map(repr, unknown))}; available: {', '.join(TASKS)}")
+        raise ValueError(f"unknown task(s) {', '.join(map(repr, unknown))}; available: {', '.join(ALL_TASKS)}")
     if not config.lengths:
         raise ValueError("the grid is empty: give at least one length")
     for length in config.lengths:

@@ -13,13 +13,22 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kvsieve.prompt import build_prompt
+from kvsieve.tasks import ruler, ruler_alt
 from kvsieve.tasks.longbench import load_longbench
-from kvsieve.tasks.ruler import generate, generate_many
 from kvsieve.tasks.sample import Sample, read_jsonl
 
-__all__ = ["SampleSpec", "load_samples", "read_samples", "template_overhead", "DEFAULT_SAMPLES"]
+__all__ = ["SampleSpec", "ALL_TASKS", "generator_for", "load_samples", "read_samples", "template_overhead",
+           "DEFAULT_SAMPLES"]
 
 DEFAULT_SAMPLES = 5  # generated samples per task and length when a spec does not say
+# every generated task: the first layout's names (ruler.py), then the second, independently written
+# layout's (ruler_alt.py, ``fmt2:...``), so no policy is tuned to one layout
+ALL_TASKS: tuple[str, ...] = tuple(ruler.TASKS) + tuple(ruler_alt.TASKS)
+
+
+def generator_for(task: str):
+    """The generator of a task name: ``fmt2:...`` from the second layout, the rest from the first."""
+    return ruler_alt.generate if ruler_alt.is_alt_task(task) else ruler.generate
 
 
 @dataclass
@@ -41,7 +50,7 @@ def template_overhead(tokenizer, task: str, seed: int) -> int:
     def count(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    sample = next(generate_many([task], 2048, 1, seed, count))
+    sample = generator_for(task)(task, 2048, seed, count)
     prompt = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
     total = prompt.context_ids.shape[1] + prompt.question_ids.shape[1]
     return total - count(sample.context) + 8  # margin: keys differ in length between seeds
@@ -84,4 +93,4 @@ def load_samples(spec: SampleSpec, tokenizer) -> Iterator[Sample]:
     for length in spec.lengths:
         for i in range(DEFAULT_SAMPLES if spec.samples is None else spec.samples):
             for task in spec.tasks:
-                yield generate(task, length, spec.seed + i, count, overhead[task])
+                yield generator_for(task)(task, length, spec.seed + i, count, overhead[task])

@@ -72,7 +72,9 @@ class _Spec:
 
 
 def task_family(task: str) -> str:
-    """RULER's task category (retrieval, multi-hop tracing, aggregation, qa); other tasks are their own family."""
+    """RULER's task category (retrieval, multi-hop tracing, aggregation, qa); other tasks are their own family.
+    A task of the second layout (``fmt2:niah_single_1``) is in its base task's family."""
+    task = task.split(":", 1)[1] if task.startswith("fmt2:") else task
     if task.startswith("niah_"):
         return "retrieval"
     return {"vt": "multi_hop", "cwe": "aggregation", "fwe": "aggregation", "qa_1": "qa", "qa_2": "qa"}.get(task, task)
