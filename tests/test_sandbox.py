@@ -487,6 +487,23 @@ def test_corpus_process_layer_alone(name, tmp_path, features_path, long_features
     assert (result.status, reason in result.reason) == (status, True), (result.status, result.reason)
 
 
+# the cases the issue found getting through at the "network" and "none" levels
+WITHOUT_NAMESPACES = ["open outside", "escape, then os.open", "host unix socket", "setsid child outlives the run",
+                      "kill the parent", "pidfd signal to the parent", "memfd holds memory", "fallocate reserves disk",
+                      "raw block device", "torch.from_file reads a secret", "audit hook switched off via its globals"]
+
+
+@pytest.mark.parametrize("name", WITHOUT_NAMESPACES)
+def test_corpus_process_layer_alone_without_namespaces(name, tmp_path, monkeypatch, features_path, long_features_path):
+    """The same cases at isolation "none" (no unshare at all): seccomp, the audit hook and the limits alone."""
+    monkeypatch.setenv("KVSIEVE_SANDBOX_ISOLATION", "none")
+    case = CORPUS[name]
+    result = _sandboxed(case, tmp_path, {"short": features_path, "long": long_features_path}, raw=True)
+    status, reason = case.process
+    assert result.isolation.startswith("none")
+    assert (result.status, reason in result.reason) == (status, True), (result.status, result.reason)
+
+
 @pytest.mark.parametrize("name", list(CORPUS))
 def test_corpus_both_layers(name, tmp_path, features_path, long_features_path):
     case = CORPUS[name]
