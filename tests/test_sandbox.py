@@ -288,8 +288,10 @@ def test_a_sleeper_cannot_hang_a_program_policy():
     assert time.perf_counter() - start < 5
     busy = body("x = f.key_norm", "for i in range(4000):", "    x = torch.softmax(x + f.value_norm, dim=-1)",
                 "return x")
-    with pytest.raises(RuntimeError, match="limit: running longer than 0.2 s"):
-        ProgramPolicy(source=busy, window=4, deadline_s=0.2).score(_signals(100000))
+    with pytest.raises(RuntimeError, match="limit: running longer than 0.05 s"):
+        ProgramPolicy(source=busy, window=4, deadline_s=0.05).score(_signals(100000))
+    with pytest.raises(RuntimeError, match="limit: more than 268435456 elements of tensor work"):
+        ProgramPolicy(source=busy, window=4, deadline_s=600).score(_signals(100000))
 
 
 def _signals(n: int) -> Signals:

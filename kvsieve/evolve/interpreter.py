@@ -53,7 +53,7 @@ class Limits:
     """
 
     max_elements: int = 1 << 24
-    max_work: int = 1 << 30
+    max_work: int = 1 << 28
     max_ops: int = 1_000_000
     max_int_bits: int = 64
     max_sequence: int = 4096
