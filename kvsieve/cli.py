@@ -227,6 +227,7 @@ def cmd_certify(args) -> int:
 
 def cmd_evolve(args) -> int:
     from kvsieve.evolve.run import run_evolution
+    from kvsieve.evolve.sandbox import SandboxUnavailable
     from kvsieve.evolve.search import load_config
     from kvsieve.models import check_length
 
@@ -234,9 +235,12 @@ def cmd_evolve(args) -> int:
                          strategy=args.strategy, mutator=args.llm, llm_base_url=args.llm_base_url,
                          llm_model=args.llm_model, llm_api_key_env=args.llm_api_key_env, db=args.db, out=args.out,
                          time_budget_s=args.time_budget, executor=args.executor, ray_address=args.ray_address,
-                         workers=args.workers)
+                         workers=args.workers, sandbox=args.sandbox)
     check_length(config.model, config.length)
-    result = run_evolution(config)
+    try:
+        result = run_evolution(config)
+    except SandboxUnavailable as err:  # the machine cannot run the sandbox: not a candidate's fault
+        raise ValueError(f"the sandbox cannot run here: {err}") from None
     if result.best is not None:
         print(f"best program #{result.best.id}: dev score {result.best.score:.1f}, held-out "
               f"{result.heldout.get(result.best.id, float('nan')):.1f} -> {result.best_path}")
@@ -368,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llm-api-key-env", help="environment variable holding the API key (default OPENAI_API_KEY)")
     p.add_argument("--db", help="program database (SQLite); rerun the same command to resume")
     p.add_argument("--out", help="folder for best.py, report.md, progress.png")
+    p.add_argument("--sandbox", choices=("default", "strict"), help="strict: refuse to run unless the sandbox "
+                   "has full isolation (docs/security.md); default: warn loudly when it is weaker")
     _add_executor_flags(p)
     p.set_defaults(func=cmd_evolve)
     p = sub.add_parser("train", help="train a learned eviction policy (REINFORCE on a per-step KL reward; resumes "
