@@ -38,9 +38,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
             data = yaml.safe_load(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError, ValueError) as err:
-        raise ValueError(f"config file {path}: {err}") from None
+        raise ValueError(f"config file {path}: cannot read it: {err}") from None
     except Exception as err:  # yaml.YAMLError, without importing yaml for the other formats
-        raise ValueError(f"config file {path}: {err}") from None
+        raise ValueError(f"config file {path}: cannot read it: {err}") from None
     if not isinstance(data, dict):
         raise ValueError(f"config file {path}: expected a table of keys, got {type(data).__name__}")
     return data

@@ -15,12 +15,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from kvsieve.evolve.config import EvolveConfig, load_config
 from kvsieve.evolve.database import ProgramDatabase, behaviour_cell
 from kvsieve.evolve.features import synthetic_features
 from kvsieve.evolve.interpreter import ScoreProgram
-from kvsieve.evolve.mutate import OPERATIONS, StructuralMutator
+from kvsieve.evolve.mutators.structural import OPERATIONS, StructuralMutator
 from kvsieve.evolve.program import Program, ProgramError, parse_selection
-from kvsieve.evolve.search import EvolveConfig, load_config
 from kvsieve.evolve.seeds import SEEDS
 from kvsieve.evolve.static import check_source
 

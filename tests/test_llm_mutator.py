@@ -13,15 +13,9 @@ import pytest
 import torch
 
 from kvsieve.evolve import features as feats
-from kvsieve.evolve.llm import (
-    LocalLLMMutator,
-    OpenAIMutator,
-    _SeededSampler,
-    apply_search_replace,
-    build_messages,
-    extract_program,
-    interface_doc,
-)
+from kvsieve.evolve.mutators.local_model import LocalLLMMutator, _SeededSampler
+from kvsieve.evolve.mutators.openai_compatible import OpenAIMutator
+from kvsieve.evolve.mutators.prompting import apply_search_replace, build_messages, extract_program, interface_doc
 from kvsieve.evolve.program import SELECTION_RANGES, Program
 
 PARENT = Program('"""Window attention."""\nSELECTION = {"chunk_size": 1, "sink": 0}\n\n\ndef score(f):\n'

@@ -214,11 +214,11 @@ def evolve_executor(cluster, tmp_path_factory):
 def test_evolution_on_ray_stores_the_local_executors_rows(evolve_executor, tmp_path):
     from test_evolve import tiny_model_and_tokenizer, tiny_run_config
 
+    from kvsieve.evolve.config import dev_samples
     from kvsieve.evolve.database import ProgramDatabase
     from kvsieve.evolve.evaluate import DevSet
     from kvsieve.evolve.executor import LocalExecutor
-    from kvsieve.evolve.mutate import StructuralMutator
-    from kvsieve.evolve.run import dev_samples
+    from kvsieve.evolve.mutators.structural import StructuralMutator
     from kvsieve.evolve.search import evolve
 
     results = {}
@@ -268,7 +268,7 @@ def test_a_candidate_that_kills_its_sandbox_leaves_the_actor_alive(evolve_execut
 
 def test_executor_flags_are_checked():
     from kvsieve.cli import main
-    from kvsieve.evolve.search import EvolveConfig
+    from kvsieve.evolve.config import EvolveConfig
     from kvsieve.harness.run import make_grid_executor
 
     assert isinstance(make_grid_executor("ray", "auto", 3), RayGridExecutor)

@@ -17,10 +17,10 @@ import os
 from collections.abc import Callable
 
 from kvsieve.distributed.actors import RayActors
+from kvsieve.evolve.config import EvolveConfig, dev_samples
 from kvsieve.evolve.evaluate import DevSet, Evaluation, evaluate_program
 from kvsieve.evolve.program import Program
 from kvsieve.evolve.sandbox import SandboxLimits
-from kvsieve.evolve.search import EvolveConfig
 from kvsieve.models import load, resolve_dtype
 
 __all__ = ["RayExecutor", "EvolveWorker"]
@@ -31,8 +31,6 @@ class EvolveWorker:
 
     def __init__(self, factory: Callable, config: EvolveConfig, threads: int) -> None:
         import torch
-
-        from kvsieve.evolve.run import dev_samples
 
         torch.set_num_threads(max(1, int(threads)))
         model, tokenizer = factory()

@@ -9,8 +9,9 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
+from kvsieve.evolve.config import EvolveConfig
 from kvsieve.evolve.database import ProgramDatabase
-from kvsieve.evolve.search import EvolveConfig, generation_summary
+from kvsieve.evolve.search import generation_summary
 
 __all__ = ["diagnostics", "write_report", "plot_progress"]
 

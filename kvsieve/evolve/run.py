@@ -6,18 +6,19 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvsieve.evolve.config import EvolveConfig, dev_samples
 from kvsieve.evolve.database import ProgramDatabase, ProgramRecord
 from kvsieve.evolve.evaluate import DevSet, evaluate_program
 from kvsieve.evolve.executor import LocalExecutor
-from kvsieve.evolve.mutate import Mutator, StructuralMutator
+from kvsieve.evolve.mutators import make_mutator
 from kvsieve.evolve.program import Program
+from kvsieve.evolve.ray_executor import RayExecutor
 from kvsieve.evolve.report import write_report
 from kvsieve.evolve.sandbox import SandboxLimits, require_isolation
-from kvsieve.evolve.search import EvolveConfig, evolve, export_best
+from kvsieve.evolve.search import evolve, export_best
 from kvsieve.models import load
-from kvsieve.tasks.load import SampleSpec, load_samples
 
-__all__ = ["EvolveResult", "run_evolution", "make_mutator"]
+__all__ = ["EvolveResult", "run_evolution"]
 
 
 @dataclass
@@ -26,25 +27,6 @@ class EvolveResult:
     best_path: Path | None
     report: Path
     heldout: dict[int, float]
-
-
-def make_mutator(config: EvolveConfig, model=None, tokenizer=None) -> Mutator:
-    if config.mutator == "structural":
-        return StructuralMutator()
-    from kvsieve.evolve.llm import LocalLLMMutator, OpenAIMutator
-
-    if config.mutator == "local":
-        same = config.local_model == config.model and model is not None
-        return LocalLLMMutator(model_name=config.local_model, model=model if same else None,
-                               tokenizer=tokenizer if same else None, dtype=config.dtype,
-                               max_new_tokens=config.llm_max_new_tokens)
-    return OpenAIMutator(config.llm_base_url, config.llm_model, api_key_env=config.llm_api_key_env,
-                         edit_format=config.llm_edit_format, max_tokens=config.llm_max_new_tokens)
-
-
-def dev_samples(config: EvolveConfig, tokenizer, seed: int, per_task: int):
-    spec = SampleSpec(model=config.model, tasks=config.tasks, lengths=[config.length], samples=per_task, seed=seed)
-    return list(load_samples(spec, tokenizer))
 
 
 def run_evolution(config: EvolveConfig, progress: bool = True, model=None, tokenizer=None) -> EvolveResult:
@@ -66,8 +48,6 @@ def run_evolution(config: EvolveConfig, progress: bool = True, model=None, token
                      config.ratios, config.window, workdir, progress=progress)
         limits = SandboxLimits(timeout_s=config.sandbox_timeout_s, memory_mb=config.sandbox_memory_mb)
         if config.executor == "ray":  # actors build their own model and dev set; the database stays here
-            from kvsieve.evolve.ray_executor import RayExecutor
-
             executor = RayExecutor(config, limits, address=config.ray_address, workers=config.workers)
         else:
             executor = LocalExecutor(dev, limits)

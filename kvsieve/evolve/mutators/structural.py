@@ -3,7 +3,7 @@
 The default, :class:`StructuralMutator`, needs no language model: it edits the syntax tree of the
 parent's ``score`` (swap, add or drop signals, change pooling and kernel sizes, constants and
 combination operators, crossover with an inspiration) and its ``SELECTION``. Every choice comes from
-the ``rng`` the loop passes, so a run is reproducible. LLM mutators live in ``llm.py``.
+the ``rng`` the loop passes, so a run is reproducible. LLM mutators: ``local_model.py``, ``openai_compatible.py``.
 """
 
 from __future__ import annotations
@@ -11,19 +11,10 @@ from __future__ import annotations
 import ast
 import copy
 import random
-from typing import Protocol
 
 from kvsieve.evolve.program import Program, ProgramError
 
-__all__ = ["Mutator", "StructuralMutator", "OPERATIONS"]
-
-
-class Mutator(Protocol):
-    """Anything that proposes a child source. ``None`` means no usable proposal (counted, never fatal)."""
-
-    name: str
-
-    def propose(self, parent: Program, inspirations: list[Program], rng: random.Random) -> Program | None: ...
+__all__ = ["StructuralMutator", "OPERATIONS"]
 
 
 # Signals a term can add, each (b, h, n) or broadcastable to it.

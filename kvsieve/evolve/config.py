@@ -1,0 +1,99 @@
+"""One evolution run's configuration (the file ``kvsieve evolve --config`` reads) and its dev samples."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kvsieve.config import load_config as load_config_file
+from kvsieve.evolve.seeds import SEEDS
+from kvsieve.tasks.load import SampleSpec, load_samples
+
+__all__ = ["EvolveConfig", "load_config", "dev_samples"]
+
+
+@dataclass
+class EvolveConfig:
+    """One evolution run; the file ``kvsieve evolve --config`` reads (TOML or JSON) has these keys."""
+
+    model: str = "smollm2-135m-instruct"
+    tasks: list[str] = field(default_factory=lambda: ["niah_single_1", "niah_single_2", "niah_single_3",
+                                                       "niah_multikey_1"])
+    length: int = 2048
+    ratios: list[float] = field(default_factory=lambda: [0.75, 0.875])
+    dev_samples: int = 2  # per task; seeds dev_seed.. (evaluation grids use seeds 0..)
+    dev_seed: int = 1000
+    heldout_samples: int = 2  # per task, for the dev/held-out gap of the best programs
+    heldout_seed: int = 2000
+    window: int = 64
+    dtype: str = "auto"
+    seed: int = 0
+    candidates: int = 200  # programs evaluated (duplicates and unusable proposals do not count)
+    time_budget_s: float | None = None
+    strategy: str = "evolve"  # or "best_of_n"
+    islands: int = 2
+    per_island: int = 4  # children per island and generation
+    migration_interval: int = 5  # generations between copies of each island's best to the next island
+    exploit: float = 0.6  # probability that the parent is the island's best (else a random elite)
+    inspirations: int = 2
+    seed_programs: list[str] = field(default_factory=lambda: ["snapkv"])
+    mutator: str = "structural"  # "structural" | "local" | "openai"
+    local_model: str = "qwen2.5-coder-0.5b-instruct"
+    llm_max_new_tokens: int = 384
+    llm_base_url: str = ""
+    llm_model: str = ""
+    llm_api_key_env: str = "OPENAI_API_KEY"
+    llm_edit_format: str = "block"
+    sandbox_timeout_s: float = 120.0
+    sandbox_memory_mb: int = 4096
+    max_gap_factor: float = 2.0  # stage 2 rejects a proxy gap above this many times the seeds' worst
+    plateau_generations: int = 5
+    db: str = "results/evolve/run.sqlite"
+    out: str = "results/evolve"
+    sandbox: str = "default"  # "strict": refuse below full isolation (docs/security.md); not part of the identity
+    executor: str = "local"  # "local" (this process) or "ray" (evolve/ray_executor.py); not part of the run's identity
+    ray_address: str | None = None  # with executor "ray": None starts a local Ray instance; "auto" or "HOST:PORT"
+    workers: int | None = None  # with executor "ray": actors (default: the cluster's CPUs)
+
+    def __post_init__(self) -> None:
+        if self.strategy not in ("evolve", "best_of_n"):
+            raise ValueError(f"strategy must be 'evolve' or 'best_of_n', got {self.strategy!r}")
+        if self.mutator not in ("structural", "local", "openai"):
+            raise ValueError(f"mutator must be 'structural', 'local' or 'openai', got {self.mutator!r}")
+        if self.mutator == "openai" and not (self.llm_base_url and self.llm_model):
+            raise ValueError("the openai mutator needs llm_base_url and llm_model (--llm-base-url, --llm-model)")
+        if self.sandbox not in ("default", "strict"):
+            raise ValueError(f"sandbox must be 'default' or 'strict', got {self.sandbox!r}")
+        for name in ("candidates", "islands", "per_island", "migration_interval", "dev_samples", "heldout_samples",
+                     "plateau_generations", "length", "window", "llm_max_new_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        unknown = [s for s in self.seed_programs if s not in SEEDS and not Path(s).is_file()]
+        if unknown or not self.seed_programs:
+            raise ValueError(f"seed programs {unknown or '[]'} are neither seed names ({', '.join(SEEDS)}) nor files")
+        if not 0.0 <= self.exploit <= 1.0:
+            raise ValueError(f"exploit must be in [0, 1], got {self.exploit!r}")
+        if self.executor not in ("local", "ray"):
+            raise ValueError(f"executor must be 'local' or 'ray', got {self.executor!r}")
+        if self.executor == "local" and (self.ray_address is not None or self.workers is not None):
+            raise ValueError("ray_address and workers need executor 'ray' (--executor ray)")
+        if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)
+                                         or self.workers < 1):
+            raise ValueError(f"workers must be an int >= 1, got {self.workers!r}")
+
+    def identity(self) -> dict:
+        """What makes two runs the same run (the database refuses to resume under another)."""
+        where = ("db", "out", "llm_api_key_env", "executor", "ray_address", "workers", "sandbox")  # same anywhere
+        return {k: v for k, v in asdict(self).items() if k not in where}
+
+
+def load_config(path: str | None, **overrides) -> EvolveConfig:
+    """An :class:`EvolveConfig` from a TOML, JSON or YAML file (unknown keys are an error), then non-None
+    overrides; errors name the file (:mod:`kvsieve.config`)."""
+    return load_config_file(EvolveConfig, path, **overrides)
+
+
+def dev_samples(config: EvolveConfig, tokenizer, seed: int, per_task: int):
+    spec = SampleSpec(model=config.model, tasks=config.tasks, lengths=[config.length], samples=per_task, seed=seed)
+    return list(load_samples(spec, tokenizer))

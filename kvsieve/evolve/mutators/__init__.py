@@ -1,0 +1,31 @@
+"""Mutators: propose a child program from a parent and a few inspirations, one back end per file.
+
+- ``structural.py``: edits of the syntax tree, no language model (the default);
+- ``local_model.py``: an in-process causal LM (the bundled coder model);
+- ``openai_compatible.py``: any OpenAI-compatible endpoint.
+
+All implement :class:`~kvsieve.evolve.mutators.base.Mutator`; ``prompting.py`` holds what the two LLM
+back ends share. :func:`make_mutator` builds the one a config names.
+"""
+
+from __future__ import annotations
+
+from kvsieve.evolve.config import EvolveConfig
+from kvsieve.evolve.mutators.base import Mutator
+from kvsieve.evolve.mutators.local_model import LocalLLMMutator
+from kvsieve.evolve.mutators.openai_compatible import OpenAIMutator
+from kvsieve.evolve.mutators.structural import StructuralMutator
+
+__all__ = ["Mutator", "StructuralMutator", "LocalLLMMutator", "OpenAIMutator", "make_mutator"]
+
+
+def make_mutator(config: EvolveConfig, model=None, tokenizer=None) -> Mutator:
+    if config.mutator == "structural":
+        return StructuralMutator()
+    if config.mutator == "local":
+        same = config.local_model == config.model and model is not None
+        return LocalLLMMutator(model_name=config.local_model, model=model if same else None,
+                               tokenizer=tokenizer if same else None, dtype=config.dtype,
+                               max_new_tokens=config.llm_max_new_tokens)
+    return OpenAIMutator(config.llm_base_url, config.llm_model, api_key_env=config.llm_api_key_env,
+                         edit_format=config.llm_edit_format, max_tokens=config.llm_max_new_tokens)
