@@ -50,7 +50,7 @@ STAGES = ("static", "invariants", "proxy", "task")
 
 
 @dataclass
-class _DevSample:
+class DevSample:
     sample: Sample
     prompt: Prompt
     cache: object  # the full context cache, never modified (cells prune clones)
@@ -97,7 +97,7 @@ class DevSet:
         self.workdir = Path(workdir if workdir is not None else self._tmp.name)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.capture = FullCache(window=window)
-        self.items: list[_DevSample] = []
+        self.items: list[DevSample] = []
         features: dict[str, Features] = {}
         from tqdm import tqdm
 
@@ -110,9 +110,9 @@ class DevSet:
                 signals = layer_signals(layer, layer_idx, len(layers), window=window)
                 features[f"s{i}-l{layer_idx}"] = Features.from_signals(signals)
             answer = answer_token_ids(tokenizer, sample)
-            item = _DevSample(sample, prompt, cache, answer, 0.0, 0.0)
-            item.full_logprob = self._answer_logprob(item, clone_cache(cache))
-            item.full_score = self._task_score(item, clone_cache(cache))
+            item = DevSample(sample, prompt, cache, answer, 0.0, 0.0)
+            item.full_logprob = self.answer_logprob(item, clone_cache(cache))
+            item.full_score = self.task_score(item, clone_cache(cache))
             self.items.append(item)
         self.num_layers = len(layers)
         self.features_path = self.workdir / "features.safetensors"
@@ -123,7 +123,8 @@ class DevSet:
         return statistics.fmean(item.full_score for item in self.items)  # metric scores are 0..100
 
     @torch.no_grad()
-    def _answer_logprob(self, item: _DevSample, cache) -> float:
+    def answer_logprob(self, item: DevSample, cache) -> float:
+        """Mean log-probability of the reference answer, teacher-forced on ``cache`` (stage 2's proxy)."""
         question = item.prompt.question_ids
         ids = torch.cat([question, item.answer_ids], dim=1)
         with attach(self.model, self.capture, ratio=0.0):
@@ -133,7 +134,8 @@ class DevSet:
         return float(predicted.gather(-1, item.answer_ids[0][:, None]).mean())
 
     @torch.no_grad()
-    def _task_score(self, item: _DevSample, cache) -> float:
+    def task_score(self, item: DevSample, cache) -> float:
+        """The task metric of the greedy answer decoded on ``cache`` (stage 3)."""
         with attach(self.model, self.capture, ratio=0.0):
             logits = self.model(input_ids=item.prompt.question_ids, cache=cache, use_cache=True,
                                 logits_to_keep=1).logits[:, -1]
@@ -215,7 +217,7 @@ def _stages_2_and_3(program: Program, dev: DevSet, result, max_gap: float | None
     gaps = []
     for i, item in enumerate(dev.items):
         for ratio in dev.ratios:
-            gaps.append(item.full_logprob - dev._answer_logprob(item, dev.compressed(i, policies[i], ratio)))
+            gaps.append(item.full_logprob - dev.answer_logprob(item, dev.compressed(i, policies[i], ratio)))
     proxy = statistics.fmean(gaps)
     if max_gap is not None and proxy > max_gap:
         return Evaluation("proxy_rejected", 1, f"answer log-likelihood gap {proxy:.3f} > {max_gap:.3f} nats/token",
@@ -224,7 +226,7 @@ def _stages_2_and_3(program: Program, dev: DevSet, result, max_gap: float | None
     cells = {}
     for i, item in enumerate(dev.items):
         for ratio in dev.ratios:
-            cells[f"{i}/{ratio}"] = dev._task_score(item, dev.compressed(i, policies[i], ratio))
+            cells[f"{i}/{ratio}"] = dev.task_score(item, dev.compressed(i, policies[i], ratio))
     score = statistics.fmean(cells.values())
     return Evaluation("ok", 3, proxy=proxy, score=score, cells=cells, degenerate=degenerate,
                       seconds=time.perf_counter() - start, sandbox_seconds=result.seconds)
