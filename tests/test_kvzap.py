@@ -147,10 +147,16 @@ def test_training_lowers_the_heldout_loss_below_a_constant_predictors(trained):
     assert losses["mlp"] < 0.8 * losses["constant"], losses
     # both losses recomputed here from the saved rows: the last 10 sequences held out, the constant predictor
     # the training rows' mean per layer and head, the linear variant a plain matmul on standardised inputs
+    import json
+
+    from safetensors import safe_open
     from safetensors.numpy import load_file
 
-    files = sorted((result.out / "kvzap-data").glob("*.safetensors"))
-    rows = [load_file(str(f)) for f in files]
+    by_name = {}
+    for f in (result.out / "kvzap-data").glob("*.safetensors"):
+        with safe_open(str(f), framework="np") as handle:
+            by_name[json.loads(handle.metadata()["key"])["name"]] = f
+    rows = [load_file(str(by_name[e.name])) for _, e in episodes]  # in the training order
     x_tr = np.concatenate([r["inputs"] for r in rows[:30]], axis=1).astype(np.float64)
     y_tr = np.concatenate([r["targets"] for r in rows[:30]], axis=1).astype(np.float64)
     x_te = np.concatenate([r["inputs"] for r in rows[30:]], axis=1).astype(np.float64)
@@ -159,6 +165,7 @@ def test_training_lowers_the_heldout_loss_below_a_constant_predictors(trained):
     np.testing.assert_allclose(losses["constant"], constant, rtol=1e-4)
     net, meta = load_kvzap(result.policy)
     state = {k: v.double().numpy() for k, v in net.state_dict().items()}
+    np.testing.assert_allclose(state["mean"], x_tr.mean(axis=1), atol=2e-3, rtol=2e-3)  # the training rows'
     z = (x_te - state["mean"][:, None]) / state["std"][:, None]
     pred = np.einsum("lnd,ldh->lnh", z, state["linear_weight"]) + state["linear_bias"][:, None]
     assert ((pred - y_te) ** 2).mean() < 0.9 * constant  # float16 weights in the file: close to the reported loss

@@ -123,7 +123,9 @@ class KVzapNetConfig:
 
 
 class KVzapNet(nn.Module):
-    """Per layer: standardise the input, then a linear map and a one-hidden-layer GELU MLP to ``h`` outputs.
+    """Per layer: standardise the input, then a linear map (``linear``) and, for ``mlp``, the linear map plus a
+    one-hidden-layer GELU MLP on top of it (a residual: trained after the ridge fit, it starts where the linear
+    variant ends, so little data cannot leave it far worse), to ``h`` outputs.
 
     Parameters are stacked over layers ((L, D, H) ...), so training fits every layer at once with batched
     matmuls; the layers share nothing, so that is the same as fitting each alone.
@@ -149,10 +151,11 @@ class KVzapNet(nn.Module):
     def forward_all(self, x: torch.Tensor, variant: str) -> torch.Tensor:
         """(L, N, D) raw inputs, one row set per layer -> (L, N, H) predicted log scores."""
         z = self.standardise(x, slice(None))
+        linear = torch.baddbmm(self.linear_bias[:, None, :], z, self.linear_weight)
         if variant == "linear":
-            return torch.baddbmm(self.linear_bias[:, None, :], z, self.linear_weight)
+            return linear
         hidden = nn.functional.gelu(torch.baddbmm(self.mlp_b1[:, None, :], z, self.mlp_w1))
-        return torch.baddbmm(self.mlp_b2[:, None, :], hidden, self.mlp_w2)
+        return linear + torch.baddbmm(self.mlp_b2[:, None, :], hidden, self.mlp_w2)
 
     def forward(self, x: torch.Tensor, layer: int, variant: str = "mlp") -> torch.Tensor:
         """(..., D) raw inputs of ``layer`` -> (..., H) predicted log KVzip scores."""
@@ -161,9 +164,11 @@ class KVzapNet(nn.Module):
         if not 0 <= layer < self.config.num_layers:
             raise ValueError(f"layer {layer} is outside the surrogate's {self.config.num_layers} layers")
         z = self.standardise(x, layer)
+        linear = z @ self.linear_weight[layer] + self.linear_bias[layer]
         if variant == "linear":
-            return z @ self.linear_weight[layer] + self.linear_bias[layer]
-        return nn.functional.gelu(z @ self.mlp_w1[layer] + self.mlp_b1[layer]) @ self.mlp_w2[layer] + self.mlp_b2[layer]
+            return linear
+        hidden = nn.functional.gelu(z @ self.mlp_w1[layer] + self.mlp_b1[layer])
+        return linear + hidden @ self.mlp_w2[layer] + self.mlp_b2[layer]
 
     def num_parameters(self, variant: str) -> int:
         names = ("linear_weight", "linear_bias") if variant == "linear" else ("mlp_w1", "mlp_b1", "mlp_w2", "mlp_b2")

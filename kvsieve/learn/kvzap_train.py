@@ -14,8 +14,9 @@
    stopped, and a rerun of a finished one only refits.
 3. **Fit.** The last ``holdout`` share of the sequences (RULER and text alike, interleaved) is held
    out. Per layer, inputs standardised on the training rows; ``linear``: ridge regression in closed
-   form (``alpha = ridge``); ``mlp``: one hidden GELU layer of ``hidden`` units, full-batch Adam for
-   ``steps`` steps at ``lr``. Held-out mean squared error (over layers, heads and positions) of both
+   form (``alpha = ridge``); ``mlp``: that linear map plus a residual of one hidden GELU layer of
+   ``hidden`` units (output weights start at 0), full-batch AdamW (``weight_decay``) for ``steps`` steps
+   at ``lr``. Held-out mean squared error (over layers, heads and positions) of both
    and of a constant predictor (each layer's and head's training mean) goes into the checkpoint's
    metadata and ``report.json``; the default variant is the lower one.
 
@@ -63,6 +64,7 @@ class KVzapTrainConfig:
     steps: int = 400
     lr: float = 3e-3
     ridge: float = 1.0
+    weight_decay: float = 0.1  # AdamW's, on the MLP residual
     holdout: float = 0.2
     out: str = "runs/kvzap"
     dtype: str = "float32"
@@ -217,7 +219,7 @@ def _collect_all(config: KVzapTrainConfig, model, tokenizer, progress: bool,
     for i, (kind, episode) in enumerate(tqdm(episodes, desc="kvzip targets", unit="seq", disable=not progress)):
         key = json.dumps({**config.data_key(), "name": episode.name, "kind": kind,
                           "ids": hashlib.sha256(episode.context.numpy().tobytes()).hexdigest()}, sort_keys=True)
-        path = folder / f"{i:03d}.safetensors"
+        path = folder / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"  # any subset reuses it
         rows = None
         if path.is_file():
             with safe_open(str(path), framework="pt") as handle:
@@ -249,7 +251,7 @@ def _rows(data: list[dict], indices: list[int]) -> tuple[torch.Tensor, torch.Ten
 
 
 def fit(net: KVzapNet, x: torch.Tensor, y: torch.Tensor, x_held: torch.Tensor, y_held: torch.Tensor, steps: int,
-        lr: float, ridge: float, seed: int) -> tuple[dict, list[dict]]:
+        lr: float, ridge: float, seed: int, weight_decay: float = 0.1) -> tuple[dict, list[dict]]:
     """Fit both variants of ``net`` in place on (L, N, D) inputs and (L, N, H) targets; held-out losses and
     the MLP's per-step log."""
     mean, std = x.mean(dim=1), x.std(dim=1).clamp_min(1e-6)
@@ -269,11 +271,11 @@ def fit(net: KVzapNet, x: torch.Tensor, y: torch.Tensor, x_held: torch.Tensor, y
         torch.manual_seed(seed & ((1 << 63) - 1))
         with torch.no_grad():
             net.mlp_w1.copy_(torch.randn_like(net.mlp_w1) / D ** 0.5)
-            net.mlp_w2.copy_(torch.randn_like(net.mlp_w2) / net.config.hidden ** 0.5)
+            net.mlp_w2.zero_()  # the residual starts at 0: the MLP variant starts as the ridge fit
             net.mlp_b1.zero_()
-            net.mlp_b2.copy_(y.mean(dim=1))  # start at the constant predictor
+            net.mlp_b2.zero_()
     params = [net.mlp_w1, net.mlp_b1, net.mlp_w2, net.mlp_b2]
-    optimizer = torch.optim.Adam(params, lr=lr)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     history, start = [], time.perf_counter()
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
@@ -316,7 +318,8 @@ def train_kvzap(config: KVzapTrainConfig, model=None, tokenizer=None, progress: 
     x, y = _rows(data, train_idx)
     x_held, y_held = _rows(data, held_idx)
     net = KVzapNet(KVzapNetConfig(x.shape[0], y.shape[-1], x.shape[-1], config.hidden))
-    losses, history = fit(net, x, y, x_held, y_held, config.steps, config.lr, config.ridge, _hash(config.seed, "init"))
+    losses, history = fit(net, x, y, x_held, y_held, config.steps, config.lr, config.ridge, _hash(config.seed, "init"),
+                          config.weight_decay)
     variant = "mlp" if losses["mlp"] <= losses["linear"] else "linear"
     header = len(ReconstructionPrompt.from_tokenizer(tokenizer).header)
     kinds = sorted({r["kind"] for r in info})
