@@ -106,7 +106,7 @@ def test_crossover_keeps_both_parents_signals():
 
 
 def test_selection_parameters_are_checked():
-    assert parse_selection(SEEDS["frc"]) == {"chunk_size": 4, "sink": 0}
+    assert parse_selection(SEEDS["frc"]) == {"chunk_size": 4, "sink": 0, "allocation": "uniform"}
     with pytest.raises(ProgramError, match="outside the allowed"):
         parse_selection('SELECTION = {"chunk_size": 0}\n')
     with pytest.raises(ProgramError, match="unknown SELECTION key"):
@@ -387,3 +387,38 @@ def test_a_selection_too_big_for_a_dev_budget_is_rejected_not_fatal(tmp_path):
     assert "protects 80 entries (sinks and the window of 16)" in bad.reason and "at ratio 0.9" in bad.reason
     assert seed_rows[0].status == "ok" and result.best is not None
     assert "Sandbox isolation:" in result.report.read_text()
+
+
+def test_allocation_is_a_gene_of_selection_and_holds_the_budget_in_bytes():
+    # issue 21: evolved programs may spread their budget over the heads of a layer or the whole model
+    import random
+
+    import torch
+    from conftest import tiny_model
+
+    import kvsieve
+    from kvsieve.engine.cache import cache_bytes, sieve_layers
+    from kvsieve.evolve.mutators.structural import StructuralMutator
+    from kvsieve.policies.program import ProgramPolicy
+
+    source = ('"""Key norm, spread over the model."""\nSELECTION = {"chunk_size": 1, "sink": 2, '
+              '"allocation": "global"}\n\n\ndef score(f):\n    return f.key_norm\n')
+    assert parse_selection(source)["allocation"] == "global"
+    assert parse_selection('SELECTION = {"sink": 2}\n')["allocation"] == "uniform"  # older programs unchanged
+    with pytest.raises(ProgramError, match=r"'allocation'\] = 'everywhere' is not one of"):
+        parse_selection('SELECTION = {"allocation": "everywhere"}\n')
+    policy = ProgramPolicy(source=source, window=4)
+    assert (policy.selection.allocation, policy.selection.normalization) == ("global", "zscore")
+    model = tiny_model("llama")
+    n, kept = 200, 100
+    with kvsieve.attach(model, policy, ratio=0.5):
+        cache = model(input_ids=torch.randint(0, 128, (1, n)), use_cache=True).past_key_values
+    layers = [layer for _, layer in sieve_layers(cache)]
+    lengths = [length for layer in layers for length in layer.head_lengths]
+    assert sum(lengths) == kept * len(lengths)  # exactly the budget over every head of the model
+    assert len(set(lengths)) > 1  # spread unevenly: what uniform allocation cannot do
+    entry = layers[0].entry_bytes()
+    assert cache_bytes(cache) == sum(lengths) * entry
+    children = {StructuralMutator().propose(Program(source), [], random.Random(s)) for s in range(60)}
+    allocations = {c.selection_params["allocation"] for c in children if c is not None}
+    assert len(allocations) >= 2  # the mutator moves the gene

@@ -22,18 +22,27 @@ from functools import cached_property
 
 from kvsieve.selection import Selection
 
-__all__ = ["Program", "ProgramError", "SELECTION_RANGES", "parse_selection"]
+__all__ = ["Program", "ProgramError", "SELECTION_RANGES", "SELECTION_CHOICES", "parse_selection"]
 
-# name -> (smallest, largest) allowed value
+# name -> (smallest, largest) allowed int
 SELECTION_RANGES = {"chunk_size": (1, 64), "sink": (0, 64)}
+# name -> allowed literal strings, the first the default. "allocation" moves the budget across the
+# heads of a layer ("layer") or the whole model ("global"); a program's scores are then standardised
+# per head first (Selection(normalization="zscore")), since nothing makes them comparable otherwise.
+SELECTION_CHOICES = {"allocation": ("uniform", "layer", "global")}
+
+
+def _defaults() -> dict[str, int | str]:
+    return {**{name: lo for name, (lo, _) in SELECTION_RANGES.items()},
+            **{name: choices[0] for name, choices in SELECTION_CHOICES.items()}}
 
 
 class ProgramError(ValueError):
     """A candidate that is not a well-formed program (the reason says what and where)."""
 
 
-def parse_selection(source: str) -> dict[str, int]:
-    """The ``SELECTION`` literal of a program, checked against ``SELECTION_RANGES``."""
+def parse_selection(source: str) -> dict[str, int | str]:
+    """The ``SELECTION`` literal of a program, checked against ``SELECTION_RANGES`` and ``SELECTION_CHOICES``."""
     try:
         tree = ast.parse(source)
     except SyntaxError as err:
@@ -41,17 +50,23 @@ def parse_selection(source: str) -> dict[str, int]:
     found = [node for node in tree.body if isinstance(node, ast.Assign)
              and any(isinstance(t, ast.Name) and t.id == "SELECTION" for t in node.targets)]
     if not found:
-        return {name: lo for name, (lo, _) in SELECTION_RANGES.items()}
+        return _defaults()
     try:
         params = ast.literal_eval(found[-1].value)
     except ValueError as err:
         raise ProgramError(f"SELECTION must be a literal dict: {err}") from err
     if not isinstance(params, dict):
         raise ProgramError(f"SELECTION must be a dict, got {type(params).__name__}")
-    out = {name: lo for name, (lo, _) in SELECTION_RANGES.items()}
+    out = _defaults()
     for key, value in params.items():
+        if key in SELECTION_CHOICES:
+            if value not in SELECTION_CHOICES[key]:
+                raise ProgramError(f"SELECTION[{key!r}] = {value!r} is not one of {list(SELECTION_CHOICES[key])}")
+            out[key] = value
+            continue
         if key not in SELECTION_RANGES:
-            raise ProgramError(f"unknown SELECTION key {key!r}; allowed: {', '.join(SELECTION_RANGES)}")
+            allowed = ", ".join([*SELECTION_RANGES, *SELECTION_CHOICES])
+            raise ProgramError(f"unknown SELECTION key {key!r}; allowed: {allowed}")
         lo, hi = SELECTION_RANGES[key]
         if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
             raise ProgramError(f"SELECTION[{key!r}] = {value!r} is outside the allowed ints [{lo}, {hi}]")
@@ -64,12 +79,14 @@ class Program:
     source: str
 
     @cached_property
-    def selection_params(self) -> dict[str, int]:
+    def selection_params(self) -> dict[str, int | str]:
         return parse_selection(self.source)
 
     def selection(self, window: int) -> Selection:
         params = self.selection_params
-        return Selection(sink=params["sink"], recent=window, chunk_size=params["chunk_size"])
+        allocation = params["allocation"]
+        return Selection(sink=params["sink"], recent=window, chunk_size=params["chunk_size"], allocation=allocation,
+                         normalization="none" if allocation == "uniform" else "zscore")
 
     @cached_property
     def code_hash(self) -> str:

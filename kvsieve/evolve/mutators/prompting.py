@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from functools import lru_cache
 
 from kvsieve.evolve import features as feats
-from kvsieve.evolve.program import SELECTION_RANGES, Program
+from kvsieve.evolve.program import SELECTION_CHOICES, SELECTION_RANGES, Program
 
 __all__ = ["EDIT_FORMATS", "DEFAULT_LOCAL_MODEL", "CountingMutator", "ScoreLookup", "check_edit_format",
            "interface_doc", "build_messages", "extract_program", "apply_search_replace"]
@@ -81,7 +81,9 @@ def interface_doc() -> str:
         fields.append(f"- {label} ({kind}): {_plain(described)}" if described not in names else f"- {label} ({kind})")
     methods = [f".{m}()" for m in feats.TENSOR_METHODS if m not in ("shape", "values", "indices")]
     attributes = [f".{m}" for m in feats.TENSOR_METHODS if m in ("shape", "values", "indices")]
-    selection = ", ".join(f'"{key}": int in [{lo}, {hi}]' for key, (lo, hi) in SELECTION_RANGES.items())
+    selection = ", ".join([*(f'"{key}": int in [{lo}, {hi}]' for key, (lo, hi) in SELECTION_RANGES.items()),
+                           *(f'"{key}": one of {", ".join(map(repr, choices))}'
+                             for key, choices in SELECTION_CHOICES.items())])
     constants = ", ".join(sorted(getattr(feats, "MATH_CONSTANTS", {})))
     shapes = ", ".join(f"{k} = {v}" for k, v in _SHAPES.items())
     lines = [

@@ -12,7 +12,7 @@ import ast
 import copy
 import random
 
-from kvsieve.evolve.program import Program, ProgramError
+from kvsieve.evolve.program import SELECTION_CHOICES, Program, ProgramError
 
 __all__ = ["StructuralMutator", "OPERATIONS"]
 
@@ -176,7 +176,7 @@ class StructuralMutator:
     def _selection(self, tree, rng, other) -> bool:
         params = dict(Program(ast.unparse(tree)).selection_params)
         key = rng.choice(sorted(params))
-        options = {"chunk_size": (1, 2, 4, 8, 16), "sink": (0, 4, 8, 16)}[key]
+        options = {"chunk_size": (1, 2, 4, 8, 16), "sink": (0, 4, 8, 16), **SELECTION_CHOICES}[key]
         params[key] = rng.choice([v for v in options if v != params[key]])
         assign = ast.parse(f"SELECTION = {params!r}").body[0]
         for i, node in enumerate(tree.body):
