@@ -226,9 +226,9 @@ def cmd_certify(args) -> int:
 
 
 def cmd_evolve(args) -> int:
+    from kvsieve.evolve.config import load_config
     from kvsieve.evolve.run import run_evolution
     from kvsieve.evolve.sandbox import SandboxUnavailable
-    from kvsieve.evolve.config import load_config
     from kvsieve.models import check_length
 
     config = load_config(args.config, model=args.model, candidates=args.candidates, seed=args.seed,
