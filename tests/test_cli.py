@@ -226,3 +226,30 @@ def test_a_grid_reads_the_second_layout_beside_the_first():
     assert task_family("fmt2:niah_single_1") == task_family("niah_single_1") == "retrieval"
     with pytest.raises(ValueError, match="unknown task.*'fmt3:vt'.*fmt2:niah_single_1"):
         validate(GridConfig(tasks=["fmt3:vt"], lengths=[480], policies=["full"]))
+
+
+def test_a_spec_is_parsed_once_per_run(monkeypatch, tmp_path):
+    # issue 19: the spec text used to be parsed five times in four files; now once, when the grid is made
+    from conftest import CharTokenizer, tiny_model
+
+    import kvsieve.harness.grid as grid_module
+    import kvsieve.policies.registry as registry
+    from kvsieve.harness.executor import LocalGridExecutor
+    from kvsieve.harness.run import run_grid
+
+    calls: list[str] = []
+    real = registry.parse
+
+    def counting(text: str):
+        calls.append(text)
+        return real(text)
+
+    monkeypatch.setattr(registry, "parse", counting)
+    monkeypatch.setattr(grid_module, "parse", counting)
+    config = GridConfig(model="tiny", tasks=["niah_single_1"], lengths=[480], samples=2,
+                        policies=["full", "knorm", "snapkv(window=8)"], qa_policies=["oracle"], ratios=[0.5, 0.75],
+                        store=str(tmp_path / "r.sqlite"))
+    executor = LocalGridExecutor(factory=lambda: (tiny_model("llama"), CharTokenizer()))
+    with run_grid(config, progress=False, executor=executor) as store:
+        assert store.count() == 2 * (1 + 2 * 3)
+    assert sorted(calls) == sorted(["full", "knorm", "snapkv(window=8)", "oracle"])
