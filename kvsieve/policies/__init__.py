@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from kvsieve.learn.kvzap import KVzap
 from kvsieve.learn.policy import LearnedPolicy
 from kvsieve.policies.adakv import AdaKV
 from kvsieve.policies.chunkkv import ChunkKV
@@ -29,5 +30,5 @@ __all__ = ["Policy", "PolicySpec", "parse", "get", "names", "families", "registe
            "split_specs"]
 
 for _cls in (FullCache, RandomPolicy, StreamingLLM, KNorm, SnapKV, TOVA, H2O, ExpectedAttention, PyramidKV, AdaKV,
-             ChunkKV, FRC, Oracle, KVzip, ProgramPolicy, LearnedPolicy):
+             ChunkKV, FRC, Oracle, KVzip, ProgramPolicy, LearnedPolicy, KVzap):
     register(_cls)
