@@ -1,6 +1,6 @@
 """What the KVzip surrogate (kvzap) costs next to a plain prefill.
 
-Run: python benchmarks/kvzap_overhead.py --model smollm2-135m --length 2048 --repeats 5
+Run: python benchmarks/kvzap_overhead.py --model smollm2-135m --length 2048 --repeats 5 --threads 1
 The context is generated prose cut to --length tokens inside the chat template (as benchmarks/kvzip_cost.py).
 Per round, interleaved after one warm-up round: the plain prefill (nothing compressed), the surrogate's scoring
 of every layer of the captured cache (pre-RoPE inversion + network, both variants), and the prefill under
@@ -51,7 +51,10 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--ratio", type=float, default=0.75)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (several threads on a loaded machine "
+                        "make every small op wait for a descheduled thread)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
 
     model, tokenizer = load(args.model)
     ids = build_prompt(tokenizer, context_text(tokenizer, args.length), "What is the special number?").context_ids
