@@ -252,7 +252,8 @@ def cmd_evolve(args) -> int:
 def cmd_train(args) -> int:
     import dataclasses
 
-    from kvsieve.learn.train import load_config, train
+    from kvsieve.learn.config import load_config
+    from kvsieve.learn.train import train
     from kvsieve.models import check_length
 
     top_k = args.teacher_top_k
@@ -263,7 +264,7 @@ def cmd_train(args) -> int:
                          window=args.window, rollouts=args.rollouts, entropy_coef=args.entropy_coef,
                          grad_clip=args.grad_clip, baseline=args.baseline, out=args.out, data=args.data,
                          dtype=args.dtype, save_every=args.save_every, teacher_top_k=top_k or None,
-                         objective=args.objective, init=args.init)
+                         objective=args.objective, init=args.init, hidden=args.hidden)
     if top_k == 0:  # the whole vocabulary
         config = dataclasses.replace(config, teacher_top_k=None)
     check_length(config.model, config.length)
@@ -360,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_executor_flags(p)  # with --run
     p.set_defaults(func=cmd_certify)
     p = sub.add_parser("evolve", help="discover an eviction policy by program evolution (resumes from --db)")
-    p.add_argument("--config", help="TOML or JSON file with EvolveConfig keys (kvsieve/evolve/search.py)")
+    p.add_argument("--config", help="TOML, JSON or YAML file with EvolveConfig keys (kvsieve/evolve/config.py)")
     p.add_argument("--model")
     p.add_argument("--candidates", type=int, help="programs to evaluate in all (a resumed run may raise it)")
     p.add_argument("--time-budget", type=float, help="stop starting new candidates after this many seconds")
@@ -378,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_evolve)
     p = sub.add_parser("train", help="train a learned eviction policy (REINFORCE on a per-step KL reward; resumes "
                        "from --out)")
-    p.add_argument("--config", help="TOML or JSON file with TrainConfig keys (kvsieve/learn/train.py); flags override")
+    p.add_argument("--config", help="TOML, JSON or YAML file with TrainConfig keys (kvsieve/learn/config.py); "
+                   "flags override")
     p.add_argument("--model", help="bundled name, local folder or hub id")
     p.add_argument("--tasks", help="comma-separated RULER tasks to generate training samples from")
     p.add_argument("--length", type=int, help="context length of the generated samples, in tokens")
@@ -401,8 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", help="JSONL samples (kvsieve generate format or LongBench) added to the generated ones")
     p.add_argument("--dtype", help="auto, bfloat16 or float32")
     p.add_argument("--save-every", type=int, help="steps between checkpoints")
-    p.add_argument("--objective", help="reinforce (the KL reward, default) or imitate (regression on KVzip's "
-                   "scores: the supervised ablation)")
+    p.add_argument("--objective", help="reinforce (the KL reward, default), imitate (regression on KVzip's "
+                   "scores: the supervised ablation) or kvzap (the per-layer KVzip surrogate, docs/kvzap.md)")
+    p.add_argument("--hidden", type=int, help="hidden units of the network")
     p.add_argument("--init", help="start from this policy checkpoint's weights (path, run folder or shipped name), "
                    "e.g. an --objective imitate run")
     p.set_defaults(func=cmd_train)

@@ -17,9 +17,11 @@ import kvsieve
 from kvsieve.engine.cache import sieve_layers
 from kvsieve.engine.compress import layer_signals
 from kvsieve.learn.checkpoint import load_checkpoint, save_checkpoint
+from kvsieve.learn.config import TrainConfig
 from kvsieve.learn.features import FEATURES, extract
 from kvsieve.learn.network import KeepNet
 from kvsieve.learn.policy import LearnedPolicy, ModelShape
+from kvsieve.learn.reinforce import reinforce_loss
 from kvsieve.learn.reward import kl_per_position, teacher_from_logits
 from kvsieve.learn.rollout import (
     Decision,
@@ -37,7 +39,7 @@ from kvsieve.learn.sampling import (
     log_prob_of_ordered,
     log_prob_of_set_bruteforce,
 )
-from kvsieve.learn.train import TrainConfig, reinforce_loss, train
+from kvsieve.learn.train import train
 from kvsieve.policies import FullCache, from_spec
 
 # ---------------------------------------------------------------------------------------------- sampling
@@ -486,11 +488,11 @@ def test_a_training_step_moves_the_policy_along_the_advantage(llama, tmp_path, m
     """One REINFORCE step with the running-mean baseline (zero before the first step) and no entropy
     bonus: every decision's advantage is its reward-to-go, minus a KL, so negative; the step must change
     the weights and lower sum_t -A_t log p_t (make the drawn, penalised keep sets less likely)."""
-    import kvsieve.learn.train as train_module
+    import kvsieve.learn.reinforce as train_module
 
     config = TrainConfig(steps=1, mode="prefill", baseline="mean", entropy_coef=0.0, rollouts=1, lr=1e-3,
                          out=str(tmp_path), **{k: v for k, v in CONFIG.items() if k not in ("rollouts",)})
-    trainer = train_module._Trainer(config, llama, ModelShape.of(llama, "tiny-llama"), [_episode(0)])
+    trainer = train_module.Trainer(config, llama, ModelShape.of(llama, "tiny-llama"), [_episode(0)])
     seen = []
     real = train_module.reinforce_loss
     monkeypatch.setattr(train_module, "reinforce_loss", lambda *a, **k: seen.append(a) or real(*a, **k))

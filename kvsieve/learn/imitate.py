@@ -9,7 +9,7 @@ selection, so the target of an entry is its ``log`` score standardised over the 
 (neither the chat-template header, which KVzip always keeps, nor the observation window, which every
 learned policy keeps), and the loss is the mean squared error on those entries.
 
-One run (``kvsieve train --objective imitate``, same :class:`~kvsieve.learn.train.TrainConfig`):
+One run (``kvsieve train --objective imitate``, same :class:`~kvsieve.learn.config.TrainConfig`):
 
 1. for every training episode, prefill the context with the full cache, run the reconstruction and
    record each layer's features (:func:`kvsieve.learn.features.extract`) and targets; the collected
@@ -30,8 +30,15 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
 
+from kvsieve.engine.cache import sieve_layers
+from kvsieve.engine.compress import layer_signals
+from kvsieve.engine.reconstruct import ReconstructionPrompt, reconstruction_scores
 from kvsieve.learn.checkpoint import load_checkpoint, save_checkpoint
+from kvsieve.learn.config import TrainResult, derived_seed, episode_index
 from kvsieve.learn.features import FEATURES, extract
 from kvsieve.learn.network import KeepNet, NetConfig
 from kvsieve.learn.policy import ModelShape
@@ -65,8 +72,6 @@ def imitation_targets(scores: torch.Tensor, header: int, window: int) -> tuple[t
 def kvzip_reconstruction(model, tokenizer, episode: Episode, window: int):
     """(full context cache, :class:`~kvsieve.engine.reconstruct.Reconstruction`) of ``episode``: KVzip's teacher
     scores on the whole context, shared by this module and the KVzip surrogate (:mod:`kvsieve.learn.kvzap_train`)."""
-    from kvsieve.engine.reconstruct import ReconstructionPrompt, reconstruction_scores
-
     cache = context_cache_for(model, episode, window)
     return cache, reconstruction_scores(model, cache, episode.context, ReconstructionPrompt.from_tokenizer(tokenizer))
 
@@ -74,9 +79,6 @@ def kvzip_reconstruction(model, tokenizer, episode: Episode, window: int):
 @torch.no_grad()
 def collect(model, tokenizer, episode: Episode, window: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per layer of ``episode``'s context cache: (features (b, h, n, F), targets (b, h, n), mask (b, h, n))."""
-    from kvsieve.engine.cache import sieve_layers
-    from kvsieve.engine.compress import layer_signals
-
     cache, rebuilt = kvzip_reconstruction(model, tokenizer, episode, window)
     layers = sieve_layers(cache)
     out = []
@@ -95,10 +97,6 @@ def _data_key(config) -> str:
 
 def _collect_all(config, model, tokenizer, episodes: list[Episode], out: Path, progress: bool) -> tuple[list, float]:
     """Every episode's layers, from ``out/imitation-data.safetensors`` when it holds this config's set."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-    from tqdm import tqdm
-
     path = out / "imitation-data.safetensors"
     if path.is_file():
         with safe_open(str(path), framework="pt") as handle:
@@ -132,11 +130,8 @@ def imitation_loss(net: KeepNet, layers: list[tuple[torch.Tensor, torch.Tensor, 
 
 
 def imitate(config, model, tokenizer, episodes: list[Episode], progress: bool = True):
-    """Train ``config``'s network by regression on KVzip scores; returns a :class:`~kvsieve.learn.train.TrainResult`."""
-    from tqdm import tqdm
-
-    from kvsieve.learn.train import TrainResult, _derived_seed, _episode_index
-
+    """Train ``config``'s network by regression on KVzip scores; returns a
+    :class:`~kvsieve.learn.config.TrainResult`."""
     if tokenizer is None:
         raise ValueError("the imitation objective needs the model's tokenizer (KVzip prompts the model to repeat "
                          "the context)")
@@ -145,13 +140,13 @@ def imitate(config, model, tokenizer, episodes: list[Episode], progress: bool = 
     shape = ModelShape.of(model, config.model)
     data, seconds = _collect_all(config, model, tokenizer, episodes, out, progress)
     with torch.random.fork_rng():
-        torch.manual_seed(_derived_seed(config.seed, "init"))
+        torch.manual_seed(derived_seed(config.seed, "init"))
         net = KeepNet(NetConfig(hidden=config.hidden))
     optimizer = torch.optim.Adam(net.parameters(), lr=config.lr)
     history = []
     start = time.perf_counter()
     for step in tqdm(range(config.steps), desc="imitate", unit="step", disable=not progress):
-        index = _episode_index(config, step, len(data))
+        index = episode_index(config, step, len(data))
         optimizer.zero_grad(set_to_none=True)
         loss = imitation_loss(net, data[index])
         loss.backward()

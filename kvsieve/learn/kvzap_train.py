@@ -36,11 +36,17 @@ from pathlib import Path
 
 import torch
 
+from kvsieve.engine.cache import sieve_layers
+from kvsieve.engine.compress import layer_signals
+from kvsieve.engine.query_stats import rope_of
+from kvsieve.engine.reconstruct import ReconstructionPrompt
 from kvsieve.learn.imitate import kvzip_reconstruction
 from kvsieve.learn.kvzap import KVzapNet, KVzapNetConfig, kvzap_inputs, save_kvzap
 from kvsieve.learn.policy import ModelShape
 from kvsieve.learn.rollout import Episode
+from kvsieve.models import load
 from kvsieve.prompt import build_prompt
+from kvsieve.tasks import TASKS
 from kvsieve.tasks.load import SampleSpec, load_samples
 
 __all__ = ["KVzapTrainConfig", "KVzapResult", "train_kvzap", "kvzap_targets", "stdlib_texts", "collect_sequence",
@@ -81,15 +87,13 @@ class KVzapTrainConfig:
             raise ValueError(f"holdout must be a fraction in (0, 1), got {self.holdout!r}")
         if not 0 < self.lr <= 1 or self.ridge < 0:
             raise ValueError(f"lr must be in (0, 1] and ridge >= 0, got lr={self.lr!r}, ridge={self.ridge!r}")
-        from kvsieve.tasks import TASKS
-
         unknown = [t for t in self.tasks if t not in TASKS]
         if unknown:
             raise ValueError(f"unknown task(s) {unknown}; available: {', '.join(TASKS)}")
 
     @classmethod
     def from_train_config(cls, config) -> KVzapTrainConfig:
-        """The fields of a :class:`~kvsieve.learn.train.TrainConfig` that mean the same here; as many text
+        """The fields of a :class:`~kvsieve.learn.config.TrainConfig` that mean the same here; as many text
         excerpts as generated samples."""
         return cls(model=config.model, tasks=list(config.tasks), length=config.length, samples=config.samples,
                    text_docs=config.samples * len(config.tasks), seed=config.seed, hidden=config.hidden,
@@ -163,8 +167,6 @@ def _episodes(config: KVzapTrainConfig, tokenizer) -> list[tuple[str, Episode]]:
 
 def rope_tables(model) -> tuple[list, list[float]]:
     """Per decoder layer: the rotary inverse frequencies (list, or None) and attention scaling its keys got."""
-    from kvsieve.engine.query_stats import rope_of
-
     rotary = next((m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
     attentions = sorted((m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj")),
                         key=lambda m: m.layer_idx)
@@ -180,9 +182,6 @@ def rope_tables(model) -> tuple[list, list[float]]:
 def collect_sequence(model, tokenizer, episode: Episode, rope: tuple[list, list[float]], positions: int,
                      seed: int) -> dict[str, torch.Tensor]:
     """One sequence's rows: ``inputs`` (L, P, D) float16, ``targets`` (L, P, H), ``positions`` (P,)."""
-    from kvsieve.engine.cache import sieve_layers
-    from kvsieve.engine.compress import layer_signals
-
     cache, rebuilt = kvzip_reconstruction(model, tokenizer, episode, window=1)
     layers = sieve_layers(cache)
     n, header = episode.context.shape[1], rebuilt.header
@@ -300,12 +299,8 @@ def train_kvzap(config: KVzapTrainConfig, model=None, tokenizer=None, progress: 
     """Collect (or reuse) the data, fit both variants, write ``out/policy.safetensors``; see the module docstring.
 
     ``episodes``: (kind, episode) sequences to train on instead of the config's RULER samples and texts."""
-    from kvsieve.engine.reconstruct import ReconstructionPrompt
-
     start = time.perf_counter()
     if model is None:
-        from kvsieve.models import load
-
         model, tokenizer = load(config.model, dtype=config.dtype)
     if tokenizer is None:
         raise ValueError("kvzap training needs the model's tokenizer (KVzip prompts the model to repeat the context)")

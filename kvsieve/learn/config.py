@@ -1,0 +1,166 @@
+"""What ``kvsieve train`` is told and what it returns: the config, the result, the training episodes.
+
+Shared by every objective (REINFORCE, imitation, the KVzip surrogate). All randomness derives from
+``seed`` and the step (:func:`derived_seed`), never from a global RNG state, so a resumed run ends
+where an uninterrupted one does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvsieve.config import load_config as load_config_file
+from kvsieve.learn.rollout import Episode
+from kvsieve.prompt import build_prompt
+from kvsieve.tasks import TASKS
+from kvsieve.tasks.load import SampleSpec, load_samples, read_samples
+
+__all__ = ["TrainConfig", "TrainResult", "load_config", "episodes_from_samples", "load_episodes", "derived_seed",
+           "seeded_generator", "episode_index", "EVAL_SEEDS_NOTE", "MODES", "OBJECTIVES", "BASELINES",
+           "RESUMABLE"]
+
+EVAL_SEEDS_NOTE = ("evaluation grids use sample seeds from 0 and evolution dev sets from 1000/2000; training "
+                   "defaults to 5000 so its samples are disjoint from both")
+MODES = ("decode", "prefill")
+OBJECTIVES = ("reinforce", "imitate", "kvzap")
+BASELINES = ("greedy", "mean")
+# fields that may change when a run is resumed (how long and where, not what it learns)
+RESUMABLE = ("steps", "out", "save_every")
+
+
+@dataclass
+class TrainConfig:
+    """One training run. ``ratios`` are compression ratios (0.75 keeps 25% of the context)."""
+
+    model: str = "smollm2-135m-instruct"
+    tasks: list[str] = field(default_factory=lambda: ["niah_single_1", "niah_multikey_1", "vt", "qa_1"])
+    length: int = 1024
+    samples: int = 16  # per task; 0 with ``data``: only the JSONL's samples
+    seed: int = 5000
+    steps: int = 200
+    lr: float = 3e-3
+    ratios: list[float] = field(default_factory=lambda: [0.75, 0.5])
+    mode: str = "decode"
+    chunk_size: int = 128
+    window: int = 32
+    rollouts: int = 2
+    entropy_coef: float = 0.01
+    grad_clip: float = 1.0
+    baseline: str = "greedy"
+    baseline_decay: float = 0.9
+    teacher_top_k: int | None = 256
+    hidden: int = 64
+    out: str = "runs/learned"
+    data: str | None = None
+    dtype: str = "auto"
+    save_every: int = 10
+    # "imitate": the supervised ablation, regression on KVzip's scores (kvsieve.learn.imitate); it
+    # reads model, tasks, length, samples, seed, steps, lr, window, grad_clip, hidden, out, data, dtype
+    # "kvzap": the KVzip surrogate (kvsieve.learn.kvzap_train); it reads model, tasks, length, samples (and as
+    # many stdlib text excerpts), seed, steps, lr, hidden, out, dtype
+    objective: str = "reinforce"
+    # a policy checkpoint (path, run folder or shipped name) whose weights start the run, e.g. an
+    # imitation run's: REINFORCE then fine-tunes it. None: the seeded random initialisation
+    init: str | None = None
+
+    def __post_init__(self) -> None:
+        def positive_int(name: str, minimum: int = 1) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+        for name in ("length", "steps", "chunk_size", "window", "rollouts", "hidden", "save_every"):
+            positive_int(name)
+        positive_int("samples", 0)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective {self.objective!r} is not one of {', '.join(OBJECTIVES)}")
+        if self.baseline not in BASELINES:
+            raise ValueError(f"baseline {self.baseline!r} is not one of {', '.join(BASELINES)}")
+        if not isinstance(self.ratios, list) or not self.ratios:
+            raise ValueError(f"ratios must be a non-empty list of compression ratios in (0, 1), got {self.ratios!r}")
+        for ratio in self.ratios:
+            if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < 1:
+                raise ValueError(f"compression ratio {ratio!r} is outside (0, 1) (0.75 keeps 25% of the context)")
+        self.ratios = [float(r) for r in self.ratios]
+        for name, low, high in (("lr", 0.0, 1.0), ("grad_clip", 0.0, math.inf), ("baseline_decay", 0.0, 1.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value <= high:
+                raise ValueError(f"{name} must be a number in ({low}, {high}], got {value!r}")
+        if isinstance(self.entropy_coef, bool) or not isinstance(self.entropy_coef, (int, float)) \
+                or self.entropy_coef < 0:
+            raise ValueError(f"entropy_coef must be a number >= 0, got {self.entropy_coef!r}")
+        if self.teacher_top_k is not None:
+            positive_int("teacher_top_k")
+        if not isinstance(self.tasks, list) or not all(isinstance(t, str) for t in self.tasks):
+            raise ValueError(f"tasks must be a list of RULER task names, got {self.tasks!r}")
+        unknown = [t for t in self.tasks if t not in TASKS]
+        if unknown:
+            raise ValueError(f"unknown task(s) {unknown}; available: {', '.join(TASKS)}")
+        if self.samples == 0 and self.data is None:
+            raise ValueError("samples=0 needs data=JSONL (otherwise there is nothing to train on)")
+        if self.data is not None and not Path(self.data).is_file():
+            raise ValueError(f"data file {self.data!r} does not exist")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_config(path: str | None, **overrides) -> TrainConfig:
+    """A :class:`TrainConfig` from a TOML, JSON or YAML file (unknown keys are an error), then non-None
+    overrides; errors name the file (:mod:`kvsieve.config`)."""
+    return load_config_file(TrainConfig, path, **overrides)
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    policy: Path  # policy.safetensors: load with learned(checkpoint=...)
+    checkpoint: Path
+    log: Path
+    curve: Path
+    step: int
+    history: list[dict]
+
+
+def episodes_from_samples(samples, tokenizer) -> list[Episode]:
+    """Context = the chat-templated context; continuation = question + answer prefix + first reference answer."""
+    out = []
+    for sample in samples:
+        prompt = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
+        answer = tokenizer(sample.answers[0], add_special_tokens=False, return_tensors="pt")["input_ids"]
+        out.append(Episode(prompt.context_ids, torch.cat([prompt.question_ids, answer], dim=1), sample.id))
+    return out
+
+
+def load_episodes(config: TrainConfig, tokenizer) -> list[Episode]:
+    samples = []
+    if config.samples:
+        spec = SampleSpec(model=config.model, tasks=config.tasks, lengths=[config.length], samples=config.samples,
+                          seed=config.seed)
+        samples.extend(load_samples(spec, tokenizer))
+    if config.data:
+        samples.extend(read_samples(config.data))
+    return episodes_from_samples(samples, tokenizer)
+
+
+def derived_seed(*parts) -> int:
+    digest = hashlib.sha256(":".join(str(p) for p in ("kvsieve-train", *parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def seeded_generator(*parts) -> torch.Generator:
+    return torch.Generator().manual_seed(derived_seed(*parts))
+
+
+def episode_index(config: TrainConfig, step: int, count: int) -> int:
+    epoch, offset = divmod(step, count)
+    return int(torch.randperm(count, generator=seeded_generator(config.seed, "order", epoch))[offset])

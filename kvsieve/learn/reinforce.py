@@ -1,0 +1,331 @@
+"""REINFORCE on the per-step KL reward (DistillCache), resumable, seeded: ``kvsieve train``'s default objective.
+
+DistillCache trains its policy network "with REINFORCE via a per-step KL-divergence reward"
+(DistillCache, the paper's abstract). One training step here:
+
+1. picks an episode (a seeded permutation of the training samples per epoch) and a compression ratio
+   (``ratios`` in turn); the full-cache teacher of each episode is computed once and cached;
+2. runs ``rollouts`` stochastic rollouts (:mod:`kvsieve.learn.rollout`: Gumbel-top-k keep sets, whose
+   ordered Plackett-Luce log-probability is exact) and, with ``baseline="greedy"``, one greedy rollout;
+3. REINFORCE (Williams 1992) with reward-to-go: every decision time ``t`` gets the advantage
+   ``G_t - b_t``, where ``G_t`` is minus the KL summed over the positions from ``t`` on (per scored
+   position) and ``b_t`` is the greedy rollout's ``G_t`` (self-critical baseline, Rennie et al. 2017,
+   arXiv:1612.00563; it does not depend on the sampled actions, so the estimator stays unbiased) or a
+   running mean of ``G`` per decision index (``baseline="mean"``, decay ``baseline_decay``);
+4. loss = ``-sum_t A_t log p(draws at t) / draws - entropy_coef * H``, where ``draws`` (the number of
+   entries drawn in the rollout, a constant for a given episode and ratio) only rescales the gradient
+   and ``H`` is the entropy of the Plackett-Luce first draw (the softmax over the free entries),
+   divided by ``log`` of their number and averaged over layers, heads and decisions; gradient norm
+   clipped at ``grad_clip``; Adam.
+
+Reproducibility: the network's initialisation, the episode order and every rollout's Gumbel noise are
+derived from ``seed`` and the step number (no global RNG state), and the checkpoint holds the weights,
+Adam's state and the running baseline as tensors, so a run interrupted after any saved step and
+restarted with the same command ends with the same weights as an uninterrupted run.
+
+Modes that train: ``decode`` (the sequential problem: evictions after every chunk, reward over the
+following tokens) and ``prefill`` (one decision at the end of the context, reward over the
+continuation).
+
+Outputs in ``out``: ``checkpoint.safetensors`` (resumable), ``policy.safetensors`` (weights and
+metadata only: what ``learned(checkpoint=...)`` loads), ``log.csv`` (per step: reward, KL, entropy,
+...) and ``curve.png``.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kvsieve.learn.checkpoint import load_checkpoint, save_checkpoint
+from kvsieve.learn.config import (
+    RESUMABLE,
+    TrainConfig,
+    TrainResult,
+    derived_seed,
+    episode_index,
+    seeded_generator,
+)
+from kvsieve.learn.network import KeepNet, NetConfig
+from kvsieve.learn.policy import ModelShape, resolve_checkpoint
+from kvsieve.learn.reward import Teacher
+from kvsieve.learn.rollout import (
+    Decision,
+    Episode,
+    RolloutPolicy,
+    context_cache_for,
+    decision_terms,
+    rollout,
+    step_returns,
+    teacher_for,
+)
+from kvsieve.selection import Budget
+
+__all__ = ["reinforce", "reinforce_loss", "initial_weights", "check_budget", "plot_curve", "Trainer"]
+
+LOG_FIELDS = ("step", "episode", "ratio", "reward", "kl", "greedy_reward", "baseline", "entropy", "loss",
+              "grad_norm", "decisions", "seconds", "policy_ms")
+
+
+def check_budget(config: TrainConfig, episode: Episode, kept: int, ratio: float) -> None:
+    protected = max(config.window, config.chunk_size) if config.mode == "decode" else config.window
+    if kept <= protected:
+        raise ValueError(
+            f"compression ratio {ratio} keeps {kept} of the {episode.context.shape[1]} context tokens of "
+            f"{episode.name or 'an episode'}, not more than the {protected} entries always kept (window "
+            f"{config.window}" + (f", latest chunk {config.chunk_size}" if config.mode == "decode" else "")
+            + "): nothing would be chosen; use longer samples, a smaller ratio, window or chunk_size")
+
+
+def initial_weights(spec: str, shape: ModelShape, net: NetConfig) -> dict[str, torch.Tensor]:
+    """The network weights of checkpoint ``spec``, checked against the model and the network being trained."""
+    loaded = load_checkpoint(resolve_checkpoint(spec))
+    if _other_model(loaded.meta["model"], shape):
+        raise ValueError(f"init checkpoint {spec!r} was trained for {loaded.meta['model']}, not {shape.to_dict()}")
+    if loaded.meta["net"] != net.to_dict():
+        raise ValueError(f"init checkpoint {spec!r} holds a network {loaded.meta['net']}, not {net.to_dict()}; "
+                         "use the same hidden size")
+    return loaded.group("net")
+
+
+def _other_model(saved: dict | None, shape: ModelShape) -> bool:
+    """Whether a checkpoint's model entry names another model than ``shape``; one written before config
+    fingerprints is compared on its name and geometry."""
+    if not isinstance(saved, dict):
+        return True
+    now = shape.to_dict()
+    if "fingerprint" not in saved:
+        now = {k: now[k] for k in ("name", "num_layers", "num_kv_heads", "head_dim")}
+    return saved != now
+
+
+def reinforce_loss(net: KeepNet, decisions: list[Decision], returns: dict[int, float], baseline: dict[int, float],
+                   entropy_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE loss of one rollout and its mean normalised first-draw entropy.
+
+    ``-sum_t (G_t - b_t) log p(draws at t) / draws - entropy_coef * H``: minimising it ascends the
+    expected reward (Williams 1992) plus the entropy bonus; ``draws`` is a constant per episode and
+    budget, so it only rescales the gradient.
+    """
+    log_probs, entropy, draws = decision_terms(net, decisions)
+    pg = torch.zeros(())
+    for t, log_prob in log_probs.items():
+        pg = pg - (returns.get(t, 0.0) - baseline.get(t, 0.0)) * log_prob
+    return pg / max(draws, 1) - entropy_coef * entropy, entropy
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, model, shape: ModelShape, episodes: list[Episode]) -> None:
+        self.config, self.model, self.shape, self.episodes = config, model, shape, episodes
+        with torch.random.fork_rng():
+            torch.manual_seed(derived_seed(config.seed, "init"))
+            self.net = KeepNet(NetConfig(hidden=config.hidden))
+        if config.init is not None:
+            self.net.load_state_dict(initial_weights(config.init, shape, self.net.config))
+        self.optimizer = torch.optim.Adam(self.net.parameters(), lr=config.lr)
+        self.baseline = torch.zeros(0, dtype=torch.float64)  # running mean of G per decision index
+        self.teachers: dict[int, Teacher] = {}
+        self.context_caches: dict = {}  # prefill mode: the context's full cache, once per episode (rollouts clone it)
+        self.step = 0
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    def meta(self) -> dict:
+        return {"model": self.shape.to_dict(), "net": self.net.config.to_dict(), "window": self.config.window,
+                "train": self.config.to_dict(), "step": self.step, "kvsieve_train": "reinforce-kl"}
+
+    def tensors(self, with_state: bool) -> dict[str, torch.Tensor]:
+        out = {f"net.{k}": v for k, v in self.net.state_dict().items()}
+        if with_state:
+            for i, p in enumerate(self.net.parameters()):
+                for key, value in self.optimizer.state.get(p, {}).items():
+                    out[f"optim.{i}.{key}"] = torch.as_tensor(value)
+            out["baseline.mean"] = self.baseline
+        return out
+
+    def save(self, out: Path) -> None:
+        save_checkpoint(out / "checkpoint.safetensors", self.meta(), self.tensors(True))
+        save_checkpoint(out / "policy.safetensors", self.meta(), self.tensors(False))
+
+    def resume(self, path: Path) -> None:
+        loaded = load_checkpoint(path)
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING}
+        # a key absent from an older checkpoint had its default then
+        saved = {k: v for k, v in {**defaults, **loaded.meta.get("train", {})}.items() if k not in RESUMABLE}
+        now = {k: v for k, v in self.config.to_dict().items() if k not in RESUMABLE}
+        changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+        if changed:
+            diff = "; ".join(f"{k}: {saved.get(k)!r} there, {now.get(k)!r} now" for k in changed)
+            raise ValueError(f"{path} holds a run with other settings ({diff}); use another out folder or the "
+                             f"same settings (only {', '.join(RESUMABLE)} may change on resume)")
+        if _other_model(loaded.meta.get("model"), self.shape):
+            raise ValueError(f"{path} was trained for {loaded.meta.get('model')}, not {self.shape.to_dict()}")
+        self.net.load_state_dict(loaded.group("net"))
+        params = list(self.net.parameters())
+        for key, value in loaded.group("optim").items():
+            index, name = key.split(".", 1)
+            self.optimizer.state.setdefault(params[int(index)], {})[name] = value.clone()
+        self.baseline = loaded.tensors["baseline.mean"].clone()
+        self.step = int(loaded.meta["step"])
+
+    # -- one step -----------------------------------------------------------------------------------
+    def teacher(self, index: int, context_cache) -> Teacher:
+        if index not in self.teachers:  # the full-cache distributions do not depend on the policy: once per episode
+            c = self.config
+            self.teachers[index] = teacher_for(self.model, self.episodes[index], c.mode, c.window, c.chunk_size,
+                                               c.teacher_top_k, context_cache)
+        return self.teachers[index]
+
+    def run_step(self) -> dict:
+        c, step = self.config, self.step
+        start = time.perf_counter()
+        index = episode_index(c, step, len(self.episodes))
+        episode = self.episodes[index]
+        ratio = c.ratios[step % len(c.ratios)]
+        kept = Budget(ratio=ratio).resolve(episode.context.shape[1])
+        check_budget(c, episode, kept, ratio)
+        context_cache = None
+        if c.mode == "prefill":
+            if index not in self.context_caches:
+                self.context_caches[index] = context_cache_for(self.model, episode, c.window)
+            context_cache = self.context_caches[index]
+        teacher = self.teacher(index, context_cache)
+        samples, overhead = [], 0.0
+        for r in range(c.rollouts):
+            policy = RolloutPolicy(self.net, self.shape, c.window, seeded_generator(c.seed, "noise", step, r))
+            samples.append(rollout(self.model, episode, policy, c.mode, kept, c.chunk_size, teacher, context_cache))
+            overhead += samples[-1].overhead_seconds
+        greedy_returns, greedy_reward = {}, float("nan")
+        if c.baseline == "greedy":
+            policy = RolloutPolicy(self.net, self.shape, c.window, None, record=False)
+            greedy = rollout(self.model, episode, policy, c.mode, kept, c.chunk_size, teacher, context_cache)
+            greedy_returns, greedy_reward = step_returns(greedy), greedy.reward
+            greedy_returns = {t: greedy_returns.get(t, 0.0) for t in {d.time for s in samples for d in s.decisions}}
+        self.net.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        losses, entropies, baselines, returns_by_index = [], [], [], []
+        for sample in samples:
+            returns = step_returns(sample)
+            times = sorted(returns)
+            if c.baseline == "greedy":
+                base = {t: greedy_returns.get(t, 0.0) for t in times}
+            else:
+                base = {t: float(self.baseline[i]) if i < len(self.baseline) else 0.0 for i, t in enumerate(times)}
+            sample_loss, entropy = reinforce_loss(self.net, sample.decisions, returns, base, c.entropy_coef)
+            losses.append(sample_loss)
+            entropies.append(float(entropy.detach()))
+            baselines.append(sum(base.values()) / len(base) if base else 0.0)
+            returns_by_index.append([returns[t] for t in times])
+        loss = torch.stack(losses).mean()
+        if loss.requires_grad:
+            loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.net.parameters(), c.grad_clip))
+        self.optimizer.step()
+        self.net.eval()
+        if c.baseline == "mean":
+            self._update_mean(returns_by_index)
+        self.step += 1
+        rewards = [s.reward for s in samples]
+        decisions = sum(len(s.decisions) for s in samples) / len(samples)
+        calls = sum(len(s.decisions) for s in samples)
+        return {"step": step, "episode": index, "ratio": ratio, "reward": sum(rewards) / len(rewards),
+                "kl": -sum(rewards) / len(rewards), "greedy_reward": greedy_reward,
+                "baseline": sum(baselines) / len(baselines), "entropy": sum(entropies) / len(entropies),
+                "loss": float(loss.detach()), "grad_norm": grad_norm, "decisions": decisions,
+                "seconds": time.perf_counter() - start, "policy_ms": 1000 * overhead / max(calls, 1)}
+
+    def _update_mean(self, returns_by_index: list[list[float]]) -> None:
+        width = max((len(r) for r in returns_by_index), default=0)
+        if width > len(self.baseline):
+            self.baseline = torch.cat([self.baseline, torch.full((width - len(self.baseline),), math.nan,
+                                                                 dtype=torch.float64)])
+        decay = self.config.baseline_decay
+        for i in range(width):
+            values = [r[i] for r in returns_by_index if i < len(r)]
+            mean = sum(values) / len(values)
+            old = float(self.baseline[i])
+            self.baseline[i] = mean if math.isnan(old) else decay * old + (1 - decay) * mean
+        self.baseline = torch.nan_to_num(self.baseline, nan=0.0)
+
+
+def _read_log(path: Path, before: int) -> list[dict]:
+    if not path.is_file():
+        return []
+    with path.open(newline="") as fh:
+        rows = [row for row in csv.DictReader(fh) if int(row["step"]) < before]
+    return [{k: (float(v) if k not in ("step", "episode") else int(v)) for k, v in row.items()} for row in rows]
+
+
+def _write_log(path: Path, rows: list[dict]) -> None:
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=LOG_FIELDS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: row[k] for k in LOG_FIELDS})
+
+
+def plot_curve(rows: list[dict], path: Path, title: str = "") -> Path:
+    """Reward (minus mean KL per token) and first-draw entropy per step; a moving average over 10 steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+
+    def smooth(values: list[float], width: int = 10) -> list[float]:
+        return [sum(values[max(0, i - width + 1): i + 1]) / len(values[max(0, i - width + 1): i + 1])
+                for i in range(len(values))]
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
+    rewards = [r["reward"] for r in rows]
+    top.plot(steps, rewards, ".", alpha=0.3, color="C0")
+    top.plot(steps, smooth(rewards), color="C0", label="sampled (10-step mean)")
+    greedy = [r["greedy_reward"] for r in rows]
+    if rows and not all(math.isnan(g) for g in greedy):
+        top.plot(steps, smooth(greedy), color="C1", label="greedy (10-step mean)")
+    top.set_ylabel("reward = -KL per token")
+    top.legend(loc="lower right")
+    top.set_title(title or "learned eviction: training curve")
+    bottom.plot(steps, [r["entropy"] for r in rows], color="C2")
+    bottom.set_ylabel("first-draw entropy / log n")
+    bottom.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def reinforce(config: TrainConfig, model, episodes: list[Episode], progress: bool = True) -> TrainResult:
+    """REINFORCE on the KL reward (the module docstring), resumed from ``config.out`` when it holds a checkpoint."""
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(config, model, ModelShape.of(model, config.model), episodes)
+    checkpoint = out / "checkpoint.safetensors"
+    if checkpoint.is_file():
+        trainer.resume(checkpoint)
+    log_path, curve = out / "log.csv", out / "curve.png"
+    history = _read_log(log_path, trainer.step)
+    bar = tqdm(total=config.steps, initial=min(trainer.step, config.steps), desc="train", unit="step",
+               disable=not progress)
+    try:
+        while trainer.step < config.steps:
+            row = trainer.run_step()
+            history.append(row)
+            bar.update(1)
+            bar.set_postfix(reward=f"{row['reward']:.4f}", entropy=f"{row['entropy']:.3f}")
+            if trainer.step % config.save_every == 0 or trainer.step == config.steps:
+                trainer.save(out)
+                _write_log(log_path, history)
+    finally:
+        bar.close()
+    if not checkpoint.is_file():  # nothing to do (steps already reached by a finished run): still write files
+        trainer.save(out)
+    _write_log(log_path, history)
+    plot_curve(history, curve, f"{config.model}, {config.mode} mode, ratios {config.ratios}")
+    return TrainResult(out, out / "policy.safetensors", checkpoint, log_path, curve, trainer.step, history)
