@@ -377,11 +377,11 @@ def test_local_stub_reply_becomes_the_child(tokenizer):
 
 
 def test_local_model_is_loaded_lazily(tokenizer, monkeypatch):
-    import kvsieve.models
+    import kvsieve.evolve.mutators.local_model as local_model
 
     stub = StubLM(tokenizer("```python\nx = 1\n```", return_tensors="pt")["input_ids"][0])
     calls = []
-    monkeypatch.setattr(kvsieve.models, "load", lambda name, dtype: calls.append((name, dtype)) or (stub, tokenizer))
+    monkeypatch.setattr(local_model, "load", lambda name, dtype: calls.append((name, dtype)) or (stub, tokenizer))
     mutator = LocalLLMMutator(dtype="float32")
     assert calls == []
     assert mutator.propose(PARENT, [], random.Random(0)) == Program("x = 1\n")

@@ -29,6 +29,7 @@ from kvsieve.engine.attention import ATTENTION_NAME
 from kvsieve.engine.cache import attached, cache_bytes, install, sieve_layers
 from kvsieve.engine.compress import CompressionReport, compress_cache, layer_occupancy
 from kvsieve.engine.query_stats import query_stats_hooks
+from kvsieve.engine.reconstruct import compress_with_reconstruction
 from kvsieve.policy import Policy
 from kvsieve.selection import Budget
 
@@ -194,8 +195,6 @@ def _compressing_forward(model, forward, session: Session):
 
 
 def _compress_with_reconstruction(model, cache, input_ids, session: Session) -> None:
-    from kvsieve.engine.reconstruct import compress_with_reconstruction
-
     if input_ids is None:
         raise ValueError(f"policy {session.policy.name!r} repeats the prompt's tokens: give input_ids, not embeddings")
     compress_with_reconstruction(model, cache, input_ids, session.policy, session.budget, session.protected_tail,

@@ -16,6 +16,7 @@ import functools
 import os
 from collections.abc import Callable
 
+from kvsieve.distributed import WorkerPool
 from kvsieve.distributed.actors import RayActors
 from kvsieve.evolve.config import EvolveConfig, dev_samples
 from kvsieve.evolve.evaluate import DevSet, Evaluation, evaluate_program
@@ -68,8 +69,6 @@ class RayExecutor(RayActors):
         self.factory = factory
 
     def _ensure(self):
-        from kvsieve.distributed import WorkerPool
-
         self._connect()
         if self._pool is None:
             self._pool = WorkerPool(EvolveWorker, (self.factory, self.config, self.cpus_per_worker),

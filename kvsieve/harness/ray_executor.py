@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from kvsieve.distributed import WorkerPool
 from kvsieve.distributed.actors import RayActors
+from kvsieve.distributed.cluster import import_ray
 from kvsieve.harness.evaluate import evaluate_sample
 from kvsieve.harness.executor import Work, model_factory
 from kvsieve.harness.grid import Cell, GridConfig
@@ -60,8 +62,6 @@ class RayGridExecutor(RayActors):
         self._key = None
 
     def _ensure(self, config: GridConfig):
-        from kvsieve.distributed import WorkerPool
-
         self._connect()
         key = (config.model, config.dtype)
         if self._pool is not None and self.factory is None and key != self._key:
@@ -83,8 +83,6 @@ class RayGridExecutor(RayActors):
     def samples(self, config: GridConfig) -> list[Sample]:
         if config.data:  # read here: the file need not exist on the workers' machines
             return list(load_samples(config.sample_spec(), None))
-        from kvsieve.distributed.cluster import import_ray
-
         return import_ray().get(self._ensure(config).first().samples.remote(config))
 
     def pids(self) -> list[int]:

@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kvsieve.bundled import canonical_name
 from kvsieve.learn.policy import ModelShape
 from kvsieve.policy import Policy
 from kvsieve.selection import Selection
@@ -234,9 +235,7 @@ def load_kvzap(path: str | Path) -> tuple[KVzapNet, dict]:
 
 
 def _canonical(name: str) -> str:
-    from kvsieve.models import ALIASES
-
-    return ALIASES.get(name, name)
+    return canonical_name(name)
 
 
 def resolve_kvzap_checkpoint(spec: str | Path) -> Path:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from kvsieve.bundled import canonical_name
 from kvsieve.learn.checkpoint import load_checkpoint
 from kvsieve.learn.features import extract
 from kvsieve.learn.fingerprint import config_fields, fields_fingerprint, text_config
@@ -74,9 +75,7 @@ def resolve_checkpoint(spec: str | Path) -> Path:
 
 
 def _canonical(name: str) -> str:
-    from kvsieve.models import ALIASES
-
-    return ALIASES.get(name, name)
+    return canonical_name(name)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from typing import Any
 
 from kvsieve.evolve.mutators.prompting import DEFAULT_LOCAL_MODEL, CountingMutator, ScoreLookup, build_messages
 from kvsieve.evolve.program import Program
+from kvsieve.models import load
 
 __all__ = ["LocalLLMMutator"]
 
@@ -47,8 +48,6 @@ class LocalLLMMutator(CountingMutator):
 
     def _loaded(self) -> tuple[Any, Any]:
         if self._model is None:
-            from kvsieve.models import load
-
             self._model, self._tokenizer = load(self.model_name, dtype=self.dtype)
         return self._model, self._tokenizer
 
