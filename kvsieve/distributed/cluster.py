@@ -46,6 +46,8 @@ class RayConnection:
 def connect(address: str | None = None, num_cpus: int | None = None) -> RayConnection:
     """Start or join Ray (see the module docstring). ``num_cpus`` only applies to a started instance."""
     ray = import_ray()
+    if address is not None:
+        check_reachable(address)  # also when Ray is already up: a dead address is the user's mistake to hear of
     if ray.is_initialized():
         return RayConnection(False, address)
     address = address or os.environ.get("RAY_ADDRESS") or None
@@ -53,7 +55,7 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> RayConne
         # "local": always a new instance, never a stale cluster recorded in /tmp/ray/ray_current_cluster
         ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=False)
     else:
-        check_reachable(address)
+        check_reachable(address)  # RAY_ADDRESS too
         ray.init(address=address)
     return RayConnection(True, address)
 
