@@ -78,6 +78,9 @@ PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 job=$1; mb=$2; drop=$3; shift 3
 r="$job/root"
 mount -t tmpfs -o size=4m,nr_inodes=4096,mode=755,nosuid,nodev kvsieve-root "$r" || exit 97
+mkdir -p "$r/dev" "$r/proc" "$r/tmp" "$r/job"
+# the scratch /tmp first: a virtualenv or checkout that lives under /tmp is bound on top of it, not hidden
+mount -t tmpfs -o size="$mb"m,nr_inodes=64,mode=1777,nosuid,nodev,noexec kvsieve-tmp "$r/tmp" || exit 97
 while [ "$1" != "--" ]; do
   p=$1; shift
   [ -e "$p" ] || continue
@@ -88,12 +91,10 @@ shift
 for l in bin sbin lib lib64; do
   if [ -L "/$l" ]; then ln -s "$(readlink "/$l")" "$r/$l"; fi
 done
-mkdir -p "$r/dev" "$r/proc" "$r/tmp" "$r/job"
 for d in null zero urandom; do
   : > "$r/dev/$d"; mount --bind "/dev/$d" "$r/dev/$d" || exit 97
 done
 mount -t proc -o nosuid,nodev,noexec proc "$r/proc" 2>/dev/null || true
-mount -t tmpfs -o size="$mb"m,nr_inodes=64,mode=1777,nosuid,nodev,noexec kvsieve-tmp "$r/tmp" || exit 97
 mount --bind "$job/in" "$r/job" && mount -o remount,bind,ro,nosuid,nodev "$r/job" || exit 97
 mount -o remount,ro,nosuid,nodev "$r" || exit 97
 exec chroot "$r" $drop "$@"
