@@ -234,14 +234,10 @@ def load_kvzap(path: str | Path) -> tuple[KVzapNet, dict]:
     return net.eval(), meta
 
 
-def _canonical(name: str) -> str:
-    return canonical_name(name)
-
-
 def resolve_kvzap_checkpoint(spec: str | Path) -> Path:
     """A kvzap checkpoint from a shipped name, a file, or a ``kvsieve train --objective kvzap`` folder."""
-    if isinstance(spec, str) and _canonical(spec) in SHIPPED:
-        path = CHECKPOINT_DIR / SHIPPED[_canonical(spec)]
+    if isinstance(spec, str) and canonical_name(spec) in SHIPPED:
+        path = CHECKPOINT_DIR / SHIPPED[canonical_name(spec)]
         if path.is_file():
             return path
     path = Path(spec)
@@ -292,7 +288,7 @@ class KVzap(Policy):
         self.attention_scaling = [float(a) for a in rope["attention_scaling"]]
         self.allocation = allocation
         self.overhead_seconds, self.overhead_calls = 0.0, 0
-        if model is not None and _canonical(model) != _canonical(self.trained_for.name):
+        if model is not None and canonical_name(model) != canonical_name(self.trained_for.name):
             raise ValueError(f"kvzap checkpoint {self.checkpoint!r} was trained for model {self.trained_for.name!r}, "
                              f"not {model!r}; {_HOW_TO_TRAIN}")
         super().__init__(selection=selection, window=window)
@@ -310,21 +306,10 @@ class KVzap(Policy):
 
     def check_model(self, model, name: str | None = None) -> None:
         """Refuse ``model`` unless it is the checkpoint's: same name (when given), geometry and config fingerprint."""
-        want = self.trained_for
-        where = f"kvzap checkpoint {self.checkpoint!r} was trained for model {want.name!r}"
-        if name is not None and _canonical(name) != _canonical(want.name):
-            raise ValueError(f"{where}, not {name!r}; {_HOW_TO_TRAIN}")
-        problem = want.mismatch(ModelShape.of(model, name or ""))
-        if problem:
-            raise ValueError(f"{where} ({want.describe()}); {problem}: {_HOW_TO_TRAIN}")
+        self.trained_for.refuse_other(model, name, f"kvzap checkpoint {self.checkpoint!r}", _HOW_TO_TRAIN)
 
     def check(self, signals: Signals) -> None:
-        want = self.trained_for
-        have = (signals.num_layers, signals.num_kv_heads, signals.keys.shape[-1])
-        if have != (want.num_layers, want.num_kv_heads, want.head_dim):
-            raise ValueError(f"kvzap checkpoint {self.checkpoint!r} was trained for model {want.name!r} "
-                             f"({want.describe()}); the model it is applied to has {have[0]} layers, {have[1]} KV "
-                             f"heads, head dim {have[2]}: {_HOW_TO_TRAIN}")
+        self.trained_for.refuse_geometry(signals, f"kvzap checkpoint {self.checkpoint!r}", _HOW_TO_TRAIN)
 
     @torch.no_grad()
     def score(self, signals: Signals) -> torch.Tensor:

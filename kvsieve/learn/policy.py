@@ -63,8 +63,8 @@ def _shipped_text() -> str:
 
 def resolve_checkpoint(spec: str | Path) -> Path:
     """A checkpoint file from a shipped name, a file path, or a ``kvsieve train`` output folder."""
-    if isinstance(spec, str) and _canonical(spec) in SHIPPED:
-        return CHECKPOINT_DIR / SHIPPED[_canonical(spec)]
+    if isinstance(spec, str) and canonical_name(spec) in SHIPPED:
+        return CHECKPOINT_DIR / SHIPPED[canonical_name(spec)]
     path = Path(spec)
     if path.is_dir() and (path / "policy.safetensors").is_file():
         return path / "policy.safetensors"
@@ -72,10 +72,6 @@ def resolve_checkpoint(spec: str | Path) -> Path:
         return path
     raise ValueError(f"learned policy checkpoint {str(spec)!r} is neither a file nor a shipped name "
                      f"(shipped: {_shipped_text()}); {_HOW_TO_TRAIN}")
-
-
-def _canonical(name: str) -> str:
-    return canonical_name(name)
 
 
 @dataclass(frozen=True)
@@ -120,6 +116,23 @@ class ModelShape:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def refuse_other(self, model, name: str | None, what: str, fix: str) -> None:
+        """Refuse a live ``model`` (loaded under ``name``, when known) that is not this one: another name
+        (aliases resolve), geometry or config fingerprint. ``what`` names the checkpoint, ``fix`` the remedy."""
+        where = f"{what} was trained for model {self.name!r}"
+        if name is not None and canonical_name(name) != canonical_name(self.name):
+            raise ValueError(f"{where}, not {name!r}; {fix}")
+        problem = self.mismatch(ModelShape.of(model, name or ""))
+        if problem:
+            raise ValueError(f"{where} ({self.describe()}); {problem}: {fix}")
+
+    def refuse_geometry(self, signals: Signals, what: str, fix: str) -> None:
+        """Refuse a layer's cache whose geometry is not this model's."""
+        have = (signals.num_layers, signals.num_kv_heads, signals.keys.shape[-1])
+        if have != (self.num_layers, self.num_kv_heads, self.head_dim):
+            raise ValueError(f"{what} was trained for model {self.name!r} ({self.describe()}); the model it is "
+                             f"applied to has {have[0]} layers, {have[1]} KV heads, head dim {have[2]}: {fix}")
+
 
 class LearnedPolicy(Policy):
     """Keep scores from a trained :class:`~kvsieve.learn.network.KeepNet`; window kept by the selection."""
@@ -141,7 +154,7 @@ class LearnedPolicy(Policy):
                              f"{err}") from err
         self.checkpoint = str(path)
         self._setup(net, ModelShape(**loaded.meta["model"]), window or int(loaded.meta["window"]), **kwargs)
-        if model is not None and _canonical(model) != _canonical(self.trained_for.name):
+        if model is not None and canonical_name(model) != canonical_name(self.trained_for.name):
             raise ValueError(f"learned policy checkpoint {self.checkpoint!r} was trained for model "
                              f"{self.trained_for.name!r}, not {model!r}; {_HOW_TO_TRAIN}")
 
@@ -173,25 +186,15 @@ class LearnedPolicy(Policy):
         return resolve_checkpoint(checkpoint) if checkpoint is not None else None
 
     def check_model(self, model, name: str | None = None) -> None:
-        """Refuse ``model`` (a HF model; ``name`` the name it was loaded under, when known) unless it is the
-        checkpoint's model: same name (aliases resolve), geometry and config fingerprint."""
-        want = self.trained_for
-        where = f"learned policy {self.checkpoint or '(in training)'} was trained for model {want.name!r}"
-        if name is not None and _canonical(name) != _canonical(want.name):
-            raise ValueError(f"{where}, not {name!r}; {_HOW_TO_TRAIN}")
-        problem = want.mismatch(ModelShape.of(model, name or ""))
-        if problem:
-            raise ValueError(f"{where} ({want.describe()}); {problem}: {_HOW_TO_TRAIN}")
+        """Refuse ``model`` unless it is the checkpoint's: same name (aliases resolve), geometry and config
+        fingerprint."""
+        self.trained_for.refuse_other(model, name, f"learned policy {self.checkpoint or '(in training)'}",
+                                      _HOW_TO_TRAIN)
 
     def check(self, signals: Signals) -> None:
         """Refuse a cache whose geometry differs from the checkpoint's model."""
-        want = self.trained_for
-        have = (signals.num_layers, signals.num_kv_heads, signals.keys.shape[-1])
-        if have != (want.num_layers, want.num_kv_heads, want.head_dim):
-            raise ValueError(
-                f"learned policy {self.checkpoint or '(in training)'} was trained for model {want.name!r} "
-                f"({want.describe()}); the model it is applied to has {have[0]} layers, {have[1]} KV heads, head dim "
-                f"{have[2]}: {_HOW_TO_TRAIN}")
+        self.trained_for.refuse_geometry(signals, f"learned policy {self.checkpoint or '(in training)'}",
+                                         _HOW_TO_TRAIN)
 
     @torch.no_grad()
     def logits(self, signals: Signals) -> tuple[torch.Tensor, torch.Tensor]:
