@@ -253,3 +253,26 @@ def test_a_spec_is_parsed_once_per_run(monkeypatch, tmp_path):
     with run_grid(config, progress=False, executor=executor) as store:
         assert store.count() == 2 * (1 + 2 * 3)
     assert sorted(calls) == sorted(["full", "knorm", "snapkv(window=8)", "oracle"])
+
+
+def test_the_learned_policy_can_spend_its_budget_across_the_model():
+    # issue 21: allocation in every search; the shipped network's logits are standardised per head first
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import kvsieve
+    from kvsieve.engine.cache import sieve_layers
+    from kvsieve.policies import from_spec
+
+    policy = from_spec("learned(checkpoint='smollm2-135m-instruct', allocation='global')")
+    assert (policy.selection.allocation, policy.selection.normalization) == ("global", "zscore")
+    with pytest.raises(ValueError, match="allocation 'everywhere' is not one of"):
+        from_spec("learned(checkpoint='smollm2-135m-instruct', allocation='everywhere')")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=576, intermediate_size=64, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=1024)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    with kvsieve.attach(model, policy, ratio=0.5):
+        cache = model(input_ids=torch.randint(0, 128, (1, 300)), use_cache=True).past_key_values
+    lengths = [n for _, layer in sieve_layers(cache) for n in layer.head_lengths]
+    assert sum(lengths) == 150 * len(lengths) and len(set(lengths)) > 1

@@ -36,7 +36,7 @@ from kvsieve.learn.features import extract
 from kvsieve.learn.fingerprint import config_fields, fields_fingerprint, text_config
 from kvsieve.learn.network import KeepNet, NetConfig
 from kvsieve.policy import Policy
-from kvsieve.selection import Selection
+from kvsieve.selection import ALLOCATIONS, Selection
 from kvsieve.signals import Signals
 
 __all__ = ["SHIPPED", "ModelShape", "LearnedPolicy", "resolve_checkpoint", "shipped_names"]
@@ -140,7 +140,10 @@ class LearnedPolicy(Policy):
     name = "learned"
 
     def __init__(self, checkpoint: str | None = None, model: str | None = None, window: int | None = None,
-                 **kwargs) -> None:
+                 allocation: str = "uniform", **kwargs) -> None:
+        if allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation {allocation!r} is not one of {list(ALLOCATIONS)}")
+        self.allocation = allocation
         if checkpoint is None:
             raise ValueError(f"the learned policy needs checkpoint=PATH or a shipped name (shipped: "
                              f"{_shipped_text()}); {_HOW_TO_TRAIN}")
@@ -162,7 +165,7 @@ class LearnedPolicy(Policy):
     def from_network(cls, net: KeepNet, trained_for: ModelShape, window: int, **kwargs) -> LearnedPolicy:
         """A policy around a live network (training), with no checkpoint file."""
         policy = cls.__new__(cls)
-        policy.checkpoint = None
+        policy.checkpoint, policy.allocation = None, "uniform"
         policy._setup(net, trained_for, window, **kwargs)
         return policy
 
@@ -174,7 +177,11 @@ class LearnedPolicy(Policy):
         super().__init__(window=window, **kwargs)
 
     def default_selection(self) -> Selection:
-        return Selection(recent=self.window)
+        # keep logits of one shared network; moved across heads or layers they are standardised per head
+        # first, since nothing in training made their scales comparable
+        if self.allocation == "uniform":
+            return Selection(recent=self.window)
+        return Selection(recent=self.window, allocation=self.allocation, normalization="zscore")
 
     @property
     def overhead_ms_per_call(self) -> float:
