@@ -17,6 +17,7 @@ import statistics
 import time
 
 import torch
+from kvzip_cost import context_text  # benchmarks/, run as a script
 
 import kvsieve
 from kvsieve.engine.cache import sieve_layers
@@ -25,17 +26,6 @@ from kvsieve.learn.kvzap import KVzap
 from kvsieve.models import load
 from kvsieve.policies import FullCache
 from kvsieve.prompt import build_prompt
-from kvsieve.tasks.haystack import prose
-
-
-def context_text(tokenizer, length: int) -> str:
-    sentences = 64
-    while True:
-        text = prose(sentences, seed=0)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) >= length:
-            return tokenizer.decode(ids[:length])
-        sentences *= 2
 
 
 def percent(times: list[float], base: list[float]) -> str:

@@ -11,9 +11,9 @@ from kvsieve.engine.attach import DEFAULT_EVICT_EVERY, attach
 from kvsieve.engine.cache import cache_bytes, full_cache_bytes
 from kvsieve.engine.compress import CompressionReport
 from kvsieve.policy import FullCache, Policy
-from kvsieve.prompt import build_prompt
+from kvsieve.prompt import Prompt, build_prompt
 
-__all__ = ["Generation", "greedy_decode", "generate", "check_context_length",
+__all__ = ["Generation", "greedy_decode", "prefill_prompt", "generate", "check_context_length",
            "model_context_length"]
 
 
@@ -90,6 +90,13 @@ class Generation:
     peak_cache_bytes: int = 0  # largest cache held during any forward (decode mode: before its eviction)
 
 
+def prefill_prompt(model, prompt: Prompt, question_aware: bool):
+    """The prompt's first forward: the context alone (query-agnostic), or context + question together
+    (question-aware: the question is the observation window). Returns the model's output (``.cache``)."""
+    ids = torch.cat([prompt.context_ids, prompt.question_ids], dim=1) if question_aware else prompt.context_ids
+    return model(input_ids=ids, use_cache=True, logits_to_keep=1)
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -129,11 +136,7 @@ def generate(
     options = dict(ratio=ratio, kept=kept, mode=mode, chunk_size=chunk_size, protected_tail=protected,
                    evict_every=evict_every)
     with attach(model, policy, **options) as session:
-        if question_aware:
-            ids = torch.cat([prompt.context_ids, prompt.question_ids], dim=1)
-            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-        else:
-            out = model(input_ids=prompt.context_ids, use_cache=True, logits_to_keep=1)
+        out = prefill_prompt(model, prompt, question_aware)
         cache = out.cache
         kept_tokens = session.kept_tokens
         bytes_kept = cache_bytes(cache)

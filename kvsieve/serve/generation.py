@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvsieve.engine.cache import cache_bytes, full_cache_bytes
-from kvsieve.engine.generate import greedy_decode
+from kvsieve.engine.generate import greedy_decode, prefill_prompt
 from kvsieve.prompt import Prompt
 from kvsieve.risk.runtime import OperatingPoint
 from kvsieve.serve.text_stream import IncrementalText, cut_at_stop
@@ -82,11 +82,7 @@ def generate_completion(model, tokenizer, prompt: Prompt, point: OperatingPoint,
     hook = model.register_forward_pre_hook(observe, with_kwargs=True)
     try:
         with point.attach(model, m) as session:
-            if question_aware:
-                ids = torch.cat([prompt.context_ids, prompt.question_ids], dim=1)
-                out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-            else:
-                out = model(input_ids=prompt.context_ids, use_cache=True, logits_to_keep=1)
+            out = prefill_prompt(model, prompt, question_aware)
             cache = out.cache
             info = CacheInfo(n, n + m, full_cache_bytes(cache), cache_bytes(cache), list(session.kept_tokens), 0.0)
             if not question_aware:
