@@ -49,6 +49,7 @@ def main() -> None:
     model, tokenizer = load(args.model)
     ids = build_prompt(tokenizer, context_text(tokenizer, args.length), "What is the special number?").context_ids
     policies = {v: KVzap(checkpoint=args.checkpoint or args.model, variant=v) for v in ("mlp", "linear")}
+    shipped = KVzap(checkpoint=args.checkpoint or args.model)  # the checkpoint's default variant
     print(f"# {args.model} ({model.dtype}), {ids.shape[1]} prompt tokens, {torch.get_num_threads()} threads, "
           f"{platform.processor() or platform.machine()}, load average {os.getloadavg()[0]:.1f}")
     with kvsieve.attach(model, FullCache(window=1), ratio=0.0):
@@ -60,7 +61,7 @@ def main() -> None:
             policy.score(layer_signals(layer, idx, len(cache.layers), 0, 1))
 
     def attached():
-        with kvsieve.attach(model, policies["mlp"], ratio=args.ratio) as session:
+        with kvsieve.attach(model, shipped, ratio=args.ratio) as session:
             model(input_ids=ids, use_cache=True, logits_to_keep=1)
         return session.report
 
@@ -71,7 +72,7 @@ def main() -> None:
     runs = {"plain prefill (kvsieve.attach, full cache)": plain,
             "kvzap scoring, every layer (mlp)": lambda: scoring(policies["mlp"]),
             "kvzap scoring, every layer (linear)": lambda: scoring(policies["linear"]),
-            f"prefill + kvzap mlp @ {args.ratio} (global)": attached}
+            f"prefill + kvzap {shipped.variant} (the default) @ {args.ratio} (global)": attached}
     wall: dict[str, list[float]] = {name: [] for name in runs}
     cpu: dict[str, list[float]] = {name: [] for name in runs}
     engine = []
@@ -87,7 +88,7 @@ def main() -> None:
     base_wall, base_cpu = wall[next(iter(runs))], cpu[next(iter(runs))]
     for name in runs:
         print(f"{name}: wall {percent(wall[name], base_wall)}; CPU {percent(cpu[name], base_cpu)}")
-    print(f"compression inside the engine (scoring + global selection + gather): "
+    print(f"compression inside the engine ({shipped.variant} scoring + global selection + gather): "
           f"{percent(engine, base_wall)} (wall)")
     for variant, policy in policies.items():
         print(f"{variant}: {policy.net.num_parameters(variant)} parameters over {policy.net.config.num_layers} layers")

@@ -30,8 +30,10 @@ class CharTokenizer:
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **_):
         return "\x02sys\x03" + messages[0]["content"] + "\x04" + ("\x05A:" if add_generation_prompt else "")
 
-    def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
+    def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False, return_tensors=None):
         out = {"input_ids": [ord(c) for c in text]}
+        if return_tensors == "pt":
+            out["input_ids"] = torch.tensor([out["input_ids"]])
         if return_offsets_mapping:
             out["offset_mapping"] = [(i, i + 1) for i in range(len(text))]
         return out

@@ -149,6 +149,25 @@ def test_headline_never_pools_models_or_lengths(rows):
     assert next(r for r in tables[0].rows if r.policy == "tova").mean == pytest.approx(37.5)
 
 
+def test_each_prompt_layout_gets_its_own_table_and_comparisons(tmp_path, rows):
+    # the same requests' ids on the second layout (fmt2:...), scored differently: never one mean over both
+    alt = [cell("full", 0.0, "s0", 100, task="fmt2:t"), cell("full", 0.0, "s1", 100, task="fmt2:t"),
+           cell("tova", 0.5, "s0", 0, task="fmt2:t"), cell("tova", 0.5, "s1", 50, task="fmt2:t")]
+    first, second = headline(rows + alt)
+    assert (first.layout, second.layout) == ("", "fmt2") and second.tasks == ["fmt2:t"]
+    assert next(r for r in first.rows if r.policy == "tova").mean == pytest.approx(37.5)  # as without fmt2 rows
+    tova = next(r for r in second.rows if r.policy == "tova")
+    assert (tova.n, tova.mean, tova.full_mean) == (2, 25.0, 100.0)
+    assert "layout fmt2: 2 requests" in format_headline(second)
+    with pytest.raises(ValueError, match="one prompt layout"):
+        compare(rows + alt, "tova", "full", 0.5)
+    assert compare(alt, "tova", "full", 0.5).diff == pytest.approx(-75.0)
+    with ResultsStore(tmp_path / "s.sqlite") as store:
+        store.add_many(rows + alt)
+    text = headline_report(tmp_path / "s.sqlite", compare_pairs=[("tova", "full")])
+    assert text.count("| tova | full | 0.5 |") == 2 and "| tova | full | 0.5 | 2 | -75.0 |" in text
+
+
 def test_decode_cells_pair_with_the_decode_full_cells():
     assert reference_label("tova@decode128") == "full@decode128"
     assert reference_label("learned(checkpoint='a@b')") == "full"

@@ -11,10 +11,16 @@ import kvsieve
 from kvsieve.engine.cache import sieve_layers
 from kvsieve.engine.compress import layer_signals
 from kvsieve.engine.reconstruct import ReconstructionPrompt
-from kvsieve.learn.kvzap import KVzap, kvzap_inputs, load_kvzap, pre_rope_keys
+from kvsieve.evolve.evaluate import DevSet
+from kvsieve.evolve.features import load_features
+from kvsieve.evolve.seeds import SEEDS
+from kvsieve.learn import kvzap as kvzap_module
+from kvsieve.learn.kvzap import KVzap, kvzap_inputs, load_kvzap, pre_rope_keys, shipped_kvzap_for
 from kvsieve.learn.kvzap_train import KVzapTrainConfig, collect_sequence, rope_tables, stdlib_texts, train_kvzap
 from kvsieve.learn.rollout import Episode
 from kvsieve.policies import FullCache
+from kvsieve.policies.program import ProgramPolicy
+from kvsieve.tasks.sample import Sample
 
 TOKENIZER = CharTokenizer()
 HEADER = ReconstructionPrompt.from_tokenizer(TOKENIZER).header
@@ -247,3 +253,54 @@ def test_bad_inputs_give_clear_errors(trained, tmp_path):
         KVzapTrainConfig(holdout=1.0)
     with pytest.raises(ValueError, match="unknown task"):
         KVzapTrainConfig(tasks=["niah_nowhere"])
+
+
+SURROGATE_PROGRAM = '"""Twice the surrogate."""\n\n\ndef score(f):\n    return 2.0 * f.surrogate\n'
+
+
+def test_evolved_programs_read_the_surrogate_as_a_feature(trained, monkeypatch):
+    model, _, _, result = trained
+    net, meta = load_kvzap(result.policy)
+    rope = [torch.tensor(f) for f in meta["rope"]["inv_freq"]]
+    program = ProgramPolicy(source=SURROGATE_PROGRAM, surrogate=str(result.policy), window=1)
+    assert program.reads_surrogate and not ProgramPolicy(source=SEEDS["tova"]).reads_surrogate
+    with kvsieve.attach(model, FullCache(window=1), ratio=0.0):
+        cache = model(input_ids=_ids(7), use_cache=True).cache
+    layers = sieve_layers(cache)
+    for idx, layer in layers:
+        signals = layer_signals(layer, idx, 3, 0, 1)
+        want = 2.0 * net(kvzap_inputs(signals, rope[idx]), idx, meta["variant"])  # the checkpoint's default variant
+        torch.testing.assert_close(program.score(signals), want.transpose(1, 2), atol=1e-4, rtol=1e-4)
+    # without a surrogate: refused where none ships for the model, and when scoring
+    bare = ProgramPolicy(source=SURROGATE_PROGRAM, window=1)
+    with pytest.raises(ValueError, match="no kvzap surrogate ships for model 'tiny-llama'"):
+        bare.check_model(model, "tiny-llama")
+    with pytest.raises(ValueError, match="reads f.surrogate but has no surrogate"):
+        bare.score(signals)
+    # a shipped surrogate is found by the model it was trained for (name, geometry, config) and bound
+    monkeypatch.setattr(kvzap_module, "CHECKPOINT_DIR", result.policy.parent)
+    monkeypatch.setattr(kvzap_module, "SHIPPED", {"tiny-llama": result.policy.name})
+    assert shipped_kvzap_for(tiny_model("qwen2")) is None
+    assert shipped_kvzap_for(model, "another-model") is None
+    bare.check_model(model, "tiny-llama")
+    torch.testing.assert_close(bare.score(signals), program.score(signals))
+
+
+def test_dev_sets_carry_the_shipped_surrogates_predictions(trained, monkeypatch, tmp_path):
+    model, _, _, result = trained
+    monkeypatch.setattr(kvzap_module, "CHECKPOINT_DIR", result.policy.parent)
+    monkeypatch.setattr(kvzap_module, "SHIPPED", {"tiny-llama": result.policy.name})
+    sample = Sample(id="d0", task="niah_single_1", context="the number is 4711. " * 4, question="Which number?",
+                    answer_prefix="It is", answers=["4711"], max_new_tokens=4, length=0, seed=0,
+                    metric="string_match_all")
+    dev = DevSet(model, TOKENIZER, [sample], ratios=[0.5], window=4, workdir=tmp_path)
+    features = load_features(dev.features_path)
+    linear = KVzap(checkpoint=str(result.policy))
+    for idx, layer in sieve_layers(dev.items[0].cache):
+        signals = layer_signals(layer, idx, 3, window=4)
+        torch.testing.assert_close(features[f"s0-l{idx}"].surrogate, linear.score(signals))
+        assert features[f"s0-l{idx}"].surrogate.abs().sum() > 0
+    monkeypatch.setattr(kvzap_module, "SHIPPED", {})  # no surrogate for the model: the feature is zeros
+    plain = load_features(DevSet(model, TOKENIZER, [sample], ratios=[0.5], window=4, workdir=tmp_path / "b")
+                          .features_path)
+    assert all(float(f.surrogate.abs().sum()) == 0.0 for f in plain.values())

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvsieve.evolve.features import TENSOR_FIELDS
+from kvsieve.evolve.program import fields_read
 
 __all__ = ["ProgramRecord", "ProgramDatabase", "behaviour_cell", "rank_key"]
 
@@ -70,8 +71,7 @@ def behaviour_cell(source: str) -> str:
         tree = ast.parse(source)
     except SyntaxError:
         return "invalid"
-    read = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
-            and n.value.id == "f" and n.attr in TENSOR_FIELDS}
+    read = fields_read(tree, TENSOR_FIELDS)
     nodes = sum(1 for _ in ast.walk(tree))
     size = 0 if nodes < 40 else 1 if nodes < 80 else 2 if nodes < 160 else 3
     return f"signals{len(read)}-size{size}"

@@ -37,6 +37,7 @@ from kvsieve.engine.generate import greedy_decode
 from kvsieve.evolve.features import Features, save_features
 from kvsieve.evolve.program import Program, ProgramError
 from kvsieve.evolve.sandbox import SandboxLimits, run_in_sandbox
+from kvsieve.learn.kvzap import shipped_kvzap_for
 from kvsieve.policy import FullCache, Policy
 from kvsieve.prompt import Prompt, build_prompt
 from kvsieve.selection import Budget, Selection
@@ -97,6 +98,8 @@ class DevSet:
         self.workdir = Path(workdir if workdir is not None else self._tmp.name)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.capture = FullCache(window=window)
+        # the features' ``surrogate``: the shipped kvzap of this model (zeros when none ships for it)
+        self.surrogate = shipped_kvzap_for(model)
         self.items: list[DevSample] = []
         features: dict[str, Features] = {}
         from tqdm import tqdm
@@ -108,7 +111,8 @@ class DevSet:
             layers = list(sieve_layers(cache))
             for layer_idx, layer in layers:
                 signals = layer_signals(layer, layer_idx, len(layers), window=window)
-                features[f"s{i}-l{layer_idx}"] = Features.from_signals(signals)
+                predicted = None if self.surrogate is None else self.surrogate.score(signals)
+                features[f"s{i}-l{layer_idx}"] = Features.from_signals(signals, predicted)
             answer = answer_token_ids(tokenizer, sample)
             item = DevSample(sample, prompt, cache, answer, 0.0, 0.0)
             item.full_logprob = self.answer_logprob(item, clone_cache(cache))

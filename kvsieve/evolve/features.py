@@ -25,7 +25,7 @@ from kvsieve.signals import Signals
 __all__ = ["Features", "TENSOR_FIELDS", "SCALAR_FIELDS", "TORCH_FUNCTIONS", "TENSOR_METHODS", "HELPERS",
            "SAFE_BUILTINS", "MATH_CONSTANTS", "synthetic_features", "save_features", "load_features"]
 
-TENSOR_FIELDS = ("attn", "last_attn", "key_norm", "value_norm", "position")
+TENSOR_FIELDS = ("attn", "last_attn", "key_norm", "value_norm", "position", "surrogate")
 SCALAR_FIELDS = ("layer", "window", "n", "group")
 
 
@@ -39,6 +39,8 @@ class Features:
         last_attn: (b, h, g, n) attention from the last query of the context alone.
         key_norm, value_norm: (b, h, n) L2 norms of the cached keys and values.
         position: (n,) position of each entry scaled to [0, 1] (0 first, 1 last context token).
+        surrogate: (b, h, n) the model's KVzip surrogate (kvzap): predicted log KVzip score of each entry,
+            one scale for every head and layer; zeros where no surrogate ships for the model.
         layer: this layer's index scaled to [0, 1].
         window: size of the observation window; the last ``window`` entries are always kept.
         n: number of cached context entries.
@@ -50,14 +52,18 @@ class Features:
     key_norm: torch.Tensor
     value_norm: torch.Tensor
     position: torch.Tensor
+    surrogate: torch.Tensor
     layer: float
     window: int
     n: int
     group: int
 
     @classmethod
-    def from_signals(cls, signals: Signals) -> Features:
+    def from_signals(cls, signals: Signals, surrogate: torch.Tensor | None = None) -> Features:
+        """The features of one layer; ``surrogate`` is the kvzap prediction for it (None: zeros)."""
         b, h, n = signals.batch_size, signals.num_kv_heads, signals.seq_len
+        if surrogate is not None and tuple(surrogate.shape) != (b, h, n):
+            raise ValueError(f"surrogate scores shaped {tuple(surrogate.shape)}, expected {(b, h, n)}")
         g, w = signals.num_groups, signals.window_size
         window_attention = signals.window_attention.reshape(b, h, g, w, n)
         layer = signals.layer_idx / max(signals.num_layers - 1, 1)
@@ -67,6 +73,7 @@ class Features:
             key_norm=signals.key_norms.contiguous(),
             value_norm=signals.value_norms.contiguous(),
             position=signals.relative_positions[0, 0].contiguous(),
+            surrogate=torch.zeros(b, h, n) if surrogate is None else surrogate.float().contiguous(),
             layer=float(layer), window=int(w), n=int(n), group=int(g),
         )
 
@@ -103,6 +110,7 @@ def synthetic_features(seed: int, batch: int = 1, kv_heads: int = 2, group: int 
         key_norm=torch.rand(batch, kv_heads, n, generator=gen) * 20 + 1,
         value_norm=torch.rand(batch, kv_heads, n, generator=gen) * 5 + 0.1,
         position=torch.arange(n, dtype=torch.float32) / max(n - 1, 1),
+        surrogate=torch.randn(batch, kv_heads, n, generator=gen) * 2.0 - 6.0,  # log scores, as kvzap's
         layer=layer, window=window, n=n, group=group,
     )
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvsieve.evolve import features as feats
+from kvsieve.evolve.program import fields_read
 from kvsieve.evolve.static import REFUSED_KEYWORDS, StaticCheckError, check_source
 
 __all__ = ["Limits", "ScoreProgram", "InterpreterError", "LimitExceeded", "ProgramFailed", "REFUSED_KEYWORDS"]
@@ -143,6 +144,11 @@ class ScoreProgram:
             raise InterpreterError(f"{filename}: the source cannot be parsed: {type(err).__name__}") from None
         self._fn = self._find_score(tree)
         self._param = self._fn.args.args[0].arg
+
+    @property
+    def fields(self) -> set[str]:
+        """The feature fields ``score`` reads."""
+        return fields_read(self._fn, (*feats.TENSOR_FIELDS, *feats.SCALAR_FIELDS), self._param)
 
     def _find_score(self, tree: ast.Module) -> ast.FunctionDef:
         found = None

@@ -22,7 +22,7 @@ from functools import cached_property
 
 from kvsieve.selection import Selection
 
-__all__ = ["Program", "ProgramError", "SELECTION_RANGES", "SELECTION_CHOICES", "parse_selection"]
+__all__ = ["Program", "ProgramError", "SELECTION_RANGES", "SELECTION_CHOICES", "parse_selection", "fields_read"]
 
 # name -> (smallest, largest) allowed int
 SELECTION_RANGES = {"chunk_size": (1, 64), "sink": (0, 64)}
@@ -72,6 +72,12 @@ def parse_selection(source: str) -> dict[str, int | str]:
             raise ProgramError(f"SELECTION[{key!r}] = {value!r} is outside the allowed ints [{lo}, {hi}]")
         out[key] = value
     return out
+
+
+def fields_read(tree: ast.AST, fields: tuple[str, ...], param: str = "f") -> set[str]:
+    """The names of ``fields`` a parsed program reads as ``PARAM.NAME`` (``f.attn``)."""
+    return {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+            and n.value.id == param and n.attr in fields}
 
 
 @dataclass(frozen=True)

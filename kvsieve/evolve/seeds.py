@@ -29,4 +29,11 @@ def score(f):
     head_max = group_max(f.attn)
     return 0.4 * unit_mean(local) + 0.4 * unit_mean(density) + 0.2 * unit_mean(head_max)
 ''',
+    "surrogate": '''"""The KVzip surrogate (kvzap): predicted log KVzip scores, one budget over the whole model."""
+SELECTION = {"chunk_size": 1, "sink": 0, "allocation": "global"}
+
+
+def score(f):
+    return f.surrogate
+''',
 }

@@ -38,9 +38,12 @@ import numpy as np
 from kvsieve.bundled import canonical_name
 from kvsieve.harness.report import FULL, display_policy, is_reference
 from kvsieve.harness.store import RATIO_DECIMALS, CellResult, ResultsStore
+from kvsieve.tasks.ruler_alt import PREFIX as ALT_PREFIX
+from kvsieve.tasks.ruler_alt import is_alt_task
 
 __all__ = ["DEFAULT_RESAMPLES", "DEFAULT_SEED", "Comparison", "Headline", "HeadlineRow", "bootstrap_interval",
-           "compare", "format_comparisons", "format_headline", "headline", "headline_report", "reference_label"]
+           "compare", "format_comparisons", "format_headline", "headline", "headline_report", "layout_of",
+           "reference_label"]
 
 DEFAULT_RESAMPLES = 10_000
 DEFAULT_SEED = 0
@@ -112,6 +115,20 @@ class Headline:
     tasks: list[str]
     rows: list[HeadlineRow]
     unpaired: list[str] = field(default_factory=list)  # "policy @ ratio" with no paired request at all
+    layout: str = ""  # "" for the first RULER layout and other data, "fmt2" for the second layout's tasks
+
+
+def layout_of(task: str) -> str:
+    """Which prompt layout a task's samples use: ``fmt2`` (``tasks/ruler_alt.py``) or ``""`` (every other)."""
+    return ALT_PREFIX.rstrip(":") if is_alt_task(task) else ""
+
+
+def _by_layout(rows: Iterable[CellResult]) -> dict[str, list[CellResult]]:
+    """Rows split by layout: each layout gets its own tables, never one mean over both."""
+    parts: dict[str, list[CellResult]] = defaultdict(list)
+    for r in rows:
+        parts[layout_of(r.key.task)].append(r)
+    return parts
 
 
 @dataclass(frozen=True)
@@ -190,13 +207,15 @@ def _row(model: str, length: int, label: str, ratio: float, cells: dict[Request,
 
 def headline(rows: Iterable[CellResult], resamples: int = DEFAULT_RESAMPLES,
              seed: int = DEFAULT_SEED) -> list[Headline]:
-    """One :class:`Headline` per (model, length) in ``rows``: the full reference first, then every ratio's
+    """One :class:`Headline` per (model, length, layout) in ``rows``: the full reference first, then every ratio's
     policies (ordinary ones by mean, best first, then reference policies such as ``oracle+qa``)."""
+    groups = [(model, length, layout, cells) for layout, part in _by_layout(rows).items()
+              for (model, length), cells in _group(part).items()]
     out = []
-    for (model, length), cells in sorted(_group(rows).items()):
+    for model, length, layout, cells in sorted(groups, key=lambda g: g[:3]):
         full_requests = set(cells.get((FULL, 0.0), {}))
         tasks = sorted({q[0] for by_request in cells.values() for q in by_request})
-        table = Headline(model, length, len(full_requests), tasks, [])
+        table = Headline(model, length, len(full_requests), tasks, [], layout=layout)
         built: list[HeadlineRow] = []
         for label, ratio in cells:
             row = _row(model, length, label, ratio, cells[(label, ratio)], _reference(cells, label), resamples, seed)
@@ -239,6 +258,10 @@ def _single_group(rows: Iterable[CellResult], model: str | None, length: int | N
         raise ValueError(f"compare needs the rows of one model at one length, got {what} "
                          f"(model={model!r}, length={length!r}); held: {held}")
     (m, n), cells = next(iter(groups.items()))
+    layouts = {layout_of(q[0]) for by_request in cells.values() for q in by_request}
+    if len(layouts) > 1:
+        raise ValueError(f"compare needs the rows of one prompt layout, got tasks of {len(layouts)} (first layout and "
+                         f"{ALT_PREFIX}...): compare each layout's rows apart")
     return m, n, cells
 
 
@@ -289,7 +312,8 @@ def _num(value: float, digits: int = 1) -> str:
 
 def format_headline(table: Headline, digits: int = 1) -> str:
     """Markdown: a heading naming the model, length and requests, then one row per (policy, ratio)."""
-    lines = [f"### {table.model} at {table.length} tokens: {table.requests} requests, {len(table.tasks)} task"
+    layout = f", layout {table.layout}" if table.layout else ""
+    lines = [f"### {table.model} at {table.length} tokens{layout}: {table.requests} requests, {len(table.tasks)} task"
              f"{'s' if len(table.tasks) != 1 else ''}", "",
              "| policy | ratio | mean | 95% CI | % of full | bytes % of full | overhead % of prefill | n |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -344,7 +368,8 @@ def headline_report(store_path: str | Path, model: str | None = None,
     problems: dict[tuple[str, str], list[str]] = defaultdict(list)
     for table in headline(rows, resamples, seed):
         parts.append(format_headline(table))
-        group = [r for r in rows if r.key.model == table.model and int(r.key.length) == table.length]
+        group = [r for r in rows if r.key.model == table.model and int(r.key.length) == table.length
+                 and layout_of(r.key.task) == table.layout]
         cells = _group(group)[(table.model, table.length)]
         comparisons, notes = [], []
         for a, b in compare_pairs:

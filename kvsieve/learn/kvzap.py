@@ -55,7 +55,7 @@ from kvsieve.signals import Signals
 
 __all__ = ["SHIPPED", "VARIANTS", "KVzapNetConfig", "KVzapNet", "KVzap", "rotary_tables", "pre_rope_keys",
            "shared_positions", "kvzap_inputs",
-           "save_kvzap", "load_kvzap", "resolve_kvzap_checkpoint"]
+           "save_kvzap", "load_kvzap", "resolve_kvzap_checkpoint", "shipped_kvzap_for"]
 
 CHECKPOINT_DIR = Path(__file__).parent / "checkpoints"
 # shipped name (the model it was trained for) -> file in CHECKPOINT_DIR; how each was trained: docs/kvzap.md
@@ -379,3 +379,20 @@ class KVzap(Policy):
     def __repr__(self) -> str:
         return (f"KVzap(checkpoint={self.checkpoint!r}, variant={self.variant!r}, model={self.trained_for.name!r}, "
                 f"selection={self.selection})")
+
+
+def shipped_kvzap_for(model, name: str | None = None) -> KVzap | None:
+    """The shipped surrogate trained for ``model`` (a live model, loaded under ``name`` when known), or None.
+
+    Matched as every checkpoint refuses another model: name (aliases resolve), geometry and config fingerprint.
+    """
+    for shipped in sorted(SHIPPED):
+        if not (CHECKPOINT_DIR / SHIPPED[shipped]).is_file():
+            continue
+        surrogate = KVzap(checkpoint=shipped)
+        try:
+            surrogate.check_model(model, name)
+        except ValueError:
+            continue
+        return surrogate
+    return None

@@ -7,6 +7,12 @@ passes the same static check as a candidate's stage 0 and is then interpreted
 so a program that misbehaves on long inputs (a "sleeper") stops with an error naming the limit
 instead of hanging or exhausting memory. ``deadline_s=`` bounds the wall-clock time of one layer's
 scoring; ``max_elements=`` the size of any tensor it creates.
+
+A program that reads ``f.surrogate`` gets the predictions of a KVzip surrogate (``kvzap``):
+``surrogate=NAME|PATH`` names its checkpoint; without it the harness binds the shipped surrogate of the
+model the cell runs on (:meth:`ProgramPolicy.check_model`), and a program used without either is refused.
+The surrogate reads a cache whose KV heads hold the same positions: prefill compression, not
+decode-time eviction.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import torch
 from kvsieve.evolve.features import Features
 from kvsieve.evolve.interpreter import InterpreterError, Limits, ScoreProgram
 from kvsieve.evolve.program import Program, ProgramError
+from kvsieve.learn.kvzap import KVzap, shipped_kvzap_for
 from kvsieve.policy import Policy
 from kvsieve.selection import Selection
 from kvsieve.signals import Signals
@@ -29,7 +36,7 @@ class ProgramPolicy(Policy):
     name = "program"
 
     def __init__(self, path: str | None = None, source: str | None = None, deadline_s: float | None = None,
-                 max_elements: int | None = None, **kwargs) -> None:
+                 max_elements: int | None = None, surrogate: str | None = None, **kwargs) -> None:
         if (path is None) == (source is None):
             raise ValueError("give exactly one of path= (a program file) or source=")
         label = path or "<program>"
@@ -50,7 +57,22 @@ class ProgramPolicy(Policy):
             text = str(err)
             raise ValueError(text if text.startswith(label) else f"{label}: {text}") from None
         self.path = path
+        self.reads_surrogate = "surrogate" in self._score.fields
+        self.surrogate = KVzap(checkpoint=surrogate) if surrogate is not None else None
         super().__init__(**kwargs)
+
+    def check_model(self, model, name: str | None = None) -> None:
+        """Bind the shipped surrogate of ``model`` when the program reads ``f.surrogate`` and none was given."""
+        if not self.reads_surrogate:
+            return
+        if self.surrogate is not None:
+            self.surrogate.check_model(model, name)
+            return
+        self.surrogate = shipped_kvzap_for(model, name)
+        if self.surrogate is None:
+            raise ValueError(f"program {self.path or '<source>'} reads f.surrogate, but no kvzap surrogate ships for "
+                             f"model {name or type(model).__name__!r}: train one (`kvsieve train --objective kvzap`) "
+                             "and pass program(path=..., surrogate='DIR')")
 
     @classmethod
     def content_path(cls, path: str | None = None, **_) -> Path | None:
@@ -60,8 +82,15 @@ class ProgramPolicy(Policy):
         return self.program.selection(self.window)
 
     def score(self, signals: Signals) -> torch.Tensor:
+        predicted = None
+        if self.reads_surrogate:
+            if self.surrogate is None:
+                raise ValueError(f"program {self.path or '<source>'} reads f.surrogate but has no surrogate: pass "
+                                 "program(path=..., surrogate=NAME|PATH) or run it through kvsieve eval, which binds "
+                                 "the shipped surrogate of the model")
+            predicted = self.surrogate.score(signals)
         try:
-            scores = self._score(Features.from_signals(signals))
+            scores = self._score(Features.from_signals(signals, predicted))
         except InterpreterError as err:
             raise RuntimeError(f"program {self.path or '<source>'} stopped: {err}") from None
         expected = (signals.batch_size, signals.num_kv_heads, signals.seq_len)

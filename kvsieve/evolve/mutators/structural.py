@@ -21,7 +21,8 @@ __all__ = ["StructuralMutator", "OPERATIONS"]
 TERMS = (
     "group_mean(f.attn)", "group_max(f.attn)", "group_mean(f.last_attn)", "group_max(f.last_attn)",
     "pool(group_mean(f.attn), 9)", "max_pool(group_max(f.attn), 5)", "pool(group_max(f.last_attn), 5)",
-    "f.value_norm", "1.0 / f.key_norm", "f.position", "rank(group_mean(f.attn))",
+    "f.value_norm", "1.0 / f.key_norm", "f.position", "rank(group_mean(f.attn))", "f.surrogate",
+    "rank(f.surrogate)",
 )
 SWAPS = {  # interchangeable names: same argument and result shapes
     "attn": ("last_attn",), "last_attn": ("attn",), "key_norm": ("value_norm",), "value_norm": ("key_norm",),
