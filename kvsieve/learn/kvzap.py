@@ -356,6 +356,12 @@ class KVzap(Policy):
     def score(self, signals: Signals) -> torch.Tensor:
         start = time.perf_counter()
         self.check(signals)
+        device = signals.keys.device
+        if self.net.linear_weight.device != device:  # the cache lives on the model's device (e.g. --device cuda)
+            self.net.to(device)
+            moved: dict[int, torch.Tensor] = {}  # layers that shared a frequency tensor keep sharing one
+            self.inv_freq = [None if f is None else moved.setdefault(id(f), f.to(device)) for f in self.inv_freq]
+            self._folded.clear()
         layer = signals.layer_idx
         inv_freq, scaling = self.inv_freq[layer], self.attention_scaling[layer]
         positions = shared_positions(signals)
