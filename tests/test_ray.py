@@ -127,12 +127,15 @@ def test_an_interrupted_driver_resumes_with_only_the_missing_cells(cluster, loca
     stored; the rerun computes just the missing cells and the rows equal an uninterrupted run."""
     _free_cpus()
     path = tmp_path / "resume.sqlite"
-    grid = {**GRID, "samples": 16}  # enough that the driver cannot finish between the check and the signal
-    code = ("import sys; sys.path.insert(0, sys.argv[3]); from test_ray import tiny_factory; "
+    grid = {**GRID, "samples": 16}
+    # each dispatch waits 0.3 s in the driver, so the 14 samples left after the check take seconds: the
+    # signal always lands mid-run (a fast machine finished 16 tiny samples before it, twice)
+    code = ("import sys, time; sys.path.insert(0, sys.argv[3]); from test_ray import tiny_factory; "
             "from kvsieve.harness.grid import GridConfig; from kvsieve.harness.run import run_grid; "
             "from kvsieve.harness.ray_executor import RayGridExecutor; "
             f"run_grid(GridConfig(**{grid!r}, store=sys.argv[1]), progress=False, "
-            "executor=RayGridExecutor(address=sys.argv[2], workers=1, factory=tiny_factory))")
+            "executor=RayGridExecutor(address=sys.argv[2], workers=1, factory=tiny_factory, "
+            "on_dispatch=lambda pid, sample: time.sleep(0.3)))")
     proc = subprocess.Popen([sys.executable, "-c", code, str(path), cluster, HERE], stderr=subprocess.PIPE)
     deadline, saved = time.time() + 120, {}
     while time.time() < deadline and proc.poll() is None:
