@@ -50,7 +50,7 @@ from torch import nn
 from kvsieve.bundled import canonical_name
 from kvsieve.learn.policy import ModelShape
 from kvsieve.policy import Policy
-from kvsieve.selection import Selection
+from kvsieve.selection import ALLOCATIONS, Selection
 from kvsieve.signals import Signals
 
 __all__ = ["SHIPPED", "VARIANTS", "KVzapNetConfig", "KVzapNet", "KVzap", "rotary_tables", "pre_rope_keys",
@@ -64,7 +64,6 @@ SHIPPED: dict[str, str] = {
     "qwen2.5-coder-0.5b-instruct": "kvzap-qwen2.5-coder-0.5b-instruct.safetensors",
 }
 VARIANTS = ("mlp", "linear")
-ALLOCATIONS = ("global", "layer", "uniform")
 METADATA_KEY = "kvsieve_kvzap"
 FORMAT = 1
 _HOW_TO_TRAIN = ("train one with `kvsieve train --objective kvzap --model MODEL --out DIR` and use "
@@ -307,9 +306,7 @@ class KVzap(Policy):
         self.overhead_seconds, self.overhead_calls = 0.0, 0
         self._last_tables: tuple | None = None  # (positions, inv_freq, (cos, sin)) of the last scored layer
         self._folded: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        if model is not None and canonical_name(model) != canonical_name(self.trained_for.name):
-            raise ValueError(f"kvzap checkpoint {self.checkpoint!r} was trained for model {self.trained_for.name!r}, "
-                             f"not {model!r}; {_HOW_TO_TRAIN}")
+        self.trained_for.refuse_name(model, f"kvzap checkpoint {self.checkpoint!r}", _HOW_TO_TRAIN)
         super().__init__(selection=selection, window=window)
 
     @classmethod

@@ -119,12 +119,15 @@ class ModelShape:
     def refuse_other(self, model, name: str | None, what: str, fix: str) -> None:
         """Refuse a live ``model`` (loaded under ``name``, when known) that is not this one: another name
         (aliases resolve), geometry or config fingerprint. ``what`` names the checkpoint, ``fix`` the remedy."""
-        where = f"{what} was trained for model {self.name!r}"
-        if name is not None and canonical_name(name) != canonical_name(self.name):
-            raise ValueError(f"{where}, not {name!r}; {fix}")
+        self.refuse_name(name, what, fix)
         problem = self.mismatch(ModelShape.of(model, name or ""))
         if problem:
-            raise ValueError(f"{where} ({self.describe()}); {problem}: {fix}")
+            raise ValueError(f"{what} was trained for model {self.name!r} ({self.describe()}); {problem}: {fix}")
+
+    def refuse_name(self, name: str | None, what: str, fix: str) -> None:
+        """Refuse a model name (aliases resolve) that is not this one's; ``None`` (not known) passes."""
+        if name is not None and canonical_name(name) != canonical_name(self.name):
+            raise ValueError(f"{what} was trained for model {self.name!r}, not {name!r}; {fix}")
 
     def refuse_geometry(self, signals: Signals, what: str, fix: str) -> None:
         """Refuse a layer's cache whose geometry is not this model's."""
@@ -157,9 +160,7 @@ class LearnedPolicy(Policy):
                              f"{err}") from err
         self.checkpoint = str(path)
         self._setup(net, ModelShape(**loaded.meta["model"]), window or int(loaded.meta["window"]), **kwargs)
-        if model is not None and canonical_name(model) != canonical_name(self.trained_for.name):
-            raise ValueError(f"learned policy checkpoint {self.checkpoint!r} was trained for model "
-                             f"{self.trained_for.name!r}, not {model!r}; {_HOW_TO_TRAIN}")
+        self.trained_for.refuse_name(model, f"learned policy checkpoint {self.checkpoint!r}", _HOW_TO_TRAIN)
 
     @classmethod
     def from_network(cls, net: KeepNet, trained_for: ModelShape, window: int, **kwargs) -> LearnedPolicy:
