@@ -264,7 +264,8 @@ def cmd_train(args) -> int:
                          window=args.window, rollouts=args.rollouts, entropy_coef=args.entropy_coef,
                          grad_clip=args.grad_clip, baseline=args.baseline, out=args.out, data=args.data,
                          dtype=args.dtype, save_every=args.save_every, teacher_top_k=top_k or None,
-                         objective=args.objective, init=args.init, hidden=args.hidden)
+                         objective=args.objective, init=args.init, hidden=args.hidden,
+                         network=args.network, temperature=args.temperature)
     if top_k == 0:  # the whole vocabulary
         config = dataclasses.replace(config, teacher_top_k=None)
     check_length(config.model, config.length)
@@ -408,6 +409,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, help="hidden units of the network")
     p.add_argument("--init", help="start from this policy checkpoint's weights (path, run folder or shipped name), "
                    "e.g. an --objective imitate run")
+    p.add_argument("--network", help="what REINFORCE trains: keepnet (DistillCache's network, default) or kvzap "
+                   "(fine-tunes the KVzip surrogate --init names, default the model's shipped one; prefill mode)")
+    p.add_argument("--temperature", type=float, help="keep logits = scores / temperature before the Gumbel noise "
+                   "(default 1; e.g. 0.25 for kvzap's log scores)")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("serve", help="an OpenAI-compatible server applying a certified contract to every request")
     add_serve_arguments(p)

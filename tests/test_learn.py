@@ -498,7 +498,7 @@ def test_a_training_step_moves_the_policy_along_the_advantage(llama, tmp_path, m
     monkeypatch.setattr(train_module, "reinforce_loss", lambda *a, **k: seen.append(a) or real(*a, **k))
     before = copy.deepcopy(trainer.net)
     row = trainer.run_step()
-    (_, decisions, returns, baseline, _), = seen
+    (_, decisions, returns, baseline, *_), = seen
     assert decisions and returns and all(r < 0 for r in returns.values()) and not any(baseline.values())
     assert row["grad_norm"] > 0
     assert any(not torch.equal(a, b) for a, b in zip(before.state_dict().values(), trainer.net.state_dict().values()))

@@ -21,7 +21,7 @@ from kvsieve.tasks import TASKS
 from kvsieve.tasks.load import SampleSpec, load_samples, read_samples
 
 __all__ = ["TrainConfig", "TrainResult", "load_config", "episodes_from_samples", "load_episodes", "derived_seed",
-           "seeded_generator", "episode_index", "EVAL_SEEDS_NOTE", "MODES", "OBJECTIVES", "BASELINES",
+           "seeded_generator", "episode_index", "EVAL_SEEDS_NOTE", "MODES", "OBJECTIVES", "BASELINES", "NETWORKS",
            "RESUMABLE"]
 
 EVAL_SEEDS_NOTE = ("evaluation grids use sample seeds from 0 and evolution dev sets from 1000/2000; training "
@@ -29,6 +29,7 @@ EVAL_SEEDS_NOTE = ("evaluation grids use sample seeds from 0 and evolution dev s
 MODES = ("decode", "prefill")
 OBJECTIVES = ("reinforce", "imitate", "kvzap")
 BASELINES = ("greedy", "mean")
+NETWORKS = ("keepnet", "kvzap")
 # fields that may change when a run is resumed (how long and where, not what it learns)
 RESUMABLE = ("steps", "out", "save_every")
 
@@ -67,6 +68,11 @@ class TrainConfig:
     # a policy checkpoint (path, run folder or shipped name) whose weights start the run, e.g. an
     # imitation run's: REINFORCE then fine-tunes it. None: the seeded random initialisation
     init: str | None = None
+    # what REINFORCE trains: "keepnet" (DistillCache's network) or "kvzap" (fine-tunes the KVzip surrogate
+    # named by ``init``, default the model's shipped one; prefill mode, global allocation: kvsieve.learn.kvzap_rollout)
+    network: str = "keepnet"
+    # keep logits are scores / temperature before the Gumbel noise (kvzap's log scores spread over a few units)
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         def positive_int(name: str, minimum: int = 1) -> None:
@@ -83,6 +89,17 @@ class TrainConfig:
             raise ValueError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective {self.objective!r} is not one of {', '.join(OBJECTIVES)}")
+        if self.network not in NETWORKS:
+            raise ValueError(f"network {self.network!r} is not one of {', '.join(NETWORKS)}")
+        if self.network == "kvzap" and self.mode != "prefill":
+            raise ValueError(f"network 'kvzap' trains in prefill mode only, not {self.mode!r}: the surrogate reads a "
+                             "layer's heads at shared positions, which decode-time eviction (per head) breaks")
+        if self.network == "kvzap" and self.objective != "reinforce":
+            raise ValueError(f"network 'kvzap' is fine-tuned by objective 'reinforce', not {self.objective!r} "
+                             "(objective 'kvzap' fits the surrogate itself)")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not self.temperature > 0:
+            raise ValueError(f"temperature must be a number > 0, got {self.temperature!r}")
         if self.baseline not in BASELINES:
             raise ValueError(f"baseline {self.baseline!r} is not one of {', '.join(BASELINES)}")
         if not isinstance(self.ratios, list) or not self.ratios:

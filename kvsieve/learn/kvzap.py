@@ -290,11 +290,27 @@ class KVzap(Policy):
         if allocation not in ALLOCATIONS:
             raise ValueError(f"allocation {allocation!r} is not one of {', '.join(map(repr, ALLOCATIONS))}")
         path = resolve_kvzap_checkpoint(checkpoint)
-        self.net, self.meta = load_kvzap(path)
+        net, meta = load_kvzap(path)
+        self._setup(net, meta, str(path), variant, allocation, selection, window)
+        self.trained_for.refuse_name(model, self._what, _HOW_TO_TRAIN)
+
+    @classmethod
+    def from_network(cls, net: KVzapNet, meta: dict, variant: str | None = None, allocation: str = "global",
+                     selection: Selection | None = None) -> KVzap:
+        """A policy around a live network and its checkpoint metadata (REINFORCE fine-tuning), no file."""
+        if allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation {allocation!r} is not one of {', '.join(map(repr, ALLOCATIONS))}")
+        policy = cls.__new__(cls)
+        policy._setup(net, meta, None, variant, allocation, selection)
+        return policy
+
+    def _setup(self, net: KVzapNet, meta: dict, checkpoint: str | None, variant: str | None, allocation: str,
+               selection: Selection | None, window: int = 1) -> None:
+        self.net, self.meta = net, meta
         self.variant = variant or self.meta["variant"]
         if self.variant not in VARIANTS:
             raise ValueError(f"kvzap variant {self.variant!r} is not one of {', '.join(map(repr, VARIANTS))}")
-        self.checkpoint = str(path)
+        self.checkpoint = checkpoint
         self.trained_for = ModelShape(**self.meta["model"])
         self.header = int(self.meta["header"])
         rope = self.meta["rope"]
@@ -306,8 +322,11 @@ class KVzap(Policy):
         self.overhead_seconds, self.overhead_calls = 0.0, 0
         self._last_tables: tuple | None = None  # (positions, inv_freq, (cos, sin)) of the last scored layer
         self._folded: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self.trained_for.refuse_name(model, f"kvzap checkpoint {self.checkpoint!r}", _HOW_TO_TRAIN)
         super().__init__(selection=selection, window=window)
+
+    @property
+    def _what(self) -> str:
+        return f"kvzap checkpoint {self.checkpoint!r}" if self.checkpoint else "kvzap network (in training)"
 
     @classmethod
     def content_path(cls, checkpoint: str | None = None, **_) -> Path | None:
@@ -322,10 +341,10 @@ class KVzap(Policy):
 
     def check_model(self, model, name: str | None = None) -> None:
         """Refuse ``model`` unless it is the checkpoint's: same name (when given), geometry and config fingerprint."""
-        self.trained_for.refuse_other(model, name, f"kvzap checkpoint {self.checkpoint!r}", _HOW_TO_TRAIN)
+        self.trained_for.refuse_other(model, name, self._what, _HOW_TO_TRAIN)
 
     def check(self, signals: Signals) -> None:
-        self.trained_for.refuse_geometry(signals, f"kvzap checkpoint {self.checkpoint!r}", _HOW_TO_TRAIN)
+        self.trained_for.refuse_geometry(signals, self._what, _HOW_TO_TRAIN)
 
     def _tables(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary tables of ``positions``; computed once per compression, not once per layer (every layer of
@@ -349,21 +368,32 @@ class KVzap(Policy):
             self._folded[layer] = (weight[: h * d].reshape(h, d, -1), weight[h * d:].reshape(h, d, -1), bias)
         return self._folded[layer]
 
-    @torch.no_grad()
-    def score(self, signals: Signals) -> torch.Tensor:
-        start = time.perf_counter()
-        self.check(signals)
-        device = signals.keys.device
-        if self.net.linear_weight.device != device:  # the cache lives on the model's device (e.g. --device cuda)
+    def _follow_device(self, device: torch.device) -> None:
+        """Move the network and frequencies to the cache's device (e.g. ``--device cuda``), once."""
+        if self.net.linear_weight.device != device:
             self.net.to(device)
             moved: dict[int, torch.Tensor] = {}  # layers that shared a frequency tensor keep sharing one
             self.inv_freq = [None if f is None else moved.setdefault(id(f), f.to(device)) for f in self.inv_freq]
             self._folded.clear()
+
+    def inputs(self, signals: Signals) -> torch.Tensor:
+        """(b, n, 2 h d) the network's inputs for one layer (:func:`kvzap_inputs` with this model's rotary)."""
+        self.check(signals)
+        self._follow_device(signals.keys.device)
+        inv_freq = self.inv_freq[signals.layer_idx]
+        tables = None if inv_freq is None else self._tables(shared_positions(signals), inv_freq)
+        return kvzap_inputs(signals, inv_freq, self.attention_scaling[signals.layer_idx], tables)
+
+    @torch.no_grad()
+    def score(self, signals: Signals) -> torch.Tensor:
+        start = time.perf_counter()
         layer = signals.layer_idx
-        inv_freq, scaling = self.inv_freq[layer], self.attention_scaling[layer]
-        positions = shared_positions(signals)
-        tables = None if inv_freq is None else self._tables(positions, inv_freq)
         if self.variant == "linear":  # a matmul per head, no concatenated input: ~2x cheaper than the network
+            self.check(signals)
+            self._follow_device(signals.keys.device)
+            inv_freq, scaling = self.inv_freq[layer], self.attention_scaling[layer]
+            positions = shared_positions(signals)
+            tables = None if inv_freq is None else self._tables(positions, inv_freq)
             keys = signals.keys.float() if inv_freq is None else pre_rope_keys(signals.keys, positions, inv_freq,
                                                                                 scaling, tables)
             values = signals.values.float()
@@ -373,7 +403,7 @@ class KVzap(Policy):
                 out = torch.baddbmm(out, keys[:, head], key_weight[head].expand(keys.shape[0], -1, -1))
                 out = torch.baddbmm(out, values[:, head], value_weight[head].expand(keys.shape[0], -1, -1))
         else:
-            out = self.net(kvzap_inputs(signals, inv_freq, scaling, tables), layer, self.variant)
+            out = self.net(self.inputs(signals), layer, self.variant)
         scores = out.transpose(1, 2)  # (b, h, n)
         self.overhead_seconds += time.perf_counter() - start
         self.overhead_calls += 1

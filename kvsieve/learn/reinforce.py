@@ -27,8 +27,14 @@ Modes that train: ``decode`` (the sequential problem: evictions after every chun
 following tokens) and ``prefill`` (one decision at the end of the context, reward over the
 continuation).
 
+What it trains (``network``): DistillCache's network (``keepnet``, per layer and head), or the KVzip
+surrogate (``kvzap``: the shipped one or ``init``, fine-tuned in prefill mode, where one compression is
+one global Plackett-Luce draw over every layer and head: :mod:`kvsieve.learn.kvzap_rollout`). Keep
+logits are the network's output divided by ``temperature`` before the Gumbel noise.
+
 Outputs in ``out``: ``checkpoint.safetensors`` (resumable), ``policy.safetensors`` (weights and
-metadata only: what ``learned(checkpoint=...)`` loads), ``log.csv`` (per step: reward, KL, entropy,
+metadata only: what ``learned(checkpoint=...)`` loads, or ``kvzap(checkpoint=...)`` for the surrogate),
+``log.csv`` (per step: reward, KL, entropy,
 ...) and ``curve.png``.
 """
 
@@ -52,6 +58,8 @@ from kvsieve.learn.config import (
     episode_index,
     seeded_generator,
 )
+from kvsieve.learn.kvzap import load_kvzap, resolve_kvzap_checkpoint, save_kvzap
+from kvsieve.learn.kvzap_rollout import KVzapRolloutPolicy, kvzap_decision_logits
 from kvsieve.learn.network import KeepNet, NetConfig
 from kvsieve.learn.policy import ModelShape, resolve_checkpoint
 from kvsieve.learn.reward import Teacher
@@ -61,6 +69,7 @@ from kvsieve.learn.rollout import (
     RolloutPolicy,
     context_cache_for,
     decision_terms,
+    keepnet_logits,
     rollout,
     step_returns,
     teacher_for,
@@ -94,6 +103,18 @@ def initial_weights(spec: str, shape: ModelShape, net: NetConfig) -> dict[str, t
     return loaded.group("net")
 
 
+def initial_kvzap(spec: str, shape: ModelShape) -> tuple[torch.nn.Module, dict]:
+    """The KVzip surrogate ``spec`` names (shipped name, file or run folder) and its metadata, checked against
+    the model being trained on."""
+    net, meta = load_kvzap(resolve_kvzap_checkpoint(spec))
+    trained_for = ModelShape(**meta["model"])
+    problem = trained_for.mismatch(shape)
+    if problem:
+        raise ValueError(f"kvzap checkpoint {spec!r} was trained for {trained_for.describe()}, not for the model "
+                         f"being trained on: {problem}")
+    return net, meta
+
+
 def _other_model(saved: dict | None, shape: ModelShape) -> bool:
     """Whether a checkpoint's model entry names another model than ``shape``; one written before config
     fingerprints is compared on its name and geometry."""
@@ -105,15 +126,16 @@ def _other_model(saved: dict | None, shape: ModelShape) -> bool:
     return saved != now
 
 
-def reinforce_loss(net: KeepNet, decisions: list[Decision], returns: dict[int, float], baseline: dict[int, float],
-                   entropy_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+def reinforce_loss(net: torch.nn.Module, decisions: list[Decision], returns: dict[int, float],
+                   baseline: dict[int, float], entropy_coef: float,
+                   logits_of=keepnet_logits) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE loss of one rollout and its mean normalised first-draw entropy.
 
     ``-sum_t (G_t - b_t) log p(draws at t) / draws - entropy_coef * H``: minimising it ascends the
     expected reward (Williams 1992) plus the entropy bonus; ``draws`` is a constant per episode and
     budget, so it only rescales the gradient.
     """
-    log_probs, entropy, draws = decision_terms(net, decisions)
+    log_probs, entropy, draws = decision_terms(net, decisions, logits_of)
     pg = torch.zeros(())
     for t, log_prob in log_probs.items():
         pg = pg - (returns.get(t, 0.0) - baseline.get(t, 0.0)) * log_prob
@@ -123,21 +145,38 @@ def reinforce_loss(net: KeepNet, decisions: list[Decision], returns: dict[int, f
 class Trainer:
     def __init__(self, config: TrainConfig, model, shape: ModelShape, episodes: list[Episode]) -> None:
         self.config, self.model, self.shape, self.episodes = config, model, shape, episodes
-        with torch.random.fork_rng():
-            torch.manual_seed(derived_seed(config.seed, "init"))
-            self.net = KeepNet(NetConfig(hidden=config.hidden))
-        if config.init is not None:
-            self.net.load_state_dict(initial_weights(config.init, shape, self.net.config))
+        self.kvzap_meta: dict | None = None  # network "kvzap": the surrogate's checkpoint metadata
+        if config.network == "kvzap":
+            self.net, self.kvzap_meta = initial_kvzap(config.init or config.model, shape)
+        else:
+            with torch.random.fork_rng():
+                torch.manual_seed(derived_seed(config.seed, "init"))
+                self.net = KeepNet(NetConfig(hidden=config.hidden))
+            if config.init is not None:
+                self.net.load_state_dict(initial_weights(config.init, shape, self.net.config))
         self.optimizer = torch.optim.Adam(self.net.parameters(), lr=config.lr)
         self.baseline = torch.zeros(0, dtype=torch.float64)  # running mean of G per decision index
         self.teachers: dict[int, Teacher] = {}
         self.context_caches: dict = {}  # prefill mode: the context's full cache, once per episode (rollouts clone it)
         self.step = 0
 
+    def rollout_policy(self, generator: torch.Generator | None, record: bool = True):
+        """The network as a policy: Gumbel-perturbed with ``generator``, greedy without."""
+        c = self.config
+        if self.kvzap_meta is not None:
+            return KVzapRolloutPolicy(self.net, self.kvzap_meta, c.temperature, generator, record)
+        return RolloutPolicy(self.net, self.shape, c.window, generator, record=record, temperature=c.temperature)
+
+    def logits_of(self, net: torch.nn.Module, decision: Decision) -> torch.Tensor:
+        if self.kvzap_meta is not None:
+            return kvzap_decision_logits(net, decision, self.kvzap_meta["variant"], self.config.temperature)
+        return keepnet_logits(net, decision) / self.config.temperature
+
     # -- checkpoints --------------------------------------------------------------------------------
     def meta(self) -> dict:
         return {"model": self.shape.to_dict(), "net": self.net.config.to_dict(), "window": self.config.window,
-                "train": self.config.to_dict(), "step": self.step, "kvsieve_train": "reinforce-kl"}
+                "train": self.config.to_dict(), "step": self.step, "kvsieve_train": "reinforce-kl",
+                "network": self.config.network}
 
     def tensors(self, with_state: bool) -> dict[str, torch.Tensor]:
         out = {f"net.{k}": v for k, v in self.net.state_dict().items()}
@@ -150,7 +189,12 @@ class Trainer:
 
     def save(self, out: Path) -> None:
         save_checkpoint(out / "checkpoint.safetensors", self.meta(), self.tensors(True))
-        save_checkpoint(out / "policy.safetensors", self.meta(), self.tensors(False))
+        if self.kvzap_meta is None:
+            save_checkpoint(out / "policy.safetensors", self.meta(), self.tensors(False))
+        else:  # what kvzap(checkpoint=OUT) loads: the surrogate's format, its metadata, the fine-tune's record
+            kept = {k: v for k, v in self.kvzap_meta.items() if k not in ("format", "net", "sha256")}
+            save_kvzap(out / "policy.safetensors", self.net,
+                       dict(kept, reinforce={"step": self.step, "train": self.config.to_dict()}))
 
     def resume(self, path: Path) -> None:
         loaded = load_checkpoint(path)
@@ -197,12 +241,12 @@ class Trainer:
         teacher = self.teacher(index, context_cache)
         samples, overhead = [], 0.0
         for r in range(c.rollouts):
-            policy = RolloutPolicy(self.net, self.shape, c.window, seeded_generator(c.seed, "noise", step, r))
+            policy = self.rollout_policy(seeded_generator(c.seed, "noise", step, r))
             samples.append(rollout(self.model, episode, policy, c.mode, kept, c.chunk_size, teacher, context_cache))
             overhead += samples[-1].overhead_seconds
         greedy_returns, greedy_reward = {}, float("nan")
         if c.baseline == "greedy":
-            policy = RolloutPolicy(self.net, self.shape, c.window, None, record=False)
+            policy = self.rollout_policy(None, record=False)
             greedy = rollout(self.model, episode, policy, c.mode, kept, c.chunk_size, teacher, context_cache)
             greedy_returns, greedy_reward = step_returns(greedy), greedy.reward
             greedy_returns = {t: greedy_returns.get(t, 0.0) for t in {d.time for s in samples for d in s.decisions}}
@@ -216,7 +260,8 @@ class Trainer:
                 base = {t: greedy_returns.get(t, 0.0) for t in times}
             else:
                 base = {t: float(self.baseline[i]) if i < len(self.baseline) else 0.0 for i, t in enumerate(times)}
-            sample_loss, entropy = reinforce_loss(self.net, sample.decisions, returns, base, c.entropy_coef)
+            sample_loss, entropy = reinforce_loss(self.net, sample.decisions, returns, base, c.entropy_coef,
+                                                  self.logits_of)
             losses.append(sample_loss)
             entropies.append(float(entropy.detach()))
             baselines.append(sum(base.values()) / len(base) if base else 0.0)

@@ -42,7 +42,7 @@ from kvsieve.policy import FullCache
 from kvsieve.selection import Budget, Selection
 
 __all__ = ["Episode", "Decision", "Rollout", "RolloutPolicy", "teacher_for", "rollout", "decision_terms",
-           "context_cache_for", "continuation_logits", "step_returns"]
+           "context_cache_for", "continuation_logits", "step_returns", "keepnet_logits"]
 
 
 @dataclass
@@ -64,9 +64,10 @@ class Decision:
 
     time: int  # tokens the layer had seen when it chose: positions >= time feel the choice
     layer: int
-    features: torch.Tensor | None  # (b, h, n, F); None where not recorded (greedy baseline)
-    protected: torch.Tensor | None = None  # (n,) bool
-    order: torch.Tensor | None = None  # (b, h, k) drawn entries, first draw first; None: nothing to choose
+    # (b, h, n, F), or [(layer, inputs)] for a kvzap decision over every layer; None where not recorded (greedy)
+    features: torch.Tensor | list | None
+    protected: torch.Tensor | None = None  # (n,) bool, or flat (layers x heads x n,) for a global decision
+    order: torch.Tensor | None = None  # (b, h, k) drawn entries, first draw first ((b, k) flat when global)
 
 
 @dataclass(frozen=True)
@@ -94,10 +95,11 @@ class RolloutPolicy(LearnedPolicy):
     name = "learned_rollout"
 
     def __init__(self, net: KeepNet, trained_for: ModelShape, window: int, generator: torch.Generator | None,
-                 record: bool = True) -> None:
+                 record: bool = True, temperature: float = 1.0) -> None:
         self.checkpoint = None
         self.generator = generator  # None: greedy (the deterministic policy)
         self.record = record
+        self.temperature = temperature  # keep logits = network output / temperature
         self._setup(net, trained_for, window)
 
     def default_selection(self) -> Selection:
@@ -110,6 +112,7 @@ class RolloutPolicy(LearnedPolicy):
     def score(self, signals):
         start = time.perf_counter()
         features, logits = self.logits(signals)
+        logits = logits / self.temperature
         if self.generator is not None:
             logits = logits + gumbel_noise(logits.shape, self.generator, logits.device)
         # the greedy baseline only needs the decision times: no features kept
@@ -197,13 +200,23 @@ def step_returns(result: Rollout) -> dict[int, float]:
     return {t: -float(result.kl[positions >= t].sum()) / scale for t in times}
 
 
-def decision_terms(net: KeepNet, decisions: list[Decision]) -> tuple[dict[int, torch.Tensor], torch.Tensor, int]:
+def keepnet_logits(net: KeepNet, decision: Decision) -> torch.Tensor:
+    """(b, h, n) keep logits of one layer's decision, with gradients."""
+    return net(decision.features)
+
+
+def decision_terms(net: torch.nn.Module, decisions: list[Decision], logits_of=keepnet_logits,
+                   ) -> tuple[dict[int, torch.Tensor], torch.Tensor, int]:
     """Per decision time, the Plackett-Luce log-probability of the draws (with gradients); the mean
-    normalised first-choice entropy (entropy / log of the free entries, in [0, 1]); the number of draws."""
+    normalised first-choice entropy (entropy / log of the free entries, in [0, 1]); the number of draws.
+
+    ``logits_of(net, decision)`` recomputes a decision's keep logits from what it recorded: per layer for
+    DistillCache's network (:func:`keepnet_logits`), over every layer at once for the surrogate
+    (:func:`kvsieve.learn.kvzap_rollout.kvzap_decision_logits`)."""
     log_probs: dict[int, torch.Tensor] = {}
     entropies, draws = [], 0
     for d in decisions:
-        logits = net(d.features).masked_fill(d.protected, float("-inf"))
+        logits = logits_of(net, d).masked_fill(d.protected, float("-inf"))
         log_probs[d.time] = log_probs.get(d.time, 0.0) + log_prob_of_ordered(logits, d.order).sum()
         free = int((~d.protected).sum())
         if free > 1:
