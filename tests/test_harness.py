@@ -86,6 +86,11 @@ def test_shared_path_matches_per_cell_path(niah_sample):
     for a, b in zip(shared, naive):
         assert (a.prediction, a.score, a.kept_tokens, a.cache_bytes, a.cache_bytes_full) == \
             (b.prediction, b.score, b.kept_tokens, b.cache_bytes, b.cache_bytes_full), a.key
+    for r in shared:  # each shared cell timed its sample's prefill and its own compression in this process
+        t = r.config
+        assert t["prefill_only_seconds"] > 0 and t["compress_seconds"] >= 0, r.key
+        assert r.prefill_seconds == pytest.approx(t["prefill_only_seconds"] + t["compress_seconds"]), r.key
+    assert "compress_seconds" not in naive[0].config
     full, oracle = shared[0], shared[-1]
     assert full.score == 100.0
     assert oracle.score == 100.0  # keeping the needle sentence is enough at 87.5% compression

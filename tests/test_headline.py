@@ -178,6 +178,22 @@ def test_decode_cells_pair_with_the_decode_full_cells():
     assert tova.full_mean == 50 and tova.pct_of_full == pytest.approx(50.0)
 
 
+def test_overhead_comes_from_each_cells_own_timing_when_recorded():
+    """A cell that timed its compression and its sample's prefill in one process is its own reference: the full
+    cells' prefill (here from a slower run) no longer enters; one cell without the timing falls back for all."""
+    timed = [cell("full", 0.0, "s0", 100, prefill=20.0), cell("full", 0.0, "s1", 100, prefill=20.0),
+             cell("tova", 0.5, "s0", 100, prefill=10.2), cell("tova", 0.5, "s1", 100, prefill=12.6)]
+    timed[2].config.update(prefill_only_seconds=10.0, compress_seconds=0.2)
+    timed[3].config.update(prefill_only_seconds=12.0, compress_seconds=0.6)
+    (table,) = headline(timed)
+    tova = next(r for r in table.rows if r.policy == "tova")
+    assert tova.overhead_pct == pytest.approx(100 * (0.2 + 0.6) / 2 / ((10.0 + 12.0) / 2))  # 3.6364
+    del timed[3].config["compress_seconds"]
+    (table,) = headline(timed)
+    tova = next(r for r in table.rows if r.policy == "tova")
+    assert tova.overhead_pct == pytest.approx(100 * ((10.2 + 12.6) / 2 - 20.0) / 20.0)  # -43
+
+
 def test_format_headline_names_model_and_requests(rows):
     text = format_headline(headline(rows)[0])
     lines = text.splitlines()

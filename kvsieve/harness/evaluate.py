@@ -65,10 +65,12 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
     stop = tuple(sample.stop)
     results: list[CellResult] = []
 
-    def record(cell: Cell, text: str, kept: int, kept_bytes: int, full_bytes: int, prefill_s: float, decode_s: float):
+    def record(cell: Cell, text: str, kept: int, kept_bytes: int, full_bytes: int, prefill_s: float, decode_s: float,
+               timing: dict | None = None):
         key = CellKey(model_name, sample.task, sample.length, sample.id, cell.label, cell.ratio, cell.question_aware)
-        # the dtype the model computed in, not the "auto" that asked for it
-        cfg = dict(config or {},
+        # the dtype the model computed in, not the "auto" that asked for it; in a shared grid ``timing`` holds
+        # the sample's own prefill and this cell's compression, timed in one process (the headline's overhead)
+        cfg = dict(config or {}, **(timing or {}),
                    dtype=str(model.dtype).removeprefix("torch."), policy_digest=cell.spec.digest,
                    cell=cell.as_dict(),
                    sample_seed=sample.seed, metric=sample.metric, shared=shared,
@@ -154,5 +156,6 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
                 decode_s = (time.perf_counter() - start) / len(items)
                 for (cell, _, compress_s, kept, kept_bytes), row in zip(items, tokens):
                     record(cell, tokenizer.decode(row, skip_special_tokens=True), kept, kept_bytes, full_bytes,
-                           prefill_s + compress_s, decode_s)
+                           prefill_s + compress_s, decode_s,
+                           {"prefill_only_seconds": prefill_s, "compress_seconds": compress_s})
     return in_cell_order()

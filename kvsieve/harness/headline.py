@@ -10,14 +10,17 @@ Per model and context length, per policy and compression ratio:
 - **% of full**: the policy's mean over the full cache's mean on the *same* requests;
 - **bytes % of full**: the mean over requests of ``cache_bytes / cache_bytes_full`` (what the pruned
   cache physically holds against the full cache of the same row);
-- **overhead % of prefill**: ``(mean prefill_seconds of the policy's cells - mean prefill_seconds of the
-  full cells) / mean prefill_seconds of the full cells`` on the same requests. In a shared grid a cell's
-  ``prefill_seconds`` is the sample's one context prefill plus that cell's own cache copy, scoring,
-  selection and gather (for KVzip also the reconstruction), and the full cell's is the same prefill plus a
-  copy, so the difference is the compression's cost. Where the policy's and the full cell were computed
-  in different runs (a resumed grid), the prefill's own run-to-run noise is in it too; question-aware
-  cells (``+qa``) also include the question's forward pass; decode-time cells (``@decodeN``) are set
-  against ``full@decodeN`` and measure eviction during the chunked read.
+- **overhead % of prefill**: where every paired cell recorded its own timing (shared grids do:
+  ``compress_seconds``, the cell's cache copy, scoring, selection and gather, for KVzip also the
+  reconstruction, and ``prefill_only_seconds``, the prefill it shares with the other cells of its sample,
+  both timed in the same process), ``mean compress_seconds / mean prefill_only_seconds`` over the policy's
+  cells. Otherwise ``(mean prefill_seconds of the policy's cells - mean prefill_seconds of the full cells)
+  / mean prefill_seconds of the full cells`` on the same requests (a shared cell's ``prefill_seconds`` is the
+  sample's prefill plus its compression, the full cell's the same prefill plus a copy); where the policy's
+  and the full cell were computed in different runs (a resumed grid), the prefill's run-to-run noise is in
+  that difference too. Question-aware cells (``+qa``) also include the question's forward pass;
+  decode-time cells (``@decodeN``) are set against ``full@decodeN`` and measure eviction during the
+  chunked read.
 
 Only requests where both the policy and its full reference have a row count (paired); the number of the
 policy's requests left out for want of a full row is reported. :func:`compare` gives the paired
@@ -196,12 +199,18 @@ def _row(model: str, length: int, label: str, ratio: float, cells: dict[Request,
     full = np.array([ref[q].score for q in paired], dtype=np.float64)
     held = [cells[q].cache_bytes / cells[q].cache_bytes_full if cells[q].cache_bytes_full else math.nan
             for q in paired]
-    prefill = float(np.mean([cells[q].prefill_seconds for q in paired]))
-    full_prefill = float(np.mean([ref[q].prefill_seconds for q in paired]))
+    timed = [cells[q].config for q in paired]
+    if all("compress_seconds" in c and "prefill_only_seconds" in c for c in timed):  # both from the cell's own run
+        overhead = _pct(float(np.mean([c["compress_seconds"] for c in timed])),
+                        float(np.mean([c["prefill_only_seconds"] for c in timed])))
+    else:
+        prefill = float(np.mean([cells[q].prefill_seconds for q in paired]))
+        full_prefill = float(np.mean([ref[q].prefill_seconds for q in paired]))
+        overhead = _pct(prefill - full_prefill, full_prefill)
     low, high = bootstrap_interval(scores, resamples, seed)
     mean, full_mean = float(scores.mean()), float(full.mean())
     return HeadlineRow(model, length, label, ratio, len(paired), mean, low, high, full_mean, _pct(mean, full_mean),
-                       100.0 * float(np.mean(held)), _pct(prefill - full_prefill, full_prefill),
+                       100.0 * float(np.mean(held)), overhead,
                        len(cells) - len(paired))
 
 
