@@ -11,7 +11,9 @@ answer read with teacher forcing. Per policy and ratio the context is prefilled 
 ``kvsieve.attach`` (prefill mode), the continuation is read on the pruned cache, and the KL
 divergence KL(full || compressed) of the next-token distributions is averaged over the continuation's
 positions (the reward REINFORCE maximises is minus this number; the teacher keeps its top 256 tokens
-and one bin for the rest, as in training). Printed: the mean over samples, per ratio.
+and one bin for the rest, as in training). Printed: the mean over samples, per ratio, with a 95% bootstrap
+interval over samples, and each policy's paired difference from the first one given (a negative
+difference: lower KL than the first), with its paired bootstrap interval.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections import defaultdict
 import torch
 
 import kvsieve
+from kvsieve.harness.headline import bootstrap_interval
 from kvsieve.learn.config import episodes_from_samples
 from kvsieve.learn.reward import kl_per_position
 from kvsieve.learn.rollout import continuation_logits, teacher_for
@@ -66,8 +69,17 @@ def main() -> None:
           "mean KL(full || compressed) per continuation token, lower is better\n")
     print("| policy | " + " | ".join(str(r) for r in ratios) + " |")
     print("|---|" + "---:|" * len(ratios))
+
+    def cell(values: list[float]) -> str:
+        low, high = bootstrap_interval(values)
+        return f"{sum(values) / len(values):.3f} [{low:.3f}, {high:.3f}]"
+
     for spec in sorted(specs, key=lambda s: sum(sum(kl[(s, r)]) for r in ratios)):
-        print(f"| {spec} | " + " | ".join(f"{sum(kl[(spec, r)]) / len(kl[(spec, r)]):.3f}" for r in ratios) + " |")
+        print(f"| {spec} | " + " | ".join(cell(kl[(spec, r)]) for r in ratios) + " |")
+    first = specs[0]
+    for spec in specs[1:]:  # paired over the same samples
+        diffs = [cell([a - b for a, b in zip(kl[(spec, r)], kl[(first, r)])]) for r in ratios]
+        print(f"| {spec} - {first} | " + " | ".join(diffs) + " |")
 
 
 if __name__ == "__main__":
