@@ -94,6 +94,13 @@ def test_train_refuses_a_length_beyond_the_model_before_any_work(capsys, tmp_pat
     assert code == 2 and "length 100000 is above the context of smollm2-135m" in err
 
 
+def test_train_passes_network_and_temperature_and_refuses_kvzap_in_decode_mode(capsys, tmp_path):
+    code, err = _run(capsys, "train", "--network", "kvzap", "--mode", "decode", "--out", str(tmp_path / "r"))
+    assert code == 2 and "network 'kvzap' trains in prefill mode only, not 'decode'" in err
+    code, err = _run(capsys, "train", "--temperature", "-1", "--out", str(tmp_path / "r"))
+    assert code == 2 and "temperature must be a number > 0, got -1.0" in err
+
+
 def _samples(tmp_path, ids: list[str], spans: bool = True):
     samples = []
     for i, sid in enumerate(ids):
