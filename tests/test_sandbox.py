@@ -20,6 +20,7 @@ from kvsieve.evolve import sandbox, seccomp
 from kvsieve.evolve.features import load_features, save_features, synthetic_features
 from kvsieve.evolve.interpreter import InterpreterError, ScoreProgram
 from kvsieve.evolve.program import Program
+from kvsieve.evolve.seeds import SEEDS
 from kvsieve.evolve.sandbox import (
     ISOLATION_LEVELS,
     SandboxLimits,
@@ -34,6 +35,7 @@ from kvsieve.evolve.sandbox import (
 from kvsieve.evolve.static import StaticCheckError, check_source
 from kvsieve.evolve.worker import INVARIANTS, check_invariants
 from kvsieve.policies.program import ProgramPolicy
+from kvsieve.selection import Selection
 from kvsieve.signals import Signals
 
 WINDOW = 8
@@ -146,6 +148,30 @@ def test_static_names_the_line():
 def test_invariants_hold_for_a_benign_program():
     invariants, reason = check_invariants(ScoreProgram(RICH), Program(RICH), WINDOW, seeds=(0,))
     assert reason == "" and invariants == dict.fromkeys(INVARIANTS, True)
+
+
+@pytest.mark.parametrize("allocation", ["layer", "global"])
+def test_a_budget_shared_between_heads_passes_the_budget_invariant(allocation):
+    """Under "layer"/"global" allocation a head may keep more than the per-head budget: the invariant bounds the
+    layer's total, so such programs (and the surrogate seed) reach the dev set instead of failing stage 1."""
+    source = f"SELECTION = {{'allocation': {allocation!r}, 'sink': 2}}\n\ndef score(f):\n    return f.key_norm\n"
+    invariants, reason = check_invariants(ScoreProgram(source), Program(source), WINDOW, seeds=(0, 1))
+    assert reason == "" and invariants["budget"], reason
+    seed = SEEDS["surrogate"]
+    assert check_invariants(ScoreProgram(seed), Program(seed), WINDOW, seeds=(0,))[1] == ""
+
+
+@pytest.mark.parametrize("allocation", ["uniform", "layer"])
+def test_the_budget_invariant_catches_a_selection_that_keeps_too_much(allocation, monkeypatch):
+    @dataclass(frozen=True)
+    class Greedy(Selection):  # keeps every entry whatever the budget
+        def kept_indices(self, scores, kept, protected_tail=0):
+            return torch.arange(scores.shape[-1]).expand(*scores.shape), None
+
+    monkeypatch.setattr(Program, "selection", lambda self, window: Greedy(allocation=allocation))
+    source = "def score(f):\n    return f.key_norm\n"
+    invariants, reason = check_invariants(ScoreProgram(source), Program(source), WINDOW, seeds=(0,))
+    assert invariants["budget"] is False and "invariant 'budget' fails" in reason
 
 
 def test_invariants_catch_nondeterminism():

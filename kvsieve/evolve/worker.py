@@ -109,13 +109,20 @@ def _same_again(score_fn, case: dict, first: torch.Tensor) -> bool:
 
 
 def _within_budget(selection, scores: torch.Tensor, n: int) -> bool:
-    """Each head keeps at most the budget, distinct in-range entries, at a tight and a loose budget.
-    (Whether the selection's protected entries fit the dev set's real budgets is checked in the parent,
-    before the candidate runs: ``evaluate.selection_problem``.)"""
+    """Distinct in-range entries within the budget, at a tight and a loose budget: at most ``kept`` per head
+    (uniform allocation), or at most ``kept`` times the heads per batch row when the budget moves between heads
+    (``allocation`` "layer" or "global", which within one layer's scores is "layer"; a head may then keep more
+    than ``kept``). (Whether the selection's protected entries fit the dev set's real budgets is checked in the
+    parent, before the candidate runs: ``evaluate.selection_problem``.)"""
     protected = int(selection.protected_mask(n, n).sum())
     for kept in sorted({min(n, protected + 1), min(n, protected + (n - protected) // 2)}):
-        indices, _ = selection.kept_indices(scores.detach().float(), kept)
-        if indices.shape[-1] > kept or (indices.numel() and (indices.min() < 0 or indices.max() >= n)):
+        indices, valid = selection.kept_indices(scores.detach().float(), kept)
+        counts = valid.sum(-1) if valid is not None else torch.full(indices.shape[:-1], indices.shape[-1])
+        if selection.allocation == "uniform":
+            over = bool((counts > kept).any())
+        else:
+            over = bool((counts.sum(-1) > kept * indices.shape[1]).any())
+        if over or (indices.numel() and (indices.min() < 0 or indices.max() >= n)):
             return False
         if indices.shape[-1] > 1 and not bool((indices.diff(dim=-1) > 0).all()):
             return False
