@@ -20,7 +20,6 @@ from kvsieve.evolve import sandbox, seccomp
 from kvsieve.evolve.features import load_features, save_features, synthetic_features
 from kvsieve.evolve.interpreter import InterpreterError, ScoreProgram
 from kvsieve.evolve.program import Program
-from kvsieve.evolve.seeds import SEEDS
 from kvsieve.evolve.sandbox import (
     ISOLATION_LEVELS,
     SandboxLimits,
@@ -32,6 +31,7 @@ from kvsieve.evolve.sandbox import (
     run_in_sandbox,
     sandbox_env,
 )
+from kvsieve.evolve.seeds import SEEDS
 from kvsieve.evolve.static import StaticCheckError, check_source
 from kvsieve.evolve.worker import INVARIANTS, check_invariants
 from kvsieve.policies.program import ProgramPolicy
