@@ -21,7 +21,7 @@ from kvsieve.harness.executor import LocalGridExecutor
 from kvsieve.harness.grid import GridConfig
 from kvsieve.harness.ray_executor import RayGridExecutor
 from kvsieve.harness.run import run_grid
-from kvsieve.harness.store import ResultsStore
+from kvsieve.harness.store import TIMING_CONFIG_KEYS, ResultsStore
 
 pytestmark = pytest.mark.ray
 
@@ -45,7 +45,8 @@ def _free_cpus() -> None:
 
 
 def _rows(path, drop: tuple[str, ...] = ()) -> dict:
-    """Each row's values but its timings (and the ``drop`` keys of its config)."""
+    """Each row's values but its timings (columns and config keys; and the ``drop`` keys of its config)."""
+    drop = drop + TIMING_CONFIG_KEYS
     with ResultsStore(path) as store:
         return {r.key: (r.prediction, r.score, r.kept_tokens, r.cache_bytes, r.cache_bytes_full,
                         {k: v for k, v in r.config.items() if k not in drop}) for r in store.rows()}

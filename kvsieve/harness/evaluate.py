@@ -23,7 +23,7 @@ from kvsieve.engine.compress import compress_cache
 from kvsieve.engine.generate import generate, greedy_decode
 from kvsieve.engine.reconstruct import ReconstructionPrompt, compress_with_reconstruction, reconstruction_scores
 from kvsieve.harness.grid import Cell
-from kvsieve.harness.store import CellKey, CellResult
+from kvsieve.harness.store import TIMING_CONFIG_KEYS, CellKey, CellResult
 from kvsieve.policy import FullCache, Policy
 from kvsieve.prompt import Prompt, build_prompt
 from kvsieve.selection import Budget
@@ -157,5 +157,5 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
                 for (cell, _, compress_s, kept, kept_bytes), row in zip(items, tokens):
                     record(cell, tokenizer.decode(row, skip_special_tokens=True), kept, kept_bytes, full_bytes,
                            prefill_s + compress_s, decode_s,
-                           {"prefill_only_seconds": prefill_s, "compress_seconds": compress_s})
+                           dict(zip(TIMING_CONFIG_KEYS, (prefill_s, compress_s))))
     return in_cell_order()

@@ -40,7 +40,7 @@ import numpy as np
 
 from kvsieve.bundled import canonical_name
 from kvsieve.harness.report import FULL, display_policy, is_reference
-from kvsieve.harness.store import RATIO_DECIMALS, CellResult, ResultsStore
+from kvsieve.harness.store import RATIO_DECIMALS, TIMING_CONFIG_KEYS, CellResult, ResultsStore
 from kvsieve.tasks.ruler_alt import PREFIX as ALT_PREFIX
 from kvsieve.tasks.ruler_alt import is_alt_task
 
@@ -200,9 +200,9 @@ def _row(model: str, length: int, label: str, ratio: float, cells: dict[Request,
     held = [cells[q].cache_bytes / cells[q].cache_bytes_full if cells[q].cache_bytes_full else math.nan
             for q in paired]
     timed = [cells[q].config for q in paired]
-    if all("compress_seconds" in c and "prefill_only_seconds" in c for c in timed):  # both from the cell's own run
-        overhead = _pct(float(np.mean([c["compress_seconds"] for c in timed])),
-                        float(np.mean([c["prefill_only_seconds"] for c in timed])))
+    if all(k in c for c in timed for k in TIMING_CONFIG_KEYS):  # both timed in the cell's own run
+        prefill_only, compress = TIMING_CONFIG_KEYS
+        overhead = _pct(float(np.mean([c[compress] for c in timed])), float(np.mean([c[prefill_only] for c in timed])))
     else:
         prefill = float(np.mean([cells[q].prefill_seconds for q in paired]))
         full_prefill = float(np.mean([ref[q].prefill_seconds for q in paired]))

@@ -17,12 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SCHEMA_VERSION", "CellKey", "CellResult", "ResultsStore", "SchemaVersionError"]
+__all__ = ["SCHEMA_VERSION", "TIMING_CONFIG_KEYS", "CellKey", "CellResult", "ResultsStore", "SchemaVersionError"]
 
 SCHEMA_VERSION = 1
 RATIO_DECIMALS = 6
 
 KEY_COLUMNS = ("model", "task", "length", "sample_id", "policy", "ratio", "question_aware")
+# timings a shared-grid cell records in its config, beside the prefill/decode columns: the prefill its
+# sample's cells share and the cell's own compression, both timed in one process (the headline's overhead)
+TIMING_CONFIG_KEYS = ("prefill_only_seconds", "compress_seconds")
 
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS schema_version (
