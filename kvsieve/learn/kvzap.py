@@ -376,24 +376,25 @@ class KVzap(Policy):
             self.inv_freq = [None if f is None else moved.setdefault(id(f), f.to(device)) for f in self.inv_freq]
             self._folded.clear()
 
-    def inputs(self, signals: Signals) -> torch.Tensor:
-        """(b, n, 2 h d) the network's inputs for one layer (:func:`kvzap_inputs` with this model's rotary)."""
+    def _rotary(self, signals: Signals) -> tuple[torch.Tensor | None, float, torch.Tensor, tuple | None]:
+        """One layer's checked setup: (inverse frequencies, attention scaling, shared positions, rotary tables)."""
         self.check(signals)
         self._follow_device(signals.keys.device)
-        inv_freq = self.inv_freq[signals.layer_idx]
-        tables = None if inv_freq is None else self._tables(shared_positions(signals), inv_freq)
-        return kvzap_inputs(signals, inv_freq, self.attention_scaling[signals.layer_idx], tables)
+        inv_freq, scaling = self.inv_freq[signals.layer_idx], self.attention_scaling[signals.layer_idx]
+        positions = shared_positions(signals)
+        return inv_freq, scaling, positions, None if inv_freq is None else self._tables(positions, inv_freq)
+
+    def inputs(self, signals: Signals) -> torch.Tensor:
+        """(b, n, 2 h d) the network's inputs for one layer (:func:`kvzap_inputs` with this model's rotary)."""
+        inv_freq, scaling, _, tables = self._rotary(signals)
+        return kvzap_inputs(signals, inv_freq, scaling, tables)
 
     @torch.no_grad()
     def score(self, signals: Signals) -> torch.Tensor:
         start = time.perf_counter()
         layer = signals.layer_idx
         if self.variant == "linear":  # a matmul per head, no concatenated input: ~2x cheaper than the network
-            self.check(signals)
-            self._follow_device(signals.keys.device)
-            inv_freq, scaling = self.inv_freq[layer], self.attention_scaling[layer]
-            positions = shared_positions(signals)
-            tables = None if inv_freq is None else self._tables(positions, inv_freq)
+            inv_freq, scaling, positions, tables = self._rotary(signals)
             keys = signals.keys.float() if inv_freq is None else pre_rope_keys(signals.keys, positions, inv_freq,
                                                                                 scaling, tables)
             values = signals.values.float()
