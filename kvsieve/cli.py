@@ -265,7 +265,7 @@ def cmd_train(args) -> int:
                          grad_clip=args.grad_clip, baseline=args.baseline, out=args.out, data=args.data,
                          dtype=args.dtype, save_every=args.save_every, teacher_top_k=top_k or None,
                          objective=args.objective, init=args.init, hidden=args.hidden,
-                         network=args.network, temperature=args.temperature)
+                         network=args.network, temperature=args.temperature, kvzap_inputs=args.kvzap_inputs)
     if top_k == 0:  # the whole vocabulary
         config = dataclasses.replace(config, teacher_top_k=None)
     check_length(config.model, config.length)
@@ -413,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(fine-tunes the KVzip surrogate --init names, default the model's shipped one; prefill mode)")
     p.add_argument("--temperature", type=float, help="keep logits = scores / temperature before the Gumbel noise "
                    "(default 1; e.g. 0.25 for kvzap's log scores)")
+    p.add_argument("--kvzap-inputs", help="--objective kvzap: what the surrogate reads, kv (pre-RoPE keys and "
+                   "values, default) or hidden (the hidden state entering each layer, as KVzap)")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("serve", help="an OpenAI-compatible server applying a certified contract to every request")
     add_serve_arguments(p)

@@ -32,6 +32,8 @@ class Policy:
         needs_query_stats: ask the engine to collect the pre-RoPE query statistics
             (``Signals.query_stats``: mean and covariance of every query, about one extra projection-sized
             matmul per layer and forward).
+        needs_hidden_states: ask the engine to keep the hidden states entering each layer's attention during
+            the prefill (``Signals.hidden_states``: one hidden-size row per token and layer until the compression).
         needs_reconstruction: scores come from a forward that makes the model repeat the context
             (KVzip, :mod:`kvsieve.engine.reconstruct`); prefill mode only.
         compresses: ``False`` only for the full-cache policy.
@@ -49,6 +51,7 @@ class Policy:
     name: ClassVar[str] = "base"
     needs_accumulated_attention: ClassVar[bool] = False
     needs_query_stats: ClassVar[bool] = False
+    needs_hidden_states: bool = False  # an instance may set it (kvzap: when its checkpoint reads them)
     needs_reconstruction: ClassVar[bool] = False
     compresses: ClassVar[bool] = True
     uses_window: ClassVar[bool] = True

@@ -42,6 +42,9 @@ class Signals:
         rope_inv_freq: (r/2,) inverse frequencies of the layer's rotary embedding (it rotates the
             first ``r`` of the ``d`` dims, in halves, as transformers' ``rotate_half``), or ``None``.
         rope_attention_scaling: factor the model applies to its rotary cos/sin (1 unless YaRN-like).
+        hidden_states: (b, n, hidden) the input of the layer's attention at each cached position (the
+            decoder layer's normed hidden state), when the engine was asked to keep them (policies with
+            ``needs_hidden_states``, prefill compression only), else ``None``.
         next_position: position the next query will take (tokens the layer has seen); ``None``: one
             past the last cached position.
     """
@@ -59,6 +62,7 @@ class Signals:
     rope_inv_freq: torch.Tensor | None = None
     rope_attention_scaling: float = 1.0
     next_position: int | None = None
+    hidden_states: torch.Tensor | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -28,6 +28,7 @@ from transformers.cache_utils import DynamicCache
 from kvsieve.engine.attention import ATTENTION_NAME
 from kvsieve.engine.cache import attached, cache_bytes, install, sieve_layers
 from kvsieve.engine.compress import CompressionReport, compress_cache, layer_occupancy
+from kvsieve.engine.hidden_states import hidden_states_hooks
 from kvsieve.engine.query_stats import query_stats_hooks
 from kvsieve.engine.reconstruct import compress_with_reconstruction
 from kvsieve.policy import Policy
@@ -131,7 +132,8 @@ def attach(
         for module in modules:
             module._kvsieve_session = session
         model.forward = _compressing_forward(model, original_forward, session)
-        with attached(), query_stats_hooks(model, session):  # query statistics only if the policy asks
+        # query statistics and hidden states only if the policy asks
+        with attached(), query_stats_hooks(model, session), hidden_states_hooks(model, session):
             yield session
     finally:
         model.__dict__.pop("forward", None)

@@ -107,6 +107,9 @@ class SieveLayer(DynamicLayer):
         query_stats: pre-RoPE query statistics (:class:`~kvsieve.query_stats.QueryStats`),
             collected only while a policy with ``needs_query_stats`` is attached.
         rope: (inv_freq, attention_scaling) of the layer's rotary embedding, set with ``query_stats``.
+        hidden_states: (b, seen, hidden) the inputs of the layer's attention, one row per position, collected
+            only while a policy with ``needs_hidden_states`` is attached (:mod:`kvsieve.engine.hidden_states`)
+            and dropped by the first prune (the rows stop matching the entries).
     """
 
     def __init__(self, window: int = 64, track_attention: bool = False) -> None:
@@ -119,6 +122,7 @@ class SieveLayer(DynamicLayer):
         self.recent_queries: torch.Tensor | None = None
         self.query_stats = None  # kvsieve.engine.query_stats fills it (pre-RoPE query statistics)
         self.rope: tuple[torch.Tensor, float] | None = None
+        self.hidden_states: torch.Tensor | None = None
 
     # -- the dense view (a padded copy while ragged; assigning makes the layer dense) --------------
     def _field(self, name: str):
@@ -278,6 +282,7 @@ class SieveLayer(DynamicLayer):
         :meth:`padded` with the same ``pad_at``. Heads left at different lengths are stored ragged.
         """
         self.densify(pad_at)
+        self.hidden_states = None  # one row per position no longer: the heads keep different entries
         gather = indices.unsqueeze(-1).expand(-1, -1, -1, self._keys.shape[-1])
         self._keys = self._keys.gather(2, gather).contiguous()
         self._values = self._values.gather(2, gather).contiguous()
@@ -299,7 +304,7 @@ class SieveLayer(DynamicLayer):
                 value = self.__dict__.get(name)
                 if value is not None:
                     self.__dict__[name] = value[indices]
-        for name in ("recent_queries", "query_stats"):
+        for name in ("recent_queries", "query_stats", "hidden_states"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value[indices])
@@ -312,7 +317,7 @@ class SieveLayer(DynamicLayer):
         super().reset()
         self.seen = 0
         self._positions = self._valid = self._attention = self.recent_queries = None
-        self.query_stats = self.rope = None
+        self.query_stats = self.rope = self.hidden_states = None
 
     def nbytes(self) -> int:
         """Bytes of the keys and values stored (every head's own length; batch padding included)."""
@@ -429,7 +434,7 @@ def stack_caches(caches: list[DynamicCache]) -> DynamicCache:
             layer.__dict__["_valid"] = None if bool(mask.all()) else mask
         else:
             layer.heads = heads
-        layer.recent_queries = layer.query_stats = None
+        layer.recent_queries = layer.query_stats = layer.hidden_states = None
         layer.track_attention = False
     return stacked
 

@@ -77,7 +77,16 @@ def layer_signals(
         rope_inv_freq=None if layer.rope is None else layer.rope[0],
         rope_attention_scaling=1.0 if layer.rope is None else layer.rope[1],
         next_position=layer.seen,
+        hidden_states=_aligned_hidden_states(layer),
     )
+
+
+def _aligned_hidden_states(layer: SieveLayer) -> torch.Tensor | None:
+    """The layer's kept hidden states when they are one row per cached entry, in order (nothing pruned)."""
+    hidden = layer.hidden_states
+    if hidden is None or layer.is_ragged or hidden.shape[1] != layer.physical_length or hidden.shape[1] != layer.seen:
+        return None
+    return hidden
 
 
 def _checked_scores(policy: Policy, signals: Signals) -> torch.Tensor:

@@ -100,6 +100,7 @@ class DevSet:
         self.capture = FullCache(window=window)
         # the features' ``surrogate``: the shipped kvzap of this model (zeros when none ships for it)
         self.surrogate = shipped_kvzap_for(model)
+        self.capture.needs_hidden_states = self.surrogate is not None and self.surrogate.needs_hidden_states
         self.items: list[DevSample] = []
         features: dict[str, Features] = {}
         from tqdm import tqdm

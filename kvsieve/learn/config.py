@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from kvsieve.config import load_config as load_config_file
+from kvsieve.learn.kvzap import INPUTS as KVZAP_INPUTS
 from kvsieve.learn.rollout import Episode
 from kvsieve.prompt import build_prompt
 from kvsieve.tasks import TASKS
@@ -73,6 +74,8 @@ class TrainConfig:
     network: str = "keepnet"
     # keep logits are scores / temperature before the Gumbel noise (kvzap's log scores spread over a few units)
     temperature: float = 1.0
+    # objective "kvzap": what the surrogate reads, "kv" (pre-RoPE keys and values) or "hidden" (KVzap's input)
+    kvzap_inputs: str = "kv"
 
     def __post_init__(self) -> None:
         def positive_int(name: str, minimum: int = 1) -> None:
@@ -100,6 +103,8 @@ class TrainConfig:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
                 or not self.temperature > 0:
             raise ValueError(f"temperature must be a number > 0, got {self.temperature!r}")
+        if self.kvzap_inputs not in KVZAP_INPUTS:
+            raise ValueError(f"kvzap_inputs {self.kvzap_inputs!r} is not one of {', '.join(map(repr, KVZAP_INPUTS))}")
         if self.baseline not in BASELINES:
             raise ValueError(f"baseline {self.baseline!r} is not one of {', '.join(BASELINES)}")
         if not isinstance(self.ratios, list) or not self.ratios:

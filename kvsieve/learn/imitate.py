@@ -69,10 +69,11 @@ def imitation_targets(scores: torch.Tensor, header: int, window: int) -> tuple[t
 
 
 @torch.no_grad()
-def kvzip_reconstruction(model, tokenizer, episode: Episode, window: int):
+def kvzip_reconstruction(model, tokenizer, episode: Episode, window: int, hidden_states: bool = False):
     """(full context cache, :class:`~kvsieve.engine.reconstruct.Reconstruction`) of ``episode``: KVzip's teacher
-    scores on the whole context, shared by this module and the KVzip surrogate (:mod:`kvsieve.learn.kvzap_train`)."""
-    cache = context_cache_for(model, episode, window)
+    scores on the whole context, shared by this module and the KVzip surrogate (:mod:`kvsieve.learn.kvzap_train`;
+    ``hidden_states``: the cache's layers keep their input hidden states)."""
+    cache = context_cache_for(model, episode, window, hidden_states)
     return cache, reconstruction_scores(model, cache, episode.context, ReconstructionPrompt.from_tokenizer(tokenizer))
 
 

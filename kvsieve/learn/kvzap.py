@@ -7,16 +7,15 @@ prefill to make the model repeat its context; the surrogate costs a few small ma
 
 How this one differs from KVzap:
 
-* **Inputs.** KVzap reads the layer's hidden states. A kvsieve policy sees the cache
-  (:class:`~kvsieve.signals.Signals`), not the residual stream, so the input here is, per position, the
-  concatenation over the layer's KV heads of its **pre-RoPE key and its value**
-  (``2 * kv_heads * head_dim`` numbers). Both are affine images of the layer's normed hidden state
-  (``W_k x + b_k``, ``W_v x + b_v``; Qwen3/Gemma3 add a per-head norm on the key), so this is a
-  projection of KVzap's input onto a ``2 h d``-dimensional subspace: for SmolLM2-135M 384 of 576 hidden
-  dims, for Qwen2.5-0.5B 256 of 896. It needs no engine change. The pre-RoPE keys are recovered
-  exactly by rotating the cached keys back (:func:`pre_rope_keys`) with the rotary frequencies the
-  checkpoint recorded from its model. The hidden states themselves would need an engine hook
-  (docs/kvzap.md names it).
+* **Inputs** (:data:`INPUTS`, recorded in the checkpoint). ``"hidden"`` is KVzap's: the hidden state
+  entering the layer's attention (the decoder layer's normed input), which the engine keeps for policies
+  that ask (``needs_hidden_states``, :mod:`kvsieve.engine.hidden_states`). ``"kv"`` reads only the cache:
+  per position, the concatenation over the layer's KV heads of its **pre-RoPE key and its value**
+  (``2 * kv_heads * head_dim`` numbers), both affine images of that hidden state (``W_k x + b_k``,
+  ``W_v x + b_v``; Qwen3/Gemma3 add a per-head norm on the key), so a projection of KVzap's input onto a
+  ``2 h d``-dimensional subspace: for SmolLM2-135M 384 of 576 hidden dims, for Qwen2.5-0.5B 256 of 896. The
+  pre-RoPE keys are recovered exactly by rotating the cached keys back (:func:`pre_rope_keys`) with the
+  rotary frequencies the checkpoint recorded from its model.
 * **Alignment.** The heads' inputs are concatenated at the same cache index, so every KV head of a
   layer must hold the same positions: true of a prefill compression (the first one) and of a cache no
   per-head choice has touched. A ragged or per-head-pruned cache (decode-time eviction) is refused.
@@ -53,7 +52,7 @@ from kvsieve.policy import Policy
 from kvsieve.selection import ALLOCATIONS, Selection
 from kvsieve.signals import Signals
 
-__all__ = ["SHIPPED", "VARIANTS", "KVzapNetConfig", "KVzapNet", "KVzap", "rotary_tables", "pre_rope_keys",
+__all__ = ["SHIPPED", "VARIANTS", "INPUTS", "KVzapNetConfig", "KVzapNet", "KVzap", "rotary_tables", "pre_rope_keys",
            "shared_positions", "kvzap_inputs",
            "save_kvzap", "load_kvzap", "resolve_kvzap_checkpoint", "shipped_kvzap_for"]
 
@@ -64,6 +63,7 @@ SHIPPED: dict[str, str] = {
     "qwen2.5-coder-0.5b-instruct": "kvzap-qwen2.5-coder-0.5b-instruct.safetensors",
 }
 VARIANTS = ("mlp", "linear")
+INPUTS = ("kv", "hidden")  # what the network reads per position: pre-RoPE keys and values, or the hidden state
 METADATA_KEY = "kvsieve_kvzap"
 FORMAT = 1
 _HOW_TO_TRAIN = ("train one with `kvsieve train --objective kvzap --model MODEL --out DIR` and use "
@@ -319,6 +319,10 @@ class KVzap(Policy):
                          for f in rope["inv_freq"]]
         self.attention_scaling = [float(a) for a in rope["attention_scaling"]]
         self.allocation = allocation
+        self.reads = self.meta.get("inputs", "kv")  # checkpoints written before hidden-state inputs read keys/values
+        if self.reads not in INPUTS:
+            raise ValueError(f"{self._what} reads inputs {self.reads!r}; this kvsieve knows {', '.join(INPUTS)}")
+        self.needs_hidden_states = self.reads == "hidden"
         self.overhead_seconds, self.overhead_calls = 0.0, 0
         self._last_tables: tuple | None = None  # (positions, inv_freq, (cos, sin)) of the last scored layer
         self._folded: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -385,7 +389,16 @@ class KVzap(Policy):
         return inv_freq, scaling, positions, None if inv_freq is None else self._tables(positions, inv_freq)
 
     def inputs(self, signals: Signals) -> torch.Tensor:
-        """(b, n, 2 h d) the network's inputs for one layer (:func:`kvzap_inputs` with this model's rotary)."""
+        """(b, n, D) the network's inputs for one layer: the hidden states, or :func:`kvzap_inputs` with this
+        model's rotary."""
+        if self.reads == "hidden":
+            self.check(signals)
+            if signals.hidden_states is None:
+                raise ValueError(f"{self._what} reads the hidden states entering each layer, which this cache does "
+                                 "not hold: run it through kvsieve.attach() in prefill mode (they are kept until "
+                                 "the first compression, never after a per-head eviction)")
+            self._follow_device(signals.hidden_states.device)
+            return signals.hidden_states.float()
         inv_freq, scaling, _, tables = self._rotary(signals)
         return kvzap_inputs(signals, inv_freq, scaling, tables)
 
@@ -393,7 +406,8 @@ class KVzap(Policy):
     def score(self, signals: Signals) -> torch.Tensor:
         start = time.perf_counter()
         layer = signals.layer_idx
-        if self.variant == "linear":  # a matmul per head, no concatenated input: ~2x cheaper than the network
+        # keys and values, linear: a matmul per head, no concatenated input (~2x cheaper than the network)
+        if self.variant == "linear" and self.reads == "kv":
             inv_freq, scaling, positions, tables = self._rotary(signals)
             keys = signals.keys.float() if inv_freq is None else pre_rope_keys(signals.keys, positions, inv_freq,
                                                                                 scaling, tables)

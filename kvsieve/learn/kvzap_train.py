@@ -9,7 +9,9 @@
    (:func:`kvsieve.learn.imitate.kvzip_reconstruction`, the collection the imitation objective uses):
    target = ``log(max(score, 1e-8))`` of every KV head at ``positions`` positions drawn (seeded) after
    the chat template's header, whose entries KVzip never scores (it always keeps them).
-   Inputs: :func:`~kvsieve.learn.kvzap.kvzap_inputs` at the same positions. Each sequence is saved
+   Inputs at the same positions (``inputs``): ``"kv"``, :func:`~kvsieve.learn.kvzap.kvzap_inputs` (pre-RoPE keys
+   and values, read off the cache), or ``"hidden"``, KVzap's own: the hidden state entering each layer's
+   attention (:mod:`kvsieve.engine.hidden_states`). Each sequence is saved
    as it is collected (``out/kvzap-data/NNN.safetensors``), so an interrupted run resumes where it
    stopped, and a rerun of a finished one only refits.
 3. **Fit.** The last ``holdout`` share of the sequences (RULER and text alike, interleaved) is held
@@ -41,7 +43,7 @@ from kvsieve.engine.compress import layer_signals
 from kvsieve.engine.query_stats import rope_of
 from kvsieve.engine.reconstruct import ReconstructionPrompt
 from kvsieve.learn.imitate import kvzip_reconstruction
-from kvsieve.learn.kvzap import KVzapNet, KVzapNetConfig, kvzap_inputs, save_kvzap
+from kvsieve.learn.kvzap import INPUTS, KVzapNet, KVzapNetConfig, kvzap_inputs, save_kvzap
 from kvsieve.learn.policy import ModelShape
 from kvsieve.learn.rollout import Episode
 from kvsieve.models import load
@@ -74,6 +76,7 @@ class KVzapTrainConfig:
     holdout: float = 0.2
     out: str = "runs/kvzap"
     dtype: str = "float32"
+    inputs: str = "kv"  # "kv" (pre-RoPE keys and values) or "hidden" (the hidden state entering the layer)
 
     def __post_init__(self) -> None:
         for name, minimum in (("length", 16), ("samples", 0), ("text_docs", 0), ("positions", 1), ("hidden", 1),
@@ -87,6 +90,8 @@ class KVzapTrainConfig:
             raise ValueError(f"holdout must be a fraction in (0, 1), got {self.holdout!r}")
         if not 0 < self.lr <= 1 or self.ridge < 0:
             raise ValueError(f"lr must be in (0, 1] and ridge >= 0, got lr={self.lr!r}, ridge={self.ridge!r}")
+        if self.inputs not in INPUTS:
+            raise ValueError(f"inputs {self.inputs!r} is not one of {', '.join(map(repr, INPUTS))}")
         unknown = [t for t in self.tasks if t not in TASKS]
         if unknown:
             raise ValueError(f"unknown task(s) {unknown}; available: {', '.join(TASKS)}")
@@ -97,13 +102,14 @@ class KVzapTrainConfig:
         excerpts as generated samples."""
         return cls(model=config.model, tasks=list(config.tasks), length=config.length, samples=config.samples,
                    text_docs=config.samples * len(config.tasks), seed=config.seed, hidden=config.hidden,
-                   steps=config.steps, lr=config.lr, out=config.out,
+                   steps=config.steps, lr=config.lr, out=config.out, inputs=config.kvzap_inputs,
                    dtype="float32" if config.dtype == "auto" else config.dtype)
 
     def data_key(self) -> dict:
         """What a collected sequence depends on (not the fit's settings)."""
         keep = ("model", "length", "seed", "positions", "dtype")
-        return {k: getattr(self, k) for k in keep}
+        key = {k: getattr(self, k) for k in keep}
+        return key if self.inputs == "kv" else {**key, "inputs": self.inputs}  # "kv" rows keep their old keys
 
 
 @dataclass
@@ -180,9 +186,9 @@ def rope_tables(model) -> tuple[list, list[float]]:
 
 @torch.no_grad()
 def collect_sequence(model, tokenizer, episode: Episode, rope: tuple[list, list[float]], positions: int,
-                     seed: int) -> dict[str, torch.Tensor]:
+                     seed: int, inputs: str = "kv") -> dict[str, torch.Tensor]:
     """One sequence's rows: ``inputs`` (L, P, D) float16, ``targets`` (L, P, H), ``positions`` (P,)."""
-    cache, rebuilt = kvzip_reconstruction(model, tokenizer, episode, window=1)
+    cache, rebuilt = kvzip_reconstruction(model, tokenizer, episode, window=1, hidden_states=inputs == "hidden")
     layers = sieve_layers(cache)
     n, header = episode.context.shape[1], rebuilt.header
     if len(layers) != len(cache.layers):
@@ -194,8 +200,11 @@ def collect_sequence(model, tokenizer, episode: Episode, rope: tuple[list, list[
     inputs, targets = [], []
     for idx, layer in layers:
         signals = layer_signals(layer, idx, len(cache.layers), 0, 1)
-        inv_freq = None if rope[0][idx] is None else torch.tensor(rope[0][idx])
-        x = kvzap_inputs(signals, inv_freq, rope[1][idx])[0, picked]  # (P, D)
+        if inputs == "hidden":
+            x = signals.hidden_states[0, picked].float()  # (P, hidden)
+        else:
+            inv_freq = None if rope[0][idx] is None else torch.tensor(rope[0][idx])
+            x = kvzap_inputs(signals, inv_freq, rope[1][idx])[0, picked]  # (P, 2 h d)
         y = kvzap_targets(rebuilt.scores[idx], header)[0].transpose(0, 1)[picked - header]  # (P, H)
         inputs.append(x.to(torch.float16))
         targets.append(y)
@@ -226,7 +235,8 @@ def _collect_all(config: KVzapTrainConfig, model, tokenizer, progress: bool,
                     rows = {name: handle.get_tensor(name) for name in handle.keys()}
         if rows is None:
             start = time.perf_counter()
-            rows = collect_sequence(model, tokenizer, episode, rope, config.positions, _hash(config.seed, "pos", i))
+            rows = collect_sequence(model, tokenizer, episode, rope, config.positions, _hash(config.seed, "pos", i),
+                                    config.inputs)
             rows["wall"] = torch.tensor(time.perf_counter() - start)
             partial = path.with_name(path.name + ".partial")
             save_file({k: v.contiguous() for k, v in rows.items()}, str(partial), metadata={"key": key})
@@ -328,7 +338,7 @@ def train_kvzap(config: KVzapTrainConfig, model=None, tokenizer=None, progress: 
               "fit_seconds": time.perf_counter() - start - collected}
     rope = rope_tables(model)
     meta = {"model": shape.to_dict(), "header": header, "rope": {"inv_freq": rope[0], "attention_scaling": rope[1]},
-            "variant": variant, "train": report, "kvsieve_train": "kvzap"}
+            "variant": variant, "inputs": config.inputs, "train": report, "kvsieve_train": "kvzap"}
     policy = save_kvzap(out / "policy.safetensors", net, meta)
     (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     log = out / "log.csv"

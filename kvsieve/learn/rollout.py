@@ -135,8 +135,11 @@ class Rollout:
 
 
 @torch.no_grad()
-def context_cache_for(model, episode: Episode, window: int):
-    with attach(model, FullCache(window=window), ratio=0.0):
+def context_cache_for(model, episode: Episode, window: int, hidden_states: bool = False):
+    """The full cache of ``episode``'s context (``hidden_states``: its layers keep their input hidden states too)."""
+    capture = FullCache(window=window)
+    capture.needs_hidden_states = hidden_states
+    with attach(model, capture, ratio=0.0):
         return model(input_ids=episode.context, use_cache=True, logits_to_keep=1).cache
 
 

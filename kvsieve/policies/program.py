@@ -74,6 +74,10 @@ class ProgramPolicy(Policy):
                              f"model {name or type(model).__name__!r}: train one (`kvsieve train --objective kvzap`) "
                              "and pass program(path=..., surrogate='DIR')")
 
+    @property
+    def needs_hidden_states(self) -> bool:  # a surrogate that reads hidden states needs the engine to keep them
+        return self.surrogate is not None and self.surrogate.needs_hidden_states
+
     @classmethod
     def content_path(cls, path: str | None = None, **_) -> Path | None:
         return Path(path) if path is not None else None
