@@ -104,6 +104,7 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
     capture = FullCache(window=max(p.window for p in policies.values()))
     capture.needs_accumulated_attention = any(p.needs_accumulated_attention for p in policies.values())
     capture.needs_query_stats = any(p.needs_query_stats for p in policies.values())
+    capture.needs_hidden_states = any(p.needs_hidden_states for p in policies.values())
     with attach(model, capture, ratio=0.0):
         start = time.perf_counter()
         context_cache = model(input_ids=prompt.context_ids, use_cache=True, logits_to_keep=1).cache
