@@ -162,6 +162,8 @@ def test_training_writes_a_kvzap_checkpoint_and_resumes_exactly(setup, tmp_path)
     start, _ = load_kvzap(path)
     assert not torch.equal(a.linear_weight, start.linear_weight)
     assert meta["reinforce"]["step"] == 3 and meta["header"] == HEADER and meta["variant"] == "linear"
+    _, start_meta = load_kvzap(path)  # the surrogate's held-out losses describe it, not the fine-tuned weights
+    assert "train" not in meta and meta["init_train"] == start_meta.get("train")
     policy = KVzap(checkpoint=str(tmp_path / "whole"), model="tiny-llama")  # the run folder loads as a surrogate
     with kvsieve.attach(model, policy, ratio=0.5):
         model(input_ids=episodes[0].context, use_cache=True)

@@ -192,7 +192,9 @@ class Trainer:
         if self.kvzap_meta is None:
             save_checkpoint(out / "policy.safetensors", self.meta(), self.tensors(False))
         else:  # what kvzap(checkpoint=OUT) loads: the surrogate's format, its metadata, the fine-tune's record
-            kept = {k: v for k, v in self.kvzap_meta.items() if k not in ("format", "net", "sha256")}
+            kept = {k: v for k, v in self.kvzap_meta.items() if k not in ("format", "net", "sha256", "train")}
+            # the surrogate's own training report (its held-out losses) describes the weights before the fine-tune
+            kept["init_train"] = self.kvzap_meta.get("train")
             save_kvzap(out / "policy.safetensors", self.net,
                        dict(kept, reinforce={"step": self.step, "train": self.config.to_dict()}))
 
