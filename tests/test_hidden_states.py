@@ -99,15 +99,35 @@ def hidden_kvzap(tmp_path_factory):
     config = KVzapTrainConfig(model="tiny-llama", samples=0, text_docs=24, positions=48, hidden=8, steps=60,
                               lr=1e-2, ridge=10.0, holdout=0.25, inputs="hidden",
                               out=str(tmp_path_factory.mktemp("kvzap-hidden")))
-    return model, train_kvzap(config, model, TOKENIZER, progress=False, episodes=episodes)
+    return model, train_kvzap(config, model, TOKENIZER, progress=False, episodes=episodes), episodes
 
 
-def test_a_hidden_state_kvzap_trains_below_a_constant_and_scores_the_hidden_states(hidden_kvzap):
-    model, result = hidden_kvzap
+def test_a_hidden_state_kvzap_trains_on_the_hidden_states_below_a_constant(hidden_kvzap):
+    import json
+
+    from safetensors import safe_open
+
+    model, result, episodes = hidden_kvzap
     losses = result.report["losses"]
     assert losses["linear"] < 0.9 * losses["constant"], losses
     net, meta = load_kvzap(result.policy)
     assert meta["inputs"] == "hidden" and net.config.input_dim == model.config.hidden_size
+    # the training rows are the layers' normed inputs at the sampled positions (this tiny model's hidden size
+    # equals 2 x kv_heads x head_dim, so a row of keys and values would have the same shape)
+    names = {e.name: e for _, e in episodes}
+    files = sorted((result.out / "kvzap-data").glob("*.safetensors"))
+    assert len(files) == len(episodes)
+    for path in files[:3]:
+        with safe_open(str(path), framework="pt") as handle:
+            episode = names[json.loads(handle.metadata()["key"])["name"]]
+            rows, picked = handle.get_tensor("inputs"), handle.get_tensor("positions")
+        want = torch.stack([h[0, picked] for h in _normed_layer_inputs(model, episode.context)])
+        torch.testing.assert_close(rows.float(), want, atol=2e-3, rtol=2e-3)  # stored as float16
+
+
+def test_a_hidden_state_kvzap_scores_the_hidden_states_and_spends_a_global_budget(hidden_kvzap):
+    model, result, _ = hidden_kvzap
+    net, _ = load_kvzap(result.policy)
     policy = KVzap(checkpoint=str(result.policy), variant="linear", model="tiny-llama")
     assert policy.needs_hidden_states
     ids = _ids(99)
@@ -134,7 +154,7 @@ def test_a_hidden_state_kvzap_trains_below_a_constant_and_scores_the_hidden_stat
 
 
 def test_a_hidden_state_kvzap_refuses_a_cache_without_them(hidden_kvzap):
-    model, result = hidden_kvzap
+    model, result, _ = hidden_kvzap
     policy = get("kvzap", checkpoint=str(result.policy))
     with kvsieve.attach(model, _capture(hidden=False), ratio=0.0):
         cache = model(input_ids=_ids(3), use_cache=True).cache
@@ -152,7 +172,7 @@ def test_the_grid_keeps_hidden_states_for_a_policy_that_reads_them(hidden_kvzap)
     from kvsieve.harness.grid import Cell
     from kvsieve.tasks.ruler import generate
 
-    model, result = hidden_kvzap
+    model, result, _ = hidden_kvzap
     sample = generate("niah_single_1", 300, 0, lambda t: len(t))
     cells = [Cell(f"kvzap(checkpoint='{result.policy}')", ratio) for ratio in (0.5, 0.75)]
     shared = evaluate_sample(model, TOKENIZER, sample, cells, shared=True)

@@ -186,9 +186,10 @@ def rope_tables(model) -> tuple[list, list[float]]:
 
 @torch.no_grad()
 def collect_sequence(model, tokenizer, episode: Episode, rope: tuple[list, list[float]], positions: int,
-                     seed: int, inputs: str = "kv") -> dict[str, torch.Tensor]:
-    """One sequence's rows: ``inputs`` (L, P, D) float16, ``targets`` (L, P, H), ``positions`` (P,)."""
-    cache, rebuilt = kvzip_reconstruction(model, tokenizer, episode, window=1, hidden_states=inputs == "hidden")
+                     seed: int, reads: str = "kv") -> dict[str, torch.Tensor]:
+    """One sequence's rows: ``inputs`` (L, P, D) float16 (what the surrogate ``reads``: "kv" or "hidden"),
+    ``targets`` (L, P, H), ``positions`` (P,)."""
+    cache, rebuilt = kvzip_reconstruction(model, tokenizer, episode, window=1, hidden_states=reads == "hidden")
     layers = sieve_layers(cache)
     n, header = episode.context.shape[1], rebuilt.header
     if len(layers) != len(cache.layers):
@@ -200,7 +201,7 @@ def collect_sequence(model, tokenizer, episode: Episode, rope: tuple[list, list[
     inputs, targets = [], []
     for idx, layer in layers:
         signals = layer_signals(layer, idx, len(cache.layers), 0, 1)
-        if inputs == "hidden":
+        if reads == "hidden":
             x = signals.hidden_states[0, picked].float()  # (P, hidden)
         else:
             inv_freq = None if rope[0][idx] is None else torch.tensor(rope[0][idx])
