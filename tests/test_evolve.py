@@ -106,7 +106,8 @@ def test_crossover_keeps_both_parents_signals():
 
 
 def test_selection_parameters_are_checked():
-    assert parse_selection(SEEDS["frc"]) == {"chunk_size": 4, "sink": 0, "allocation": "uniform"}
+    assert parse_selection(SEEDS["frc"]) == {"chunk_size": 4, "sink": 0, "allocation": "uniform",
+                                             "normalization": "zscore"}
     with pytest.raises(ProgramError, match="outside the allowed"):
         parse_selection('SELECTION = {"chunk_size": 0}\n')
     with pytest.raises(ProgramError, match="unknown SELECTION key"):
@@ -422,3 +423,45 @@ def test_allocation_is_a_gene_of_selection_and_holds_the_budget_in_bytes():
     children = {StructuralMutator().propose(Program(source), [], random.Random(s)) for s in range(60)}
     allocations = {c.selection_params["allocation"] for c in children if c is not None}
     assert len(allocations) >= 2  # the mutator moves the gene
+
+
+def test_normalization_is_a_gene_so_scores_on_one_scale_keep_their_ranking_across_heads():
+    # the surrogate seed's log KVzip scores are comparable across heads and layers; z-scoring each head first
+    # (the default for a shared budget) threw that away and made the seed a uniform-like kvzap
+    import torch
+    from conftest import tiny_model
+
+    import kvsieve
+    from kvsieve.engine.cache import sieve_layers
+    from kvsieve.policy import Policy
+    from kvsieve.policies.program import ProgramPolicy
+    from kvsieve.selection import Selection
+
+    assert parse_selection(SEEDS["surrogate"])["normalization"] == "none"
+    with pytest.raises(ProgramError, match=r"'normalization'\] = 'minmax' is not one of"):
+        parse_selection('SELECTION = {"normalization": "minmax"}\n')
+    source = ('SELECTION = {"chunk_size": 1, "sink": 2, "allocation": "global", "normalization": "none"}\n\n\n'
+              'def score(f):\n    return f.key_norm\n')
+    assert Program(source).selection(4).normalization == "none"
+    assert Program(source.replace('"global"', '"uniform"')).selection(4).normalization == "none"
+
+    class RawKeyNorm(Policy):  # the same ranking written as a plain policy
+        name = "raw_key_norm"
+        comparable_across_layers = True
+
+        def score(self, signals):
+            return signals.keys.float().norm(dim=-1)
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, 128, (1, 160), generator=torch.Generator().manual_seed(3))
+
+    def kept(policy):
+        with kvsieve.attach(model, policy, ratio=0.75):
+            cache = model(input_ids=ids, use_cache=True).cache
+        return [sorted((h.positions[0] if layer.is_ragged else layer.positions[0, i]).tolist())
+                for _, layer in sieve_layers(cache) for i, h in enumerate(layer.heads or [None, None])]
+
+    raw = kept(RawKeyNorm(window=4, selection=Selection(sink=2, recent=4, allocation="global",
+                                                        normalization="none")))
+    assert kept(ProgramPolicy(source=source, window=4)) == raw
+    assert kept(ProgramPolicy(source=source.replace(', "normalization": "none"', ""), window=4)) != raw

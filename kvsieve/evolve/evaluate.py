@@ -64,6 +64,7 @@ class _Precomputed(Policy):
     """Scores computed elsewhere (by a candidate inside the sandbox), looked up by layer."""
 
     name = "precomputed"
+    comparable_across_heads = comparable_across_layers = True  # as a program's: its SELECTION normalises or not
 
     def __init__(self, scores: dict[int, torch.Tensor], selection: Selection, window: int) -> None:
         self.scores = scores

@@ -28,8 +28,9 @@ __all__ = ["Program", "ProgramError", "SELECTION_RANGES", "SELECTION_CHOICES", "
 SELECTION_RANGES = {"chunk_size": (1, 64), "sink": (0, 64)}
 # name -> allowed literal strings, the first the default. "allocation" moves the budget across the
 # heads of a layer ("layer") or the whole model ("global"); a program's scores are then standardised
-# per head first (Selection(normalization="zscore")), since nothing makes them comparable otherwise.
-SELECTION_CHOICES = {"allocation": ("uniform", "layer", "global")}
+# per head first ("normalization": "zscore", the default), since nothing makes them comparable otherwise,
+# unless the program says they already are ("none": e.g. f.surrogate, log KVzip scores on one scale).
+SELECTION_CHOICES = {"allocation": ("uniform", "layer", "global"), "normalization": ("zscore", "none")}
 
 
 def _defaults() -> dict[str, int | str]:
@@ -92,7 +93,7 @@ class Program:
         params = self.selection_params
         allocation = params["allocation"]
         return Selection(sink=params["sink"], recent=window, chunk_size=params["chunk_size"], allocation=allocation,
-                         normalization="none" if allocation == "uniform" else "zscore")
+                         normalization="none" if allocation == "uniform" else params["normalization"])
 
     @cached_property
     def code_hash(self) -> str:

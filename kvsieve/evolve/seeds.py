@@ -30,7 +30,7 @@ def score(f):
     return 0.4 * unit_mean(local) + 0.4 * unit_mean(density) + 0.2 * unit_mean(head_max)
 ''',
     "surrogate": '''"""The KVzip surrogate (kvzap): predicted log KVzip scores, one budget over the whole model."""
-SELECTION = {"chunk_size": 1, "sink": 0, "allocation": "global"}
+SELECTION = {"chunk_size": 1, "sink": 0, "allocation": "global", "normalization": "none"}
 
 
 def score(f):

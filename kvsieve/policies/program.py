@@ -34,6 +34,9 @@ DEFAULT_LIMITS = Limits()
 
 class ProgramPolicy(Policy):
     name = "program"
+    # the program's SELECTION states how its scores compare: standardised per head before a shared budget
+    # ("normalization": "zscore", the default) or already on one scale ("none")
+    comparable_across_heads = comparable_across_layers = True
 
     def __init__(self, path: str | None = None, source: str | None = None, deadline_s: float | None = None,
                  max_elements: int | None = None, surrogate: str | None = None, **kwargs) -> None:
