@@ -433,8 +433,8 @@ def test_normalization_is_a_gene_so_scores_on_one_scale_keep_their_ranking_acros
 
     import kvsieve
     from kvsieve.engine.cache import sieve_layers
-    from kvsieve.policy import Policy
     from kvsieve.policies.program import ProgramPolicy
+    from kvsieve.policy import Policy
     from kvsieve.selection import Selection
 
     assert parse_selection(SEEDS["surrogate"])["normalization"] == "none"
