@@ -465,3 +465,30 @@ def test_normalization_is_a_gene_so_scores_on_one_scale_keep_their_ranking_acros
                                                         normalization="none")))
     assert kept(ProgramPolicy(source=source, window=4)) == raw
     assert kept(ProgramPolicy(source=source.replace(', "normalization": "none"', ""), window=4)) != raw
+
+
+def test_a_dev_samples_ratios_decode_as_one_batch_and_each_row_as_it_would_alone(tmp_path):
+    # stage 3 decodes a sample's ratios together (one weight read per step for every row)
+    import torch
+    from conftest import CharTokenizer, tiny_model
+
+    from kvsieve.evolve.evaluate import DevSet
+    from kvsieve.policies import get
+    from kvsieve.tasks.sample import Sample
+
+    model = tiny_model("llama")
+    sample = Sample(id="d0", task="niah_single_1", context="the number is 4711. " * 6, question="Which number?",
+                    answer_prefix="It is", answers=["4711"], max_new_tokens=12, length=0, seed=0,
+                    metric="string_match_all")
+    dev = DevSet(model, CharTokenizer(), [sample], ratios=[0.25, 0.5, 0.75], window=4, workdir=tmp_path)
+    policies = [get("tova", window=4), get("knorm", window=4)]
+    for policy in policies:
+        caches = [dev.compressed(0, policy, ratio) for ratio in dev.ratios]
+        batched = dev.answers(dev.items[0], caches)
+        alone = [dev.answers(dev.items[0], [dev.compressed(0, policy, ratio)])[0] for ratio in dev.ratios]
+        assert batched == alone and all(batched)
+    assert len({text for p in policies for text in dev.answers(
+        dev.items[0], [dev.compressed(0, p, r) for r in dev.ratios])}) > 1  # the rows differ: a real comparison
+    with torch.no_grad():
+        assert dev.task_scores(dev.items[0], [dev.compressed(0, policies[0], 0.5)]) == [
+            100.0 * ("4711" in dev.answers(dev.items[0], [dev.compressed(0, policies[0], 0.5)])[0])]

@@ -118,7 +118,7 @@ class DevSet:
             answer = answer_token_ids(tokenizer, sample)
             item = DevSample(sample, prompt, cache, answer, 0.0, 0.0)
             item.full_logprob = self.answer_logprob(item, clone_cache(cache))
-            item.full_score = self.task_score(item, clone_cache(cache))
+            item.full_score = self.task_scores(item, [clone_cache(cache)])[0]
             self.items.append(item)
         self.num_layers = len(layers)
         self.features_path = self.workdir / "features.safetensors"
@@ -140,15 +140,20 @@ class DevSet:
         return float(predicted.gather(-1, item.answer_ids[0][:, None]).mean())
 
     @torch.no_grad()
-    def task_score(self, item: DevSample, cache) -> float:
-        """The task metric of the greedy answer decoded on ``cache`` (stage 3)."""
+    def answers(self, item: DevSample, caches: list) -> list[str]:
+        """The greedy answer decoded on each of ``caches``, as one batch: a decode step reads the weights once for
+        every row (as the harness batches a sample's cells); each row decodes as it would alone."""
         with attach(self.model, self.capture, ratio=0.0):
-            logits = self.model(input_ids=item.prompt.question_ids, cache=cache, use_cache=True,
-                                logits_to_keep=1).logits[:, -1]
-            tokens = greedy_decode(self.model, self.tokenizer, stack_caches([cache]), logits,
+            # each row reads the question alone, as one cell of the harness does (evaluate_sample)
+            logits = torch.cat([self.model(input_ids=item.prompt.question_ids, cache=cache, use_cache=True,
+                                           logits_to_keep=1).logits[:, -1] for cache in caches])
+            tokens = greedy_decode(self.model, self.tokenizer, stack_caches(caches), logits,
                                    item.sample.max_new_tokens, tuple(item.sample.stop))
-        text = self.tokenizer.decode(tokens[0], skip_special_tokens=True)
-        return metric_score(item.sample.metric, text, item.sample.answers)
+        return [self.tokenizer.decode(row, skip_special_tokens=True) for row in tokens]
+
+    def task_scores(self, item: DevSample, caches: list) -> list[float]:
+        """The task metric of the greedy answer on each of ``caches`` (stage 3)."""
+        return [metric_score(item.sample.metric, text, item.sample.answers) for text in self.answers(item, caches)]
 
     def compressed(self, index: int, policy: Policy, ratio: float):
         """A pruned copy of dev sample ``index``'s full cache."""
@@ -230,9 +235,9 @@ def _stages_2_and_3(program: Program, dev: DevSet, result, max_gap: float | None
                           proxy=proxy, degenerate=degenerate, seconds=time.perf_counter() - start,
                           sandbox_seconds=result.seconds)
     cells = {}
-    for i, item in enumerate(dev.items):
-        for ratio in dev.ratios:
-            cells[f"{i}/{ratio}"] = dev.task_score(item, dev.compressed(i, policies[i], ratio))
+    for i, item in enumerate(dev.items):  # a sample's ratios decode as one batch
+        scores = dev.task_scores(item, [dev.compressed(i, policies[i], ratio) for ratio in dev.ratios])
+        cells.update({f"{i}/{ratio}": value for ratio, value in zip(dev.ratios, scores)})
     score = statistics.fmean(cells.values())
     return Evaluation("ok", 3, proxy=proxy, score=score, cells=cells, degenerate=degenerate,
                       seconds=time.perf_counter() - start, sandbox_seconds=result.seconds)
