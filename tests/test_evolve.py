@@ -423,6 +423,15 @@ def test_allocation_is_a_gene_of_selection_and_holds_the_budget_in_bytes():
     children = {StructuralMutator().propose(Program(source), [], random.Random(s)) for s in range(60)}
     allocations = {c.selection_params["allocation"] for c in children if c is not None}
     assert len(allocations) >= 2  # the mutator moves the gene
+    # whole chunks cannot move between heads: refused at the static check, so the mutator never proposes it
+    with pytest.raises(ProgramError, match=r"allocation 'layer' moves budgets .*chunk_size = 4"):
+        parse_selection('SELECTION = {"allocation": "layer", "chunk_size": 4}\n')
+    only_selection = StructuralMutator(operations=("selection",))
+    for parent in (Program(source), Program(SEEDS["frc"])):  # global with chunk 1; uniform with chunk 4
+        kids = [only_selection.propose(parent, [], random.Random(s)) for s in range(80)]
+        params = [k.selection_params for k in kids if k is not None]
+        assert len(params) > 40
+        assert all(p["allocation"] == "uniform" or p["chunk_size"] == 1 for p in params)
 
 
 def test_normalization_is_a_gene_so_scores_on_one_scale_keep_their_ranking_across_heads():

@@ -72,6 +72,11 @@ def parse_selection(source: str) -> dict[str, int | str]:
         if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
             raise ProgramError(f"SELECTION[{key!r}] = {value!r} is outside the allowed ints [{lo}, {hi}]")
         out[key] = value
+    if out["allocation"] != "uniform" and out["chunk_size"] > 1:
+        # the Selection refuses it too, but only once the program is evaluated: fail at the static check
+        raise ProgramError(f"SELECTION allocation {out['allocation']!r} moves budgets between heads, which whole "
+                           f"chunks (chunk_size = {out['chunk_size']}) cannot: use chunk_size 1 or allocation "
+                           "'uniform'")
     return out
 
 

@@ -103,6 +103,7 @@ def interface_doc() -> str:
         "",
         f"SELECTION (optional literal dict, these keys only): {{{selection}}}.",
         "chunk_size keeps or evicts whole chunks of that many entries; sink always keeps the first entries.",
+        "allocation 'layer' or 'global' moves budgets between heads and needs chunk_size 1.",
         "",
         "Rules:",
         "- no import statements; torch and the helpers above are already in scope, nothing else is",
