@@ -29,6 +29,7 @@ from kvsieve.engine.attention import ATTENTION_NAME
 from kvsieve.engine.cache import attached, cache_bytes, install, sieve_layers
 from kvsieve.engine.compress import CompressionReport, compress_cache, layer_occupancy
 from kvsieve.engine.hidden_states import hidden_states_hooks
+from kvsieve.engine.modules import attention_modules
 from kvsieve.engine.query_stats import query_stats_hooks
 from kvsieve.engine.reconstruct import compress_with_reconstruction
 from kvsieve.policy import Policy
@@ -77,10 +78,6 @@ def _model_type(model) -> str:
     return getattr(config, "model_type", type(model).__name__)
 
 
-def _attention_modules(model):
-    return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj") and hasattr(m, "k_proj")]
-
-
 @contextlib.contextmanager
 def attach(
     model,
@@ -122,7 +119,7 @@ def attach(
         raise ValueError(f"protected_tail must be an int >= 0, got {protected_tail!r}")
     budget = Budget(ratio=ratio, kept=kept) if policy.compresses else Budget(ratio=0.0)
     session = Session(policy, budget, mode, chunk_size, protected_tail, evict_every=evict_every)
-    modules = _attention_modules(model)
+    modules = attention_modules(model)
     configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in modules)] if c is not None}
     saved_impl = {key: c._attn_implementation for key, c in configs.items()}
     original_forward = model.forward

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import torch
 
 from kvsieve.engine.cache import SieveLayer
+from kvsieve.engine.modules import attention_modules
 
 __all__ = ["hidden_states_hooks"]
 
@@ -52,7 +53,7 @@ def hidden_states_hooks(model, session) -> Iterator[None]:
     if not getattr(session.policy, "needs_hidden_states", False):
         yield
         return
-    attentions = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj")]
+    attentions = attention_modules(model)
     handles = []
     try:
         for attention in attentions:

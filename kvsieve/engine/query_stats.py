@@ -22,6 +22,7 @@ from functools import partial
 import torch
 
 from kvsieve.engine.cache import SieveLayer
+from kvsieve.engine.modules import attention_modules
 from kvsieve.query_stats import QueryStats
 
 __all__ = ["query_stats_hooks", "rope_of"]
@@ -92,7 +93,7 @@ def query_stats_hooks(model, session) -> Iterator[None]:
         yield
         return
     rotary = _rotary_module(model)
-    attentions = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")]
+    attentions = attention_modules(model)
     handles = []
     try:
         for attention in attentions:

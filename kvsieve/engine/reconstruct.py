@@ -45,6 +45,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from kvsieve.engine.attention import bottom_right_causal_mask
 from kvsieve.engine.cache import SieveLayer, sieve_layers
 from kvsieve.engine.compress import CompressionReport, LayerReport, layer_signals
+from kvsieve.engine.modules import attention_modules
 from kvsieve.selection import Budget
 
 __all__ = [
@@ -189,10 +190,6 @@ def _record_max_attention(state: _State, best: torch.Tensor, query, key, scaling
 AttentionInterface.register(ATTENTION_NAME, kvzip_attention)
 
 
-def _attention_modules(model):
-    return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj") and hasattr(m, "k_proj")]
-
-
 def _shallow_copy(cache: DynamicCache) -> DynamicCache:
     """Appending makes new tensors, so a copy of the layer objects keeps ``cache`` untouched."""
     clone = copy.copy(cache)
@@ -233,7 +230,7 @@ def reconstruction_scores(model, cache: DynamicCache, input_ids: torch.Tensor, p
         idx: torch.zeros(b, layer.keys.shape[1], n, dtype=torch.float32, device=layer.keys.device)
         for idx, layer in layers
     })
-    modules = _attention_modules(model)
+    modules = attention_modules(model)
     configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in modules)] if c is not None}
     saved = {key: c._attn_implementation for key, c in configs.items()}
     forward = type(model).forward  # the class's forward: bypasses kvsieve.attach's wrapper, if any
