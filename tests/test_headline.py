@@ -180,7 +180,8 @@ def test_decode_cells_pair_with_the_decode_full_cells():
 
 def test_overhead_comes_from_each_cells_own_timing_when_recorded():
     """A cell that timed its compression and its sample's prefill in one process is its own reference: the full
-    cells' prefill (here from a slower run) no longer enters; one cell without the timing falls back for all."""
+    cells' prefill (here from a slower run) no longer enters; cells without it (older rows) are left out of the
+    figure, and only where no cell has it does the full cells' prefill serve."""
     timed = [cell("full", 0.0, "s0", 100, prefill=20.0), cell("full", 0.0, "s1", 100, prefill=20.0),
              cell("tova", 0.5, "s0", 100, prefill=10.2), cell("tova", 0.5, "s1", 100, prefill=12.6)]
     timed[2].config.update(prefill_only_seconds=10.0, compress_seconds=0.2)
@@ -188,10 +189,22 @@ def test_overhead_comes_from_each_cells_own_timing_when_recorded():
     (table,) = headline(timed)
     tova = next(r for r in table.rows if r.policy == "tova")
     assert tova.overhead_pct == pytest.approx(100 * (0.2 + 0.6) / 2 / ((10.0 + 12.0) / 2))  # 3.6364
+    assert tova.overhead_cells == 2 and "timed their own" not in format_headline(table)
     del timed[3].config["compress_seconds"]
     (table,) = headline(timed)
     tova = next(r for r in table.rows if r.policy == "tova")
+    assert tova.overhead_pct == pytest.approx(100 * 0.2 / 10.0)  # the timed cell alone: 2.0
+    assert tova.overhead_cells == 1 and "tova @ 0.5: 1 of 2" in format_headline(table)
+    for row in timed[:2]:
+        row.config.update(prefill_only_seconds=20.0, compress_seconds=0.0)
+    timed[1].config.pop("compress_seconds")
+    assert "timed their own compression and prefill (the others ran before grids recorded it): every row, 1 of 2" \
+        in format_headline(headline(timed)[0])
+    del timed[2].config["compress_seconds"]
+    (table,) = headline(timed)
+    tova = next(r for r in table.rows if r.policy == "tova")
     assert tova.overhead_pct == pytest.approx(100 * ((10.2 + 12.6) / 2 - 20.0) / 20.0)  # -43
+    assert tova.overhead_cells == 0
 
 
 def test_format_headline_names_model_and_requests(rows):

@@ -10,12 +10,13 @@ Per model and context length, per policy and compression ratio:
 - **% of full**: the policy's mean over the full cache's mean on the *same* requests;
 - **bytes % of full**: the mean over requests of ``cache_bytes / cache_bytes_full`` (what the pruned
   cache physically holds against the full cache of the same row);
-- **overhead % of prefill**: where every paired cell recorded its own timing (shared grids do:
+- **overhead % of prefill**: where paired cells recorded their own timing (shared grids do:
   ``compress_seconds``, the cell's cache copy, scoring, selection and gather, for KVzip also the
   reconstruction, and ``prefill_only_seconds``, the prefill it shares with the other cells of its sample,
   both timed in the same process), ``mean compress_seconds / mean prefill_only_seconds`` over the policy's
-  cells. Otherwise ``(mean prefill_seconds of the policy's cells - mean prefill_seconds of the full cells)
-  / mean prefill_seconds of the full cells`` on the same requests (a shared cell's ``prefill_seconds`` is the
+  cells that recorded both (how many is reported when not all did). Where none did, ``(mean prefill_seconds
+  of the policy's cells - mean prefill_seconds of the full cells) / mean prefill_seconds of the full cells``
+  on the same requests (a shared cell's ``prefill_seconds`` is the
   sample's prefill plus its compression, the full cell's the same prefill plus a copy); where the policy's
   and the full cell were computed in different runs (a resumed grid), the prefill's run-to-run noise is in
   that difference too. Question-aware cells (``+qa``) also include the question's forward pass;
@@ -106,6 +107,7 @@ class HeadlineRow:
     bytes_pct: float  # mean of cache_bytes / cache_bytes_full, in %
     overhead_pct: float  # extra prefill seconds over the full cell's, in % of the full cell's
     unpaired: int = 0  # this policy's requests dropped because the full reference has no row there
+    overhead_cells: int = 0  # cells the overhead comes from when they timed themselves; 0: the full-cell fallback
 
 
 @dataclass
@@ -199,8 +201,8 @@ def _row(model: str, length: int, label: str, ratio: float, cells: dict[Request,
     full = np.array([ref[q].score for q in paired], dtype=np.float64)
     held = [cells[q].cache_bytes / cells[q].cache_bytes_full if cells[q].cache_bytes_full else math.nan
             for q in paired]
-    timed = [cells[q].config for q in paired]
-    if all(k in c for c in timed for k in TIMING_CONFIG_KEYS):  # both timed in the cell's own run
+    timed = [c for c in (cells[q].config for q in paired) if all(k in c for k in TIMING_CONFIG_KEYS)]
+    if timed:  # cells that timed their compression and its prefill in their own run: their figure alone
         prefill_only, compress = TIMING_CONFIG_KEYS
         overhead = _pct(float(np.mean([c[compress] for c in timed])), float(np.mean([c[prefill_only] for c in timed])))
     else:
@@ -211,7 +213,7 @@ def _row(model: str, length: int, label: str, ratio: float, cells: dict[Request,
     mean, full_mean = float(scores.mean()), float(full.mean())
     return HeadlineRow(model, length, label, ratio, len(paired), mean, low, high, full_mean, _pct(mean, full_mean),
                        100.0 * float(np.mean(held)), overhead,
-                       len(cells) - len(paired))
+                       len(cells) - len(paired), len(timed))
 
 
 def headline(rows: Iterable[CellResult], resamples: int = DEFAULT_RESAMPLES,
@@ -336,6 +338,14 @@ def format_headline(table: Headline, digits: int = 1) -> str:
         notes.append("requests without a full-cache row, left out: " + "; ".join(dropped))
     if table.unpaired:
         notes.append("no request paired with the full cache (not shown): " + "; ".join(table.unpaired))
+    partly = [r for r in table.rows if 0 < r.overhead_cells < r.n]
+    if partly:
+        counts = {(r.overhead_cells, r.n) for r in partly}
+        which = (f"every row, {partly[0].overhead_cells} of {partly[0].n}" if len(partly) == len(table.rows)
+                 and len(counts) == 1 else "; ".join(f"{r.policy} @ {r.ratio:g}: {r.overhead_cells} of {r.n}"
+                                                    for r in partly))
+        notes.append("overhead from the cells that timed their own compression and prefill (the others ran before "
+                     f"grids recorded it): {which}")
     if any(r.overhead_pct < 0 for r in table.rows):
         notes.append("a negative overhead means the policy's cells and the full cells were timed in different runs "
                      "(a resumed or extended grid): there the figure is run-to-run prefill noise, not the "
