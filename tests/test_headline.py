@@ -12,6 +12,7 @@ from kvsieve.harness.headline import (
     BLOCK,
     NOT_DISTINGUISHABLE,
     bootstrap_interval,
+    bootstrap_ratio_interval,
     compare,
     format_comparisons,
     format_headline,
@@ -88,6 +89,27 @@ def test_bootstrap_rejects_bad_input():
         bootstrap_interval([1.0], resamples=0)
     with pytest.raises(ValueError, match="level"):
         bootstrap_interval([1.0], level=95)
+
+
+def test_ratio_interval_matches_the_delta_method_and_pairs_the_requests():
+    """% of full's interval against an independent derivation: the delta-method normal interval of a ratio of
+    paired means, 100 (mx/my) +- 1.96 sqrt(var(x - R y) / n) / my, which the bootstrap approaches for large n."""
+    rng = np.random.default_rng(3)
+    n = 600
+    full = rng.choice([0.0, 100.0], size=n, p=[0.2, 0.8])
+    policy = np.where(rng.random(n) < 0.75, full, 0.0)  # loses a quarter of what full gets, per request
+    ratio = policy.mean() / full.mean()
+    se = np.sqrt(np.var(policy - ratio * full) / n) / full.mean()
+    low, high = bootstrap_ratio_interval(policy, full, resamples=4000, seed=1)
+    assert low == pytest.approx(100 * (ratio - 1.96 * se), abs=0.6)
+    assert high == pytest.approx(100 * (ratio + 1.96 * se), abs=0.6)
+    # pairing: the unpaired interval (policy and full resampled apart) is wider when the two move together
+    unpaired = np.sqrt(np.var(policy) / n + ratio**2 * np.var(full) / n) / full.mean()
+    assert high - low < 0.8 * 2 * 1.96 * 100 * unpaired
+    assert bootstrap_ratio_interval(0.5 * full, full, seed=2) == pytest.approx((50.0, 50.0))
+    assert all(math.isnan(v) for v in bootstrap_ratio_interval([1.0, 2.0], [0.0, 0.0]))
+    with pytest.raises(ValueError, match="one length"):
+        bootstrap_ratio_interval([1.0, 2.0], [1.0])
 
 
 # -- the table -------------------------------------------------------------------------------------------------
@@ -217,7 +239,9 @@ def test_format_headline_names_model_and_requests(rows):
     slower_full = [cell("full", 0.0, "s0", 100, prefill=20.0), cell("tova", 0.5, "s0", 100, prefill=10.0)]
     assert "negative overhead" in format_headline(headline(slower_full)[0])
     kvzip = next(line for line in lines if line.startswith("| kvzip"))
-    assert kvzip == "| kvzip | 0.5 | 100.0 | [100.0, 100.0] | 150.0 | 70.0 | 200.0 | 3 |"
+    # full scores 100, 100, 0 on kvzip's 3 requests: resampled full means 100 k / 3 (k = 0 left out), so % of
+    # full is 300 / k, between 100 and 300
+    assert kvzip == "| kvzip | 0.5 | 100.0 | [100.0, 100.0] | 150.0 | [100, 300] | 70.0 | 200.0 | 3 |"
 
 
 # -- comparisons -----------------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ Per model and context length, per policy and compression ratio:
   Introduction to the Bootstrap*, 1993, ch. 13): ``resamples`` means of ``n`` requests drawn with
   replacement, their 2.5% and 97.5% quantiles. Seeded, and the same seed for every cell: cells with the
   same requests draw the same resample indices, so their intervals are directly comparable;
-- **% of full**: the policy's mean over the full cache's mean on the *same* requests;
+- **% of full**: the policy's mean over the full cache's mean on the *same* requests, with a paired bootstrap
+  interval (:func:`bootstrap_ratio_interval`: the targets of the field are stated in % of full);
 - **bytes % of full**: the mean over requests of ``cache_bytes / cache_bytes_full`` (what the pruned
   cache physically holds against the full cache of the same row);
 - **overhead % of prefill**: where paired cells recorded their own timing (shared grids do:
@@ -46,6 +47,7 @@ from kvsieve.tasks.ruler_alt import PREFIX as ALT_PREFIX
 from kvsieve.tasks.ruler_alt import is_alt_task
 
 __all__ = ["DEFAULT_RESAMPLES", "DEFAULT_SEED", "Comparison", "Headline", "HeadlineRow", "bootstrap_interval",
+           "bootstrap_ratio_interval",
            "compare", "format_comparisons", "format_headline", "headline", "headline_report", "layout_of",
            "reference_label"]
 
@@ -84,6 +86,36 @@ def bootstrap_interval(values: Sequence[float] | np.ndarray, resamples: int = DE
     return float(low), float(high)
 
 
+def bootstrap_ratio_interval(numerator: Sequence[float] | np.ndarray, denominator: Sequence[float] | np.ndarray,
+                             resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED,
+                             level: float = LEVEL) -> tuple[float, float]:
+    """Paired percentile-bootstrap interval of ``100 * mean(numerator) / mean(denominator)`` (e.g. a policy's
+    % of full): the same resampled requests in both, drawn as in :func:`bootstrap_interval`; resamples whose
+    denominator mean is 0 are left out (all of them: ``(nan, nan)``)."""
+    num, den = np.asarray(numerator, dtype=np.float64), np.asarray(denominator, dtype=np.float64)
+    if num.ndim != 1 or num.size == 0 or num.shape != den.shape:
+        raise ValueError(f"a paired bootstrap needs two non-empty 1-d lists of one length, got shapes {num.shape} "
+                         f"and {den.shape}")
+    if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 1:
+        raise ValueError(f"resamples must be an int >= 1, got {resamples!r}")
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level!r}")
+    n = num.size
+    rng = np.random.default_rng(seed)
+    ratios = np.empty(resamples)
+    for start in range(0, resamples, BLOCK):
+        stop = min(start + BLOCK, resamples)
+        idx = rng.integers(0, n, size=(stop - start, n))
+        top, bottom = num[idx].mean(axis=1), den[idx].mean(axis=1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratios[start:stop] = np.where(bottom > 0, 100.0 * top / bottom, np.nan)
+    ratios = ratios[~np.isnan(ratios)]
+    if ratios.size == 0:
+        return math.nan, math.nan
+    low, high = np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2])
+    return float(low), float(high)
+
+
 def reference_label(label: str) -> str:
     """The full-cache label a policy's cells are paired with: ``full``, or ``full@decodeN`` for ``X@decodeN``."""
     match = _DECODE.search(label)
@@ -108,6 +140,8 @@ class HeadlineRow:
     overhead_pct: float  # extra prefill seconds over the full cell's, in % of the full cell's
     unpaired: int = 0  # this policy's requests dropped because the full reference has no row there
     overhead_cells: int = 0  # cells the overhead comes from when they timed themselves; 0: the full-cell fallback
+    pct_low: float = math.nan  # paired 95% bootstrap interval of % of full (the same requests resampled in both)
+    pct_high: float = math.nan
 
 
 @dataclass
@@ -213,7 +247,7 @@ def _row(model: str, length: int, label: str, ratio: float, cells: dict[Request,
     mean, full_mean = float(scores.mean()), float(full.mean())
     return HeadlineRow(model, length, label, ratio, len(paired), mean, low, high, full_mean, _pct(mean, full_mean),
                        100.0 * float(np.mean(held)), overhead,
-                       len(cells) - len(paired), len(timed))
+                       len(cells) - len(paired), len(timed), *bootstrap_ratio_interval(scores, full, resamples, seed))
 
 
 def headline(rows: Iterable[CellResult], resamples: int = DEFAULT_RESAMPLES,
@@ -326,11 +360,13 @@ def format_headline(table: Headline, digits: int = 1) -> str:
     layout = f", layout {table.layout}" if table.layout else ""
     lines = [f"### {table.model} at {table.length} tokens{layout}: {table.requests} requests, {len(table.tasks)} task"
              f"{'s' if len(table.tasks) != 1 else ''}", "",
-             "| policy | ratio | mean | 95% CI | % of full | bytes % of full | overhead % of prefill | n |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| policy | ratio | mean | 95% CI | % of full | its 95% CI | bytes % of full | overhead % of prefill "
+             "| n |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in table.rows:
         ci = f"[{_num(r.low, digits)}, {_num(r.high, digits)}]"
-        lines.append(f"| {r.policy} | {r.ratio:g} | {_num(r.mean, digits)} | {ci} | {_num(r.pct_of_full)} | "
+        pct_ci = f"[{_num(r.pct_low, 0)}, {_num(r.pct_high, 0)}]"
+        lines.append(f"| {r.policy} | {r.ratio:g} | {_num(r.mean, digits)} | {ci} | {_num(r.pct_of_full)} | {pct_ci} | "
                      f"{_num(r.bytes_pct)} | {_num(r.overhead_pct)} | {r.n} |")
     dropped = [f"{r.policy} @ {r.ratio:g}: {r.unpaired}" for r in table.rows if r.unpaired]
     notes = []
