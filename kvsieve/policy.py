@@ -34,6 +34,10 @@ class Policy:
             matmul per layer and forward).
         needs_hidden_states: ask the engine to keep the hidden states entering each layer's attention during
             the prefill (``Signals.hidden_states``: one hidden-size row per token and layer until the compression).
+        intrinsic_scores: an entry's score depends on that entry alone (its key, value and position), never on
+            what else is cached or on the queries: in decode mode the engine keeps each score with its entry
+            (``Signals.entry_scores``, NaN for the entries appended since the last eviction), so the policy need
+            score only those, which every KV head still holds (kvzap on a cache pruned per head).
         needs_reconstruction: scores come from a forward that makes the model repeat the context
             (KVzip, :mod:`kvsieve.engine.reconstruct`); prefill mode only.
         compresses: ``False`` only for the full-cache policy.
@@ -53,6 +57,7 @@ class Policy:
     needs_query_stats: ClassVar[bool] = False
     needs_hidden_states: bool = False  # an instance may set it (kvzap: when its checkpoint reads them)
     needs_reconstruction: ClassVar[bool] = False
+    intrinsic_scores: ClassVar[bool] = False
     compresses: ClassVar[bool] = True
     uses_window: ClassVar[bool] = True
     is_reference: ClassVar[bool] = False

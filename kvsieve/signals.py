@@ -45,6 +45,8 @@ class Signals:
         hidden_states: (b, n, hidden) the input of the layer's attention at each cached position (the
             decoder layer's normed hidden state), when the engine was asked to keep them (policies with
             ``needs_hidden_states``, prefill compression only), else ``None``.
+        entry_scores: (b, h, n) this policy's scores of the cached entries from earlier evictions, NaN for the
+            entries appended since (decode mode, policies with ``intrinsic_scores``), else ``None``.
         next_position: position the next query will take (tokens the layer has seen); ``None``: one
             past the last cached position.
     """
@@ -63,6 +65,7 @@ class Signals:
     rope_attention_scaling: float = 1.0
     next_position: int | None = None
     hidden_states: torch.Tensor | None = None
+    entry_scores: torch.Tensor | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -13,6 +13,10 @@ from transformers import (
     Qwen3Config,
 )
 
+from kvsieve.learn.kvzap import KVzapNet, KVzapNetConfig, save_kvzap
+from kvsieve.learn.kvzap_train import rope_tables
+from kvsieve.learn.policy import ModelShape
+
 torch.set_flush_denormal(True)
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -61,6 +65,24 @@ def tiny_model(arch: str = "llama", seed: int = 0):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch), attn_implementation="sdpa")
     return model.eval()
+
+
+def random_kvzap(model, path, name: str = "tiny-llama", header: int = 3, seed: int = 0):
+    """A kvzap checkpoint for ``model`` with random linear weights (for tests of what is done with the scores)."""
+    g = torch.Generator().manual_seed(seed)
+    config = model.config
+    heads = config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    net = KVzapNet(KVzapNetConfig(num_layers=config.num_hidden_layers, num_kv_heads=heads,
+                                  input_dim=2 * heads * head_dim, hidden=8))
+    with torch.no_grad():
+        net.linear_weight.copy_(torch.randn(net.linear_weight.shape, generator=g) * 0.3)
+        net.linear_bias.copy_(torch.randn(net.linear_bias.shape, generator=g))
+        net.std.copy_(torch.rand(net.std.shape, generator=g) + 0.5)
+    freqs, scales = rope_tables(model)
+    meta = {"model": ModelShape.of(model, name).to_dict(), "header": header,
+            "rope": {"inv_freq": freqs, "attention_scaling": scales}, "variant": "linear"}
+    return save_kvzap(path, net, meta)
 
 
 @pytest.fixture(scope="session")

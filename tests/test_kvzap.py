@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import CharTokenizer, tiny_model
+from conftest import CharTokenizer, random_kvzap, tiny_model
 
 import kvsieve
 from kvsieve.engine.cache import sieve_layers
@@ -304,3 +304,59 @@ def test_dev_sets_carry_the_shipped_surrogates_predictions(trained, monkeypatch,
     plain = load_features(DevSet(model, TOKENIZER, [sample], ratios=[0.5], window=4, workdir=tmp_path / "b")
                           .features_path)
     assert all(float(f.surrogate.abs().sum()) == 0.0 for f in plain.values())
+
+
+@torch.no_grad()
+def test_decode_mode_scores_each_entry_once_and_keeps_the_score_with_it(tmp_path):
+    """Decode-time eviction prunes heads apart, so kvzap cannot read every head at a position any more: the
+    engine keeps each entry's score and kvzap scores only the entries appended since. Every remembered score
+    must equal the checkpoint's linear map (numpy) of that entry's own pre-RoPE keys and values over the heads,
+    recorded by hooks on k_proj / v_proj as the run computed them (later entries depend on the pruned cache)."""
+    model = tiny_model("llama")
+    path = random_kvzap(model, tmp_path / "kvzap.safetensors", header=2)
+    policy = KVzap(checkpoint=str(path))
+    net, _ = load_kvzap(path)
+    recorded: dict[tuple[int, str], list[torch.Tensor]] = {}
+    hooks = []
+    for idx, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        for name in ("k_proj", "v_proj"):
+            hooks.append(getattr(attn, name).register_forward_hook(
+                lambda m, a, out, idx=idx, name=name, d=attn.head_dim: recorded.setdefault((idx, name), []).append(
+                    out.view(*out.shape[:2], -1, d).transpose(1, 2))))
+    ids = torch.randint(1, 128, (1, 100), generator=torch.Generator().manual_seed(4))
+    try:
+        with kvsieve.attach(model, policy, ratio=0.5, mode="decode", chunk_size=16, evict_every=3) as session:
+            out = model(input_ids=ids, use_cache=True)
+            cache = out.cache
+            token = out.logits[:, -1:].argmax(-1)
+            for _ in range(7):  # generated tokens: evicted every 3
+                out = model(input_ids=token, cache=cache, use_cache=True)
+                token = out.logits[:, -1:].argmax(-1)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert session.report.events >= 5
+    layers = sieve_layers(cache)
+    assert any(len({frozenset(layer.positions[0, h].tolist()) for h in range(2)}) > 1 for _, layer in layers)
+    checked = 0
+    for idx, layer in layers:
+        keys, values = (torch.cat(recorded[(idx, name)], 2)[0].double().numpy() for name in ("k_proj", "v_proj"))
+        x = np.concatenate([keys.transpose(1, 0, 2).reshape(keys.shape[1], -1),
+                            values.transpose(1, 0, 2).reshape(values.shape[1], -1)], axis=1)  # (N, 2 h d)
+        mean, std = net.mean[idx].double().numpy(), net.std[idx].double().numpy()
+        want = ((x - mean) / std) @ net.linear_weight[idx].double().numpy() + net.linear_bias[idx].double().numpy()
+        layer.densify()
+        memo, positions = layer.entry_scores[0], layer.positions[0]
+        valid = torch.ones_like(positions, dtype=torch.bool) if layer.valid is None else layer.valid[0]
+        for h in range(memo.shape[0]):
+            scored = valid[h] & ~torch.isnan(memo[h])
+            assert not torch.isnan(memo[h][valid[h]][: int(scored.sum())]).any()  # unscored ones only at the end
+            got = memo[h][scored].double().numpy()
+            np.testing.assert_allclose(got, want[positions[h][scored].numpy(), h], rtol=1e-4, atol=1e-4)
+            checked += int(scored.sum())
+    assert checked > 100
+    # prefill mode scores once: nothing is remembered
+    with kvsieve.attach(model, policy, ratio=0.5):
+        cache = model(input_ids=ids, use_cache=True).cache
+    assert all(layer.entry_scores is None for _, layer in sieve_layers(cache))

@@ -8,15 +8,14 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import random_kvzap, tiny_model
 
 import kvsieve
 from kvsieve.engine.cache import sieve_layers
 from kvsieve.learn import reinforce as reinforce_module
 from kvsieve.learn.config import TrainConfig
-from kvsieve.learn.kvzap import KVzap, KVzapNet, KVzapNetConfig, load_kvzap, save_kvzap
+from kvsieve.learn.kvzap import KVzap, load_kvzap
 from kvsieve.learn.kvzap_rollout import KVzapRolloutPolicy, kvzap_decision_logits
-from kvsieve.learn.kvzap_train import rope_tables
 from kvsieve.learn.policy import ModelShape
 from kvsieve.learn.rollout import Episode, decision_terms
 from kvsieve.learn.sampling import gumbel_noise
@@ -24,20 +23,6 @@ from kvsieve.learn.train import train
 
 HEADER = 3
 LAYERS, HEADS, HEAD_DIM = 3, 2, 16
-
-
-def _surrogate(model, path, seed: int = 0):
-    """A kvzap checkpoint for ``model`` with random linear weights (what is tested is the draw, not the fit)."""
-    g = torch.Generator().manual_seed(seed)
-    net = KVzapNet(KVzapNetConfig(num_layers=LAYERS, num_kv_heads=HEADS, input_dim=2 * HEADS * HEAD_DIM, hidden=8))
-    with torch.no_grad():
-        net.linear_weight.copy_(torch.randn(net.linear_weight.shape, generator=g) * 0.3)
-        net.linear_bias.copy_(torch.randn(net.linear_bias.shape, generator=g))
-        net.std.copy_(torch.rand(net.std.shape, generator=g) + 0.5)
-    freqs, scales = rope_tables(model)
-    meta = {"model": ModelShape.of(model, "tiny-llama").to_dict(), "header": HEADER,
-            "rope": {"inv_freq": freqs, "attention_scaling": scales}, "variant": "linear"}
-    return save_kvzap(path, net, meta)
 
 
 def _episode(seed: int, n: int = 80, m: int = 12) -> Episode:
@@ -48,7 +33,7 @@ def _episode(seed: int, n: int = 80, m: int = 12) -> Episode:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     model = tiny_model("llama")
-    path = _surrogate(model, tmp_path_factory.mktemp("kvzap") / "kvzap.safetensors")
+    path = random_kvzap(model, tmp_path_factory.mktemp("kvzap") / "kvzap.safetensors")
     return model, path
 
 

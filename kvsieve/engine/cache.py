@@ -16,14 +16,19 @@ Two storage states:
   usable inside ``kvsieve.attach`` (``update`` refuses otherwise).
 
 For code written against the dense layout, ``keys``, ``values``, ``positions``, ``valid`` and
-``attention_received`` of a ragged layer read as a padded copy (each head left-padded to the widest,
-the padding masked in ``valid``); assigning any of them turns the layer dense.
+``attention_received`` and ``entry_scores`` of a ragged layer read as a padded copy (each head left-padded to
+the widest, the padding masked in ``valid``); assigning any of them turns the layer dense.
+
+``entry_scores`` remembers, in decode mode, the scores of a policy whose score of an entry depends on that
+entry alone (``Policy.intrinsic_scores``, e.g. kvzap): kept with the entries through every prune, NaN for
+entries appended since, so the policy scores only those (they sit at the end of every head).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -52,7 +57,7 @@ class HeadEntries:
 
     keys, values: (b, n, d); positions: (b, n) original positions; valid: (b, n) bool, ``None`` when
     every row holds all ``n`` (a row's padding sits after its entries of the last prune); attention: (b, n) float32
-    accumulated attention, when tracked.
+    accumulated attention, when tracked; scores: (b, n) float32 remembered scores (NaN: not scored yet), when kept.
     """
 
     keys: torch.Tensor
@@ -60,6 +65,7 @@ class HeadEntries:
     positions: torch.Tensor
     valid: torch.Tensor | None = None
     attention: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -68,7 +74,7 @@ class HeadEntries:
     def rows(self, indices: torch.Tensor) -> HeadEntries:
         """Only the batch rows ``indices``, the padding no row needs any more dropped."""
         head = HeadEntries(*(None if t is None else t[indices] for t in
-                             (self.keys, self.values, self.positions, self.valid, self.attention)))
+                             (self.keys, self.values, self.positions, self.valid, self.attention, self.scores)))
         return head if head.valid is None else head.trim()
 
     def trim(self) -> HeadEntries:
@@ -82,7 +88,8 @@ class HeadEntries:
                 return None
             return t.gather(1, order[..., None].expand(-1, -1, t.shape[-1]) if t.dim() == 3 else order)
 
-        cut = HeadEntries(*(take(t) for t in (self.keys, self.values, self.positions, self.valid, self.attention)))
+        cut = HeadEntries(*(take(t) for t in
+                            (self.keys, self.values, self.positions, self.valid, self.attention, self.scores)))
         return replace(cut, valid=None) if bool(cut.valid.all()) else cut
 
 
@@ -104,6 +111,7 @@ class SieveLayer(DynamicLayer):
         heads: ``None`` (dense) or one :class:`HeadEntries` per KV head (ragged).
         recent_queries: (b, hq, <=w, d) the last queries the layer computed (the observation window).
         attention_received: (b, h, n) float32 accumulated attention, when tracking is on.
+        entry_scores: (b, h, n) float32 a policy's remembered scores (NaN: appended since), decode mode only.
         query_stats: pre-RoPE query statistics (:class:`~kvsieve.query_stats.QueryStats`),
             collected only while a policy with ``needs_query_stats`` is attached.
         rope: (inv_freq, attention_scaling) of the layer's rotary embedding, set with ``query_stats``.
@@ -114,7 +122,7 @@ class SieveLayer(DynamicLayer):
 
     def __init__(self, window: int = 64, track_attention: bool = False) -> None:
         self.heads: list[HeadEntries] | None = None
-        self._positions = self._valid = self._attention = None
+        self._positions = self._valid = self._attention = self._scores = None
         super().__init__()
         self.window = window
         self.track_attention = track_attention
@@ -140,6 +148,7 @@ class SieveLayer(DynamicLayer):
     positions = property(lambda self: self._field("positions"), lambda self, v: self._set("positions", v))
     valid = property(lambda self: self._field("valid"), lambda self, v: self._set("valid", v))
     attention_received = property(lambda self: self._field("attention"), lambda self, v: self._set("attention", v))
+    entry_scores = property(lambda self: self._field("scores"), lambda self, v: self._set("scores", v))
 
     @property
     def is_ragged(self) -> bool:
@@ -157,7 +166,7 @@ class SieveLayer(DynamicLayer):
         ``pad_at`` (0: on the left, so the most recent entries of every head line up at the end; the
         sink count: the first ``pad_at`` and the last entries of every head line up)."""
         width = max(head.length for head in self.heads)
-        out: dict[str, list] = {name: [] for name in ("keys", "values", "positions", "valid", "attention")}
+        out: dict[str, list] = {name: [] for name in ("keys", "values", "positions", "valid", "attention", "scores")}
         for head in self.heads:
             at, count = min(pad_at, head.length), width - head.length
             valid = head.valid if head.valid is not None else torch.ones_like(head.positions, dtype=torch.bool)
@@ -167,6 +176,8 @@ class SieveLayer(DynamicLayer):
             out["valid"].append(_pad(valid, at, count, False))
             if head.attention is not None:
                 out["attention"].append(_pad(head.attention, at, count))
+            if head.scores is not None:  # padding reads as scored (it is masked): NaN marks only appended entries
+                out["scores"].append(_pad(head.scores, at, count))
         dense = {name: torch.stack(parts, 1) if parts else None for name, parts in out.items()}
         if bool(dense["valid"].all()):
             dense["valid"] = None
@@ -192,7 +203,7 @@ class SieveLayer(DynamicLayer):
         # valid entries first, in their order: a stable sort on "is padding"
         order = ((~valid).long() * n + torch.arange(n, device=valid.device)).argsort(dim=-1)
         fields = {"keys": self._keys, "values": self._values, "positions": self._positions,
-                  "valid": valid, "attention": self._attention}
+                  "valid": valid, "attention": self._attention, "scores": self._scores}
         heads = []
         for i, width in enumerate(widths):
             index = order[:, i, :width]
@@ -207,20 +218,21 @@ class SieveLayer(DynamicLayer):
             if bool(parts["valid"].all()):
                 parts["valid"] = None
             heads.append(HeadEntries(parts["keys"].contiguous(), parts["values"].contiguous(), parts["positions"],
-                                     parts["valid"], parts["attention"]))
+                                     parts["valid"], parts["attention"], parts["scores"]))
         if len(set(widths)) == 1:  # every head at one length: stay dense (padding only between rows)
             self.__dict__.update(_keys=torch.stack([h.keys for h in heads], 1),
                                  _values=torch.stack([h.values for h in heads], 1),
                                  _positions=torch.stack([h.positions for h in heads], 1),
                                  _attention=None if self._attention is None else torch.stack(
-                                     [h.attention for h in heads], 1))
+                                     [h.attention for h in heads], 1),
+                                 _scores=None if self._scores is None else torch.stack([h.scores for h in heads], 1))
             masks = [h.valid if h.valid is not None else torch.ones_like(h.positions, dtype=torch.bool)
                      for h in heads]
             stacked = torch.stack(masks, 1)
             self._valid = None if bool(stacked.all()) else stacked
             return
         self.heads = heads
-        for name in ("keys", "values", "positions", "valid", "attention"):
+        for name in ("keys", "values", "positions", "valid", "attention", "scores"):
             self.__dict__["_" + name] = None
 
     # -- the cache protocol ---------------------------------------------------------------------
@@ -241,6 +253,8 @@ class SieveLayer(DynamicLayer):
                     None if head.valid is None else torch.cat([head.valid, ones], 1),
                     None if head.attention is None else torch.cat(
                         [head.attention, torch.zeros(b, q, dtype=torch.float32, device=key_states.device)], 1),
+                    None if head.scores is None else torch.cat(
+                        [head.scores, torch.full((b, q), math.nan, device=key_states.device)], 1),
                 ))
             self.heads = heads
             self.seen += q
@@ -252,6 +266,8 @@ class SieveLayer(DynamicLayer):
         if self.track_attention:
             zeros = torch.zeros(b, h, q, dtype=torch.float32, device=key_states.device)
             self._attention = zeros if self._attention is None else torch.cat([self._attention, zeros], -1)
+        if self._scores is not None:
+            self._scores = torch.cat([self._scores, torch.full((b, h, q), math.nan, device=key_states.device)], -1)
         self.seen += q
         return keys, values
 
@@ -289,6 +305,8 @@ class SieveLayer(DynamicLayer):
         self._positions = self._positions.gather(2, indices)
         if self._attention is not None:
             self._attention = self._attention.gather(2, indices)
+        if self._scores is not None:
+            self._scores = self._scores.gather(2, indices)
         if self._valid is not None:
             valid = self._valid.gather(2, indices) if valid is None else valid & self._valid.gather(2, indices)
         self._valid = None if valid is None or bool(valid.all()) else valid
@@ -300,7 +318,7 @@ class SieveLayer(DynamicLayer):
             self.heads = [head.rows(indices) for head in self.heads]
         else:
             super().batch_select_indices(indices)
-            for name in ("_positions", "_valid", "_attention"):
+            for name in ("_positions", "_valid", "_attention", "_scores"):
                 value = self.__dict__.get(name)
                 if value is not None:
                     self.__dict__[name] = value[indices]
@@ -316,7 +334,7 @@ class SieveLayer(DynamicLayer):
         self.heads = None
         super().reset()
         self.seen = 0
-        self._positions = self._valid = self._attention = self.recent_queries = None
+        self._positions = self._valid = self._attention = self._scores = self.recent_queries = None
         self.query_stats = self.rope = self.hidden_states = None
 
     def nbytes(self) -> int:
@@ -396,7 +414,7 @@ def stack_caches(caches: list[DynamicCache]) -> DynamicCache:
 
     Each KV head is padded only to the longest row *of that head* (the padding masked), so a batch
     of ragged caches stays ragged; every row decodes as it would alone. Window queries, query
-    statistics and attention tracking are dropped.
+    statistics, attention tracking and remembered scores are dropped.
     """
     stacked = copy.copy(caches[0])
     stacked.layers = [copy.copy(layer) for layer in caches[0].layers]
@@ -423,7 +441,7 @@ def stack_caches(caches: list[DynamicCache]) -> DynamicCache:
             heads.append(HeadEntries(cat("keys"), cat("values"), cat("positions"),
                                      None if bool(valid.all()) else valid))
         layer.heads = None
-        layer.__dict__.update(_keys=None, _values=None, _positions=None, _valid=None, _attention=None)
+        layer.__dict__.update(_keys=None, _values=None, _positions=None, _valid=None, _attention=None, _scores=None)
         if len({x.length for x in heads}) == 1:
             layer.__dict__.update(_keys=torch.stack([x.keys for x in heads], 1),
                                   _values=torch.stack([x.values for x in heads], 1),

@@ -78,6 +78,7 @@ def layer_signals(
         rope_attention_scaling=1.0 if layer.rope is None else layer.rope[1],
         next_position=layer.seen,
         hidden_states=_aligned_hidden_states(layer),
+        entry_scores=layer.entry_scores,
     )
 
 
@@ -112,11 +113,18 @@ def layer_occupancy(layer: SieveLayer) -> float:
     return float(layer.valid.float().sum(-1).mean())
 
 
-def _layer_scores(layer: SieveLayer, idx: int, num_layers: int, policy: Policy, protected_tail: int) -> torch.Tensor:
+def _layer_scores(layer: SieveLayer, idx: int, num_layers: int, policy: Policy, protected_tail: int,
+                  remember: bool = False) -> torch.Tensor:
     """The policy's scores of one layer; a ragged layer is made dense first (padded after its sinks, so
-    the sinks and the most recent entries of every head sit where ``Selection.protected_mask`` looks)."""
+    the sinks and the most recent entries of every head sit where ``Selection.protected_mask`` looks).
+    ``remember``: keep the scores with the entries (``SieveLayer.entry_scores``, for ``intrinsic_scores``)."""
     layer.densify(pad_at=policy.selection.sink)
     scores = _checked_scores(policy, layer_signals(layer, idx, num_layers, protected_tail, policy.window))
+    if remember:
+        if bool(torch.isnan(scores).any()):
+            raise ValueError(f"policy {policy.name!r} left entries of layer {idx} unscored (NaN); a policy with "
+                             "intrinsic_scores must score the entries Signals.entry_scores marks NaN")
+        layer.entry_scores = scores.float()
     if layer.valid is not None:
         scores = scores.masked_fill(~layer.valid, float("-inf"))
     return scores
@@ -168,8 +176,9 @@ def compress_cache(
         for (_, layer), (indices, valid) in zip(over, picked):
             layer.prune(indices, valid, pad_at=selection.sink)
     else:
+        remember = policy.intrinsic_scores and not prefill  # decode mode: evicted again and again
         for idx, layer in over:
-            scores = _layer_scores(layer, idx, num_layers, policy, protected_tail)
+            scores = _layer_scores(layer, idx, num_layers, policy, protected_tail, remember)
             if selection.allocation == "uniform":
                 indices, valid = selection.kept_indices(scores, layer_budgets[idx], protected_tail)
             else:

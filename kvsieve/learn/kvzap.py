@@ -18,7 +18,10 @@ How this one differs from KVzap:
   rotary frequencies the checkpoint recorded from its model.
 * **Alignment.** The heads' inputs are concatenated at the same cache index, so every KV head of a
   layer must hold the same positions: true of a prefill compression (the first one) and of a cache no
-  per-head choice has touched. A ragged or per-head-pruned cache (decode-time eviction) is refused.
+  per-head choice has touched. An entry's score depends on that entry alone (``intrinsic_scores``), so in
+  decode mode the engine keeps each score with its entry and kvzap scores only the entries appended since
+  the last eviction, which every head holds; the hidden-state variant stays prefill-only (the engine keeps
+  hidden states until the first compression).
 * **Budget.** KVzap prunes below a score threshold (kvpress ``ThresholdPress``); here the budget is a
   ratio, spent like KVzip's: ``allocation="global"`` (default) keeps the ``layers x kv_heads x kept``
   best predicted scores of the whole model, every head at least one entry, the chat template's header
@@ -40,7 +43,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -279,6 +282,7 @@ class KVzap(Policy):
 
     name = "kvzap"
     uses_window = False
+    intrinsic_scores = True  # a function of the entry's own key and value (or hidden state)
     comparable_across_heads = True  # log KVzip scores: one scale for every head ...
     comparable_across_layers = True  # ... and every layer (KVzip ranks them together)
 
@@ -404,6 +408,25 @@ class KVzap(Policy):
 
     @torch.no_grad()
     def score(self, signals: Signals) -> torch.Tensor:
+        memo = signals.entry_scores
+        if memo is None:
+            return self._score_all(signals)
+        fresh = torch.isnan(memo)
+        n, new = signals.seq_len, int(fresh[0, 0].sum())
+        if not (bool(fresh[..., n - new:].all()) and not bool(fresh[..., : n - new].any())):
+            raise ValueError("kvzap's remembered scores leave unscored entries other than the latest of every head: "
+                             "the engine appends new entries to every KV head, at the end")
+        if new == 0:
+            return memo
+        tail = slice(n - new, n)  # the entries appended since the last eviction: every head holds them
+        recent = replace(signals, keys=signals.keys[..., tail, :], values=signals.values[..., tail, :],
+                         positions=signals.positions[..., tail], window_queries=signals.window_queries[..., -new:, :],
+                         attention_received=None, hidden_states=None, entry_scores=None, extra={})
+        scores = memo.clone()
+        scores[..., tail] = self._score_all(recent)
+        return scores
+
+    def _score_all(self, signals: Signals) -> torch.Tensor:
         start = time.perf_counter()
         layer = signals.layer_idx
         # keys and values, linear: a matmul per head, no concatenated input (~2x cheaper than the network)
