@@ -95,8 +95,9 @@ class TrainConfig:
         if self.network not in NETWORKS:
             raise ValueError(f"network {self.network!r} is not one of {', '.join(NETWORKS)}")
         if self.network == "kvzap" and self.mode != "prefill":
-            raise ValueError(f"network 'kvzap' trains in prefill mode only, not {self.mode!r}: the surrogate reads a "
-                             "layer's heads at shared positions, which decode-time eviction (per head) breaks")
+            raise ValueError(f"network 'kvzap' trains in prefill mode only, not {self.mode!r}: the policy gradient "
+                             "needs every cached entry's input (its key and value in every KV head), which a cache "
+                             "evicted per head no longer holds")
         if self.network == "kvzap" and self.objective != "reinforce":
             raise ValueError(f"network 'kvzap' is fine-tuned by objective 'reinforce', not {self.objective!r} "
                              "(objective 'kvzap' fits the surrogate itself)")

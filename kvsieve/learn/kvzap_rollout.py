@@ -12,8 +12,9 @@ recomputes the pool's logits with gradients from the recorded inputs, and
 
 ``temperature`` sets how far rollouts stray from the greedy (deterministic) compression: the log scores
 spread over a few units, so at 1 the Gumbel noise (standard deviation 1.28) reshuffles most of the
-boundary; 0.25 keeps rollouts close to greedy. Decode-time eviction is refused: the surrogate reads a
-layer's heads at shared positions, which per-head eviction breaks (:func:`~kvsieve.learn.kvzap.shared_positions`).
+boundary; 0.25 keeps rollouts close to greedy. Decode-time eviction is refused: the gradient of a
+draw needs every candidate's input (its key and value in every KV head), which per-head eviction drops; the
+policy itself evicts in decode mode from scores kept with their entries.
 """
 
 from __future__ import annotations
