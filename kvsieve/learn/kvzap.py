@@ -107,8 +107,9 @@ def shared_positions(signals: Signals) -> torch.Tensor:
     positions = signals.positions
     if signals.num_kv_heads > 1 and not bool((positions == positions[:, :1]).all()):
         raise ValueError("kvzap concatenates a layer's KV heads at each cached position, but this layer's heads hold "
-                         "different positions (a cache pruned per head, e.g. decode-time eviction): kvzap scores "
-                         "prefill compressions only")
+                         "different positions (a cache pruned per head, e.g. decode-time eviction): only the kvzap "
+                         "policy itself evicts in decode mode (the engine keeps its scores with the entries); a "
+                         "program reading f.surrogate runs in prefill mode")
     return positions[:, :1]
 
 
