@@ -360,3 +360,8 @@ def test_decode_mode_scores_each_entry_once_and_keeps_the_score_with_it(tmp_path
     with kvsieve.attach(model, policy, ratio=0.5):
         cache = model(input_ids=ids, use_cache=True).cache
     assert all(layer.entry_scores is None for _, layer in sieve_layers(cache))
+    # a program reading f.surrogate mixes it with other features, so nothing is remembered: prefill mode only
+    program = ProgramPolicy(source=SURROGATE_PROGRAM, surrogate=str(path), window=4)
+    with pytest.raises(ValueError, match="a program reading f.surrogate runs in prefill mode"):
+        with kvsieve.attach(model, program, ratio=0.5, mode="decode", chunk_size=16):
+            model(input_ids=ids, use_cache=True)
