@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +61,26 @@ Request = tuple[str, int, str]  # (task, length, sample_id)
 _DECODE = re.compile(r"@decode\d+$")
 
 
+def _check_resampling(resamples: int, level: float) -> None:
+    if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 1:
+        raise ValueError(f"resamples must be an int >= 1, got {resamples!r}")
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level!r}")
+
+
+def _resample_blocks(n: int, resamples: int, seed: int) -> Iterator[np.ndarray]:
+    """The resampled request indices, ``integers(0, n, (b, n))`` of ``default_rng(seed)`` in blocks of at most
+    ``BLOCK`` resamples (memory stays at ``BLOCK x n`` indices)."""
+    rng = np.random.default_rng(seed)
+    for start in range(0, resamples, BLOCK):
+        yield rng.integers(0, n, size=(min(BLOCK, resamples - start), n))
+
+
+def _percentile_interval(statistics: np.ndarray, level: float) -> tuple[float, float]:
+    low, high = np.quantile(statistics, [(1 - level) / 2, (1 + level) / 2])
+    return float(low), float(high)
+
+
 def bootstrap_interval(values: Sequence[float] | np.ndarray, resamples: int = DEFAULT_RESAMPLES,
                        seed: int = DEFAULT_SEED, level: float = LEVEL) -> tuple[float, float]:
     """Percentile-bootstrap interval of the mean of ``values`` at confidence ``level``.
@@ -72,18 +92,9 @@ def bootstrap_interval(values: Sequence[float] | np.ndarray, resamples: int = DE
     x = np.asarray(values, dtype=np.float64)
     if x.ndim != 1 or x.size == 0:
         raise ValueError(f"bootstrap needs a non-empty 1-d list of values, got shape {x.shape}")
-    if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 1:
-        raise ValueError(f"resamples must be an int >= 1, got {resamples!r}")
-    if not 0 < level < 1:
-        raise ValueError(f"level must be in (0, 1), got {level!r}")
-    n = x.size
-    rng = np.random.default_rng(seed)
-    means = np.empty(resamples)
-    for start in range(0, resamples, BLOCK):
-        stop = min(start + BLOCK, resamples)
-        means[start:stop] = x[rng.integers(0, n, size=(stop - start, n))].mean(axis=1)
-    low, high = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
-    return float(low), float(high)
+    _check_resampling(resamples, level)
+    means = np.concatenate([x[idx].mean(axis=1) for idx in _resample_blocks(x.size, resamples, seed)])
+    return _percentile_interval(means, level)
 
 
 def bootstrap_ratio_interval(numerator: Sequence[float] | np.ndarray, denominator: Sequence[float] | np.ndarray,
@@ -96,24 +107,13 @@ def bootstrap_ratio_interval(numerator: Sequence[float] | np.ndarray, denominato
     if num.ndim != 1 or num.size == 0 or num.shape != den.shape:
         raise ValueError(f"a paired bootstrap needs two non-empty 1-d lists of one length, got shapes {num.shape} "
                          f"and {den.shape}")
-    if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 1:
-        raise ValueError(f"resamples must be an int >= 1, got {resamples!r}")
-    if not 0 < level < 1:
-        raise ValueError(f"level must be in (0, 1), got {level!r}")
-    n = num.size
-    rng = np.random.default_rng(seed)
-    ratios = np.empty(resamples)
-    for start in range(0, resamples, BLOCK):
-        stop = min(start + BLOCK, resamples)
-        idx = rng.integers(0, n, size=(stop - start, n))
+    _check_resampling(resamples, level)
+    ratios = []
+    for idx in _resample_blocks(num.size, resamples, seed):
         top, bottom = num[idx].mean(axis=1), den[idx].mean(axis=1)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ratios[start:stop] = np.where(bottom > 0, 100.0 * top / bottom, np.nan)
-    ratios = ratios[~np.isnan(ratios)]
-    if ratios.size == 0:
-        return math.nan, math.nan
-    low, high = np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2])
-    return float(low), float(high)
+        ratios.append(100.0 * top[bottom > 0] / bottom[bottom > 0])
+    ratios = np.concatenate(ratios)
+    return _percentile_interval(ratios, level) if ratios.size else (math.nan, math.nan)
 
 
 def reference_label(label: str) -> str:
