@@ -76,12 +76,13 @@ class Policy:
         return Selection()
 
     @classmethod
-    def content_path(cls, **params) -> Path | None:
-        """The file whose bytes define this policy (an evolved program, a trained checkpoint), else ``None``.
+    def content_paths(cls, **params) -> tuple[Path, ...]:
+        """The files whose bytes define this policy's results (an evolved program, a trained checkpoint, the
+        surrogate a program reads); empty for a policy computed from the signals alone.
 
-        Results of such a policy are keyed by that file's sha256 (:class:`kvsieve.policies.registry.PolicySpec`).
+        Results of such a policy are keyed by those files' sha256 (:class:`kvsieve.policies.registry.PolicySpec`).
         """
-        return None
+        return ()
 
     def check_model(self, model, name: str | None = None) -> None:
         """Refuse a model this policy was not made for (``name``: the name it was loaded under, if known).

@@ -180,6 +180,33 @@ def test_learned_rows_are_keyed_by_the_checkpoint_bytes():
     assert parse(spec).digest == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def test_a_program_reading_the_surrogate_is_keyed_by_the_surrogate_bytes_too(tmp_path):
+    """Rows of a program reading f.surrogate depend on the surrogate's weights as much as on the program."""
+    from kvsieve.learn.kvzap import CHECKPOINT_DIR, SHIPPED
+
+    def sha(path) -> str:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
+    program = tmp_path / "best.py"
+    program.write_text('SELECTION = {"allocation": "global", "normalization": "none"}\n\n\n'
+                       "def score(f):\n    return f.surrogate\n")
+    weights = tmp_path / "kvzap.safetensors"
+    weights.write_bytes(b"first weights")
+    named = f"program(path='{program}', surrogate='{weights}')"
+    digest = parse(named).digest
+    assert digest == hashlib.sha256((sha(program) + sha(weights)).encode()).hexdigest()
+    weights.write_bytes(b"retrained weights")
+    assert parse(named).digest != digest  # same program, another surrogate: not the same rows
+    # none named: the harness binds the model's shipped surrogate, so every shipped one counts
+    shipped = [CHECKPOINT_DIR / SHIPPED[name] for name in sorted(SHIPPED)]
+    assert all(p.is_file() for p in shipped)
+    expected = hashlib.sha256("".join([sha(program), *map(sha, shipped)]).encode()).hexdigest()
+    assert parse(f"program:{program}").digest == expected
+    program.write_text("def score(f):\n    return f.key_norm\n")  # reads no surrogate: the file alone
+    assert parse(named).digest == parse(f"program:{program}").digest == sha(program)
+    with pytest.raises(ValueError, match="does not exist"):
+        parse(f"program:{tmp_path / 'missing.py'}")
+
 def test_rows_record_the_dtype_the_model_computed_in(tmp_path):
     from conftest import CharTokenizer, tiny_model
 

@@ -57,7 +57,7 @@ from kvsieve.signals import Signals
 
 __all__ = ["SHIPPED", "VARIANTS", "INPUTS", "KVzapNetConfig", "KVzapNet", "KVzap", "rotary_tables", "pre_rope_keys",
            "shared_positions", "kvzap_inputs",
-           "save_kvzap", "load_kvzap", "resolve_kvzap_checkpoint", "shipped_kvzap_for"]
+           "save_kvzap", "load_kvzap", "resolve_kvzap_checkpoint", "shipped_kvzap_files", "shipped_kvzap_for"]
 
 CHECKPOINT_DIR = Path(__file__).parent / "checkpoints"
 # shipped name (the model it was trained for) -> file in CHECKPOINT_DIR; how each was trained: docs/kvzap.md
@@ -338,9 +338,9 @@ class KVzap(Policy):
         return f"kvzap checkpoint {self.checkpoint!r}" if self.checkpoint else "kvzap network (in training)"
 
     @classmethod
-    def content_path(cls, checkpoint: str | None = None, **_) -> Path | None:
+    def content_paths(cls, checkpoint: str | None = None, **_) -> tuple[Path, ...]:
         """The checkpoint file: results of ``kvzap`` are keyed by its sha256."""
-        return resolve_kvzap_checkpoint(checkpoint) if checkpoint is not None else None
+        return (resolve_kvzap_checkpoint(checkpoint),) if checkpoint is not None else ()
 
     def default_selection(self) -> Selection:
         if self.allocation == "uniform":
@@ -451,6 +451,11 @@ class KVzap(Policy):
     def __repr__(self) -> str:
         return (f"KVzap(checkpoint={self.checkpoint!r}, variant={self.variant!r}, model={self.trained_for.name!r}, "
                 f"selection={self.selection})")
+
+
+def shipped_kvzap_files() -> tuple[Path, ...]:
+    """The shipped surrogates' checkpoint files that are present, in the order of their names."""
+    return tuple(CHECKPOINT_DIR / SHIPPED[n] for n in sorted(SHIPPED) if (CHECKPOINT_DIR / SHIPPED[n]).is_file())
 
 
 def shipped_kvzap_for(model, name: str | None = None) -> KVzap | None:

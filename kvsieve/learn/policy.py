@@ -190,8 +190,8 @@ class LearnedPolicy(Policy):
         return 1000 * self.overhead_seconds / max(self.overhead_calls, 1)
 
     @classmethod
-    def content_path(cls, checkpoint: str | None = None, **_) -> Path | None:
-        return resolve_checkpoint(checkpoint) if checkpoint is not None else None
+    def content_paths(cls, checkpoint: str | None = None, **_) -> tuple[Path, ...]:
+        return (resolve_checkpoint(checkpoint),) if checkpoint is not None else ()
 
     def check_model(self, model, name: str | None = None) -> None:
         """Refuse ``model`` unless it is the checkpoint's: same name (aliases resolve), geometry and config

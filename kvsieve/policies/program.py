@@ -24,7 +24,7 @@ import torch
 from kvsieve.evolve.features import Features
 from kvsieve.evolve.interpreter import InterpreterError, Limits, ScoreProgram
 from kvsieve.evolve.program import Program, ProgramError
-from kvsieve.learn.kvzap import KVzap, shipped_kvzap_for
+from kvsieve.learn.kvzap import KVzap, resolve_kvzap_checkpoint, shipped_kvzap_files, shipped_kvzap_for
 from kvsieve.policy import Policy
 from kvsieve.selection import Selection
 from kvsieve.signals import Signals
@@ -82,8 +82,16 @@ class ProgramPolicy(Policy):
         return self.surrogate is not None and self.surrogate.needs_hidden_states
 
     @classmethod
-    def content_path(cls, path: str | None = None, **_) -> Path | None:
-        return Path(path) if path is not None else None
+    def content_paths(cls, path: str | None = None, surrogate: str | None = None, **_) -> tuple[Path, ...]:
+        """The program file and, when it reads ``f.surrogate``, the surrogate's checkpoint: the one named, else
+        every shipped one (the harness binds the model's), so its rows are recomputed when either changes."""
+        if path is None:
+            return ()
+        if not _reads_surrogate(Path(path)):
+            return (Path(path),)
+        if surrogate is not None:
+            return (Path(path), resolve_kvzap_checkpoint(surrogate))
+        return (Path(path), *shipped_kvzap_files())
 
     def default_selection(self) -> Selection:
         return self.program.selection(self.window)
@@ -108,3 +116,12 @@ class ProgramPolicy(Policy):
 
     def __repr__(self) -> str:
         return f"ProgramPolicy(path={self.path!r}, window={self.window}, selection={self.selection})"
+
+
+def _reads_surrogate(path: Path) -> bool:
+    """Whether the program in ``path`` reads ``f.surrogate`` (False for a file that does not parse: building the
+    policy names that error)."""
+    try:
+        return "surrogate" in ScoreProgram(path.read_text(encoding="utf-8"), filename=str(path)).fields
+    except (OSError, UnicodeDecodeError, InterpreterError):
+        return False

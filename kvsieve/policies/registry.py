@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvsieve.policy import Policy
@@ -34,7 +35,7 @@ def register(cls: type[Policy]) -> type[Policy]:
 def _kind(cls: type[Policy]) -> str:
     if cls.is_reference:
         return "reference"
-    if cls.content_path.__func__ is not Policy.content_path.__func__:
+    if cls.content_paths.__func__ is not Policy.content_paths.__func__:
         return "file"
     return "policy"
 
@@ -61,7 +62,7 @@ class PolicySpec:
     text: str
     family: str
     params: dict[str, Any] = field(default_factory=dict)
-    digest: str | None = None  # sha256 of the file a "file" family reads
+    digest: str | None = None  # sha256 of the files that define the policy (content_digest), else None
     cls: type[Policy] = Policy
 
     def __eq__(self, other: object) -> bool:
@@ -126,13 +127,22 @@ def parse(text: str) -> PolicySpec:
     if unknown:
         raise ValueError(f"bad parameters for policy {text.strip()!r}: unknown {', '.join(map(repr, unknown))}; "
                          f"{family} takes {', '.join(sorted(allowed)) or 'no parameters'}")
-    path = cls.content_path(**params)
-    digest = None
-    if path is not None:
+    return PolicySpec(text.strip(), family, params, content_digest(text.strip(), cls.content_paths(**params)), cls)
+
+
+def content_digest(spec: str, paths: tuple[Path, ...]) -> str | None:
+    """The sha256 of the one file that defines a policy; of several, the sha256 of their sha256s in order.
+
+    None for a policy no file defines. ``spec`` names the policy in the error for a missing file.
+    """
+    digests = []
+    for path in paths:
         if not path.is_file():
-            raise ValueError(f"policy {text.strip()!r}: file {path} does not exist")
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    return PolicySpec(text.strip(), family, params, digest, cls)
+            raise ValueError(f"policy {spec!r}: file {path} does not exist")
+        digests.append(hashlib.sha256(path.read_bytes()).hexdigest())
+    if len(digests) <= 1:  # one file: its own sha256, as rows recorded before several files counted
+        return digests[0] if digests else None
+    return hashlib.sha256("".join(digests).encode()).hexdigest()
 
 
 def get(name: str, **params) -> Policy:
