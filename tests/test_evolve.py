@@ -501,3 +501,65 @@ def test_a_dev_samples_ratios_decode_as_one_batch_and_each_row_as_it_would_alone
     with torch.no_grad():
         assert dev.task_scores(dev.items[0], [dev.compressed(0, policies[0], 0.5)]) == [
             100.0 * ("4711" in dev.answers(dev.items[0], [dev.compressed(0, policies[0], 0.5)])[0])]
+
+
+def test_each_dev_cell_reads_the_question_once_and_its_gap_is_the_teacher_forced_log_likelihood(tmp_path,
+                                                                                                 monkeypatch):
+    """Stages 2 and 3 share one compression and one question read per (sample, ratio); the proxy stays what it
+    is defined as (the answer teacher-forced after the question in one forward pass, computed here directly)
+    and the task scores those of a cache that reads the question on its own."""
+    import statistics
+
+    from conftest import CharTokenizer, tiny_model
+
+    from kvsieve.engine.attach import attach
+    from kvsieve.engine.cache import clone_cache, sieve_layers
+    from kvsieve.evolve.evaluate import DevSet, evaluate_program
+    from kvsieve.policies.program import ProgramPolicy
+    from kvsieve.policy import FullCache
+    from kvsieve.tasks.metrics import score as metric_score
+    from kvsieve.tasks.sample import Sample
+
+    model = tiny_model("llama")
+    samples = [Sample(id=f"d{i}", task="niah_single_1", context=f"the number is {n}. " * 6 + "and so on. " * i,
+                      question="Which number?", answer_prefix="It is", answers=[str(n)], max_new_tokens=8, length=0,
+                      seed=i, metric="string_match_all") for i, n in enumerate((4711, 2024))]
+    dev = DevSet(model, CharTokenizer(), samples, ratios=[0.5, 0.75], window=4, workdir=tmp_path)
+    source = 'SELECTION = {"chunk_size": 1, "sink": 2}\n\n\ndef score(f):\n    return f.key_norm\n'
+
+    @torch.no_grad()
+    def one_pass(item, cache) -> float:
+        question, answer = item.prompt.question_ids, item.answer_ids
+        with attach(model, FullCache(window=4), ratio=0.0):
+            logits = model(input_ids=torch.cat([question, answer], 1), cache=cache, use_cache=True).logits[0]
+        start = question.shape[1] - 1
+        chosen = torch.log_softmax(logits[start:start + answer.shape[1]].double(), -1).gather(-1, answer[0][:, None])
+        return float(chosen.mean())
+
+    for item in dev.items:
+        assert item.answer_ids.shape[1] > 1  # more than the first token: the teacher-forced rest is exercised
+        assert item.full_logprob == pytest.approx(one_pass(item, clone_cache(item.cache)), abs=1e-5)
+    reads, texts = [], []
+    read_question, answers = dev.read_question, dev.answers
+    monkeypatch.setattr(dev, "read_question", lambda item, cache: reads.append(item.sample.id) or
+                        read_question(item, cache))
+    monkeypatch.setattr(dev, "answers", lambda *args: texts.extend(answers(*args)) or texts[-len(args[1]):])
+    evaluation = evaluate_program(Program(source), dev)
+    assert evaluation.status == "ok", evaluation.reason
+    assert sorted(reads) == ["d0", "d0", "d1", "d1"]  # once per sample and ratio, for both stages
+    policy = ProgramPolicy(source=source, window=4)  # the same scores, computed in this process
+    gaps = [item.full_logprob - one_pass(item, dev.compressed(i, policy, ratio))
+            for i, item in enumerate(dev.items) for ratio in dev.ratios]
+    assert len(set(gaps)) > 1 and evaluation.proxy == pytest.approx(statistics.fmean(gaps), abs=1e-5)
+    monkeypatch.setattr(dev, "read_question", read_question)
+    monkeypatch.setattr(dev, "answers", answers)
+    cache, logits = read_question(dev.items[0], dev.compressed(0, policy, 0.5))
+    before = [(layer.seen, layer.physical_length) for _, layer in sieve_layers(cache)]
+    dev.answer_logprob(dev.items[0], cache, logits)  # stage 3 decodes from this cache next: it must stay as it was
+    assert [(layer.seen, layer.physical_length) for _, layer in sieve_layers(cache)] == before
+    with torch.no_grad():  # each cache reading the question on its own, one at a time
+        alone = [answers(item, [dev.compressed(i, policy, ratio)])[0]
+                 for i, item in enumerate(dev.items) for ratio in dev.ratios]
+    assert texts == alone and len(set(alone)) > 1  # the same answers, and they differ between cells
+    assert evaluation.cells == {f"{i}/{ratio}": metric_score(item.sample.metric, alone[2 * i + j], item.sample.answers)
+                                for i, item in enumerate(dev.items) for j, ratio in enumerate(dev.ratios)}

@@ -12,7 +12,8 @@
 3. task score: greedy decoding on the dev set, scored by the task's metric.
 
 The dev set is prefilled once (:class:`DevSet`): every candidate prunes copies of the same full-cache
-prefills and reads the same saved features. Prefill compression is query-agnostic, so the features a
+prefills and reads the same saved features. Each (sample, ratio) of a candidate is pruned and reads the
+question once: stage 2 teacher-forces the answer on a copy of that cache, stage 3 decodes from it. Prefill compression is query-agnostic, so the features a
 candidate sees do not depend on the candidate.
 
 No candidate can stop a run: an exception in this process while handling a candidate's scores
@@ -117,8 +118,9 @@ class DevSet:
                 features[f"s{i}-l{layer_idx}"] = Features.from_signals(signals, predicted)
             answer = answer_token_ids(tokenizer, sample)
             item = DevSample(sample, prompt, cache, answer, 0.0, 0.0)
-            item.full_logprob = self.answer_logprob(item, clone_cache(cache))
-            item.full_score = self.task_scores(item, [clone_cache(cache)])[0]
+            read, logits = self.read_question(item, clone_cache(cache))
+            item.full_logprob = self.answer_logprob(item, read, logits)
+            item.full_score = self.task_scores(item, [read], logits)[0]
             self.items.append(item)
         self.num_layers = len(layers)
         self.features_path = self.workdir / "features.safetensors"
@@ -129,31 +131,43 @@ class DevSet:
         return statistics.fmean(item.full_score for item in self.items)  # metric scores are 0..100
 
     @torch.no_grad()
-    def answer_logprob(self, item: DevSample, cache) -> float:
-        """Mean log-probability of the reference answer, teacher-forced on ``cache`` (stage 2's proxy)."""
-        question = item.prompt.question_ids
-        ids = torch.cat([question, item.answer_ids], dim=1)
+    def read_question(self, item: DevSample, cache) -> tuple[object, torch.Tensor]:
+        """``cache`` (modified in place) after the question, and the (1, vocab) logits of its last token: what
+        stage 2 teacher-forces the answer from and stage 3 decodes from, so the question is read once for both."""
         with attach(self.model, self.capture, ratio=0.0):
-            logits = self.model(input_ids=ids, cache=cache, use_cache=True).logits[0].float()
-        start = question.shape[1] - 1
-        predicted = torch.log_softmax(logits[start : start + item.answer_ids.shape[1]], dim=-1)
-        return float(predicted.gather(-1, item.answer_ids[0][:, None]).mean())
+            logits = self.model(input_ids=item.prompt.question_ids, cache=cache, use_cache=True,
+                                logits_to_keep=1).logits[:, -1]
+        return cache, logits
 
     @torch.no_grad()
-    def answers(self, item: DevSample, caches: list) -> list[str]:
+    def answer_logprob(self, item: DevSample, cache, first_logits: torch.Tensor) -> float:
+        """Mean log-probability of the reference answer, teacher-forced (stage 2's proxy), on a ``cache`` that has
+        read the question (:meth:`read_question`, which gave ``first_logits``); ``cache`` is not modified."""
+        answer = item.answer_ids[0]
+        logits = first_logits.float()
+        if answer.shape[0] > 1:  # the answer's other tokens, each predicted from the ones before it
+            with attach(self.model, self.capture, ratio=0.0):
+                rest = self.model(input_ids=item.answer_ids[:, :-1], cache=clone_cache(cache), use_cache=True).logits[0]
+            logits = torch.cat([logits, rest.float()])
+        return float(torch.log_softmax(logits, dim=-1).gather(-1, answer[:, None]).mean())
+
+    @torch.no_grad()
+    def answers(self, item: DevSample, caches: list, first_logits: torch.Tensor | None = None) -> list[str]:
         """The greedy answer decoded on each of ``caches``, as one batch: a decode step reads the weights once for
-        every row (as the harness batches a sample's cells); each row decodes as it would alone."""
+        every row (as the harness batches a sample's cells); each row decodes as it would alone. ``first_logits``
+        (one row per cache): the caches have read the question already (:meth:`read_question`)."""
+        if first_logits is None:  # each row reads the question alone, as one cell of the harness does
+            first_logits = torch.cat([self.read_question(item, cache)[1] for cache in caches])
         with attach(self.model, self.capture, ratio=0.0):
-            # each row reads the question alone, as one cell of the harness does (evaluate_sample)
-            logits = torch.cat([self.model(input_ids=item.prompt.question_ids, cache=cache, use_cache=True,
-                                           logits_to_keep=1).logits[:, -1] for cache in caches])
-            tokens = greedy_decode(self.model, self.tokenizer, stack_caches(caches), logits,
+            tokens = greedy_decode(self.model, self.tokenizer, stack_caches(caches), first_logits,
                                    item.sample.max_new_tokens, tuple(item.sample.stop))
         return [self.tokenizer.decode(row, skip_special_tokens=True) for row in tokens]
 
-    def task_scores(self, item: DevSample, caches: list) -> list[float]:
-        """The task metric of the greedy answer on each of ``caches`` (stage 3)."""
-        return [metric_score(item.sample.metric, text, item.sample.answers) for text in self.answers(item, caches)]
+    def task_scores(self, item: DevSample, caches: list, first_logits: torch.Tensor | None = None) -> list[float]:
+        """The task metric of the greedy answer on each of ``caches`` (stage 3); ``first_logits`` as in
+        :meth:`answers`."""
+        return [metric_score(item.sample.metric, text, item.sample.answers)
+                for text in self.answers(item, caches, first_logits)]
 
     def compressed(self, index: int, policy: Policy, ratio: float):
         """A pruned copy of dev sample ``index``'s full cache."""
@@ -225,10 +239,12 @@ def _stages_2_and_3(program: Program, dev: DevSet, result, max_gap: float | None
     for i in range(len(dev.items)):
         scores = {layer: result.scores[f"s{i}-l{layer}"] for layer in range(dev.num_layers)}
         policies.append(_Precomputed(scores, selection, dev.window))
+    # each (sample, ratio) is compressed and reads the question once; stage 3 decodes from the same caches
+    read: list[list[tuple[object, torch.Tensor]]] = []
     gaps = []
     for i, item in enumerate(dev.items):
-        for ratio in dev.ratios:
-            gaps.append(item.full_logprob - dev.answer_logprob(item, dev.compressed(i, policies[i], ratio)))
+        read.append([dev.read_question(item, dev.compressed(i, policies[i], ratio)) for ratio in dev.ratios])
+        gaps.extend(item.full_logprob - dev.answer_logprob(item, cache, logits) for cache, logits in read[i])
     proxy = statistics.fmean(gaps)
     if max_gap is not None and proxy > max_gap:
         return Evaluation("proxy_rejected", 1, f"answer log-likelihood gap {proxy:.3f} > {max_gap:.3f} nats/token",
@@ -236,7 +252,9 @@ def _stages_2_and_3(program: Program, dev: DevSet, result, max_gap: float | None
                           sandbox_seconds=result.seconds)
     cells = {}
     for i, item in enumerate(dev.items):  # a sample's ratios decode as one batch
-        scores = dev.task_scores(item, [dev.compressed(i, policies[i], ratio) for ratio in dev.ratios])
+        caches, logits = zip(*read[i])
+        scores = dev.task_scores(item, list(caches), torch.cat(logits))
+        read[i] = []  # free them as we go
         cells.update({f"{i}/{ratio}": value for ratio, value in zip(dev.ratios, scores)})
     score = statistics.fmean(cells.values())
     return Evaluation("ok", 3, proxy=proxy, score=score, cells=cells, degenerate=degenerate,
