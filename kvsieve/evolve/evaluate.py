@@ -13,8 +13,8 @@
 
 The dev set is prefilled once (:class:`DevSet`): every candidate prunes copies of the same full-cache
 prefills and reads the same saved features. Each (sample, ratio) of a candidate is pruned and reads the
-question once: stage 2 teacher-forces the answer on a copy of that cache, stage 3 decodes from it. Prefill compression is query-agnostic, so the features a
-candidate sees do not depend on the candidate.
+question once: stage 2 teacher-forces the answer on a copy of that cache, stage 3 decodes from it.
+Prefill compression is query-agnostic, so the features a candidate sees do not depend on the candidate.
 
 No candidate can stop a run: an exception in this process while handling a candidate's scores
 (selection, compression, decoding) rejects the candidate with the reason; only the sandbox failing
