@@ -57,7 +57,8 @@ from kvsieve.signals import Signals
 
 __all__ = ["SHIPPED", "VARIANTS", "INPUTS", "KVzapNetConfig", "KVzapNet", "KVzap", "rotary_tables", "pre_rope_keys",
            "shared_positions", "kvzap_inputs",
-           "save_kvzap", "load_kvzap", "resolve_kvzap_checkpoint", "shipped_kvzap_files", "shipped_kvzap_for"]
+           "save_kvzap", "load_kvzap", "resolve_kvzap_checkpoint", "shipped_kvzap_names", "shipped_kvzap_files",
+           "shipped_kvzap_for"]
 
 CHECKPOINT_DIR = Path(__file__).parent / "checkpoints"
 # shipped name (the model it was trained for) -> file in CHECKPOINT_DIR; how each was trained: docs/kvzap.md
@@ -263,7 +264,7 @@ def resolve_kvzap_checkpoint(spec: str | Path) -> Path:
         return path / "policy.safetensors"
     if path.is_file():
         return path
-    shipped = ", ".join(n for n in sorted(SHIPPED) if (CHECKPOINT_DIR / SHIPPED[n]).is_file()) or "none yet"
+    shipped = ", ".join(shipped_kvzap_names()) or "none yet"
     raise ValueError(f"kvzap checkpoint {str(spec)!r} is neither a file nor a shipped name (shipped: {shipped}); "
                      f"{_HOW_TO_TRAIN}")
 
@@ -453,9 +454,14 @@ class KVzap(Policy):
                 f"selection={self.selection})")
 
 
+def shipped_kvzap_names() -> list[str]:
+    """The names of the shipped surrogates whose checkpoint file is present, sorted."""
+    return [n for n in sorted(SHIPPED) if (CHECKPOINT_DIR / SHIPPED[n]).is_file()]
+
+
 def shipped_kvzap_files() -> tuple[Path, ...]:
     """The shipped surrogates' checkpoint files that are present, in the order of their names."""
-    return tuple(CHECKPOINT_DIR / SHIPPED[n] for n in sorted(SHIPPED) if (CHECKPOINT_DIR / SHIPPED[n]).is_file())
+    return tuple(CHECKPOINT_DIR / SHIPPED[n] for n in shipped_kvzap_names())
 
 
 def shipped_kvzap_for(model, name: str | None = None) -> KVzap | None:
@@ -463,9 +469,7 @@ def shipped_kvzap_for(model, name: str | None = None) -> KVzap | None:
 
     Matched as every checkpoint refuses another model: name (aliases resolve), geometry and config fingerprint.
     """
-    for shipped in sorted(SHIPPED):
-        if not (CHECKPOINT_DIR / SHIPPED[shipped]).is_file():
-            continue
+    for shipped in shipped_kvzap_names():
         surrogate = KVzap(checkpoint=shipped)
         try:
             surrogate.check_model(model, name)
