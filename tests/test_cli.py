@@ -1,5 +1,6 @@
 """What a new user hits first (issue 17): clear errors, canonical names, fast help, nothing lost on Ctrl-C."""
 
+import dataclasses
 import hashlib
 import json
 import subprocess
@@ -208,6 +209,7 @@ def test_a_program_reading_the_surrogate_is_keyed_by_the_surrogate_bytes_too(tmp
         parse(f"program:{tmp_path / 'missing.py'}")
 
 def test_rows_record_the_dtype_the_model_computed_in(tmp_path):
+    import torch
     from conftest import CharTokenizer, tiny_model
 
     from kvsieve.harness.executor import LocalGridExecutor
@@ -220,6 +222,19 @@ def test_rows_record_the_dtype_the_model_computed_in(tmp_path):
         rows = store.rows()
     assert {r.config["dtype"] for r in rows} == {"float32"}  # not the config's "auto"
     assert json.dumps(rows[0].config)  # stays JSON
+
+    # resuming on a machine where "auto" picks bfloat16 would pair its rows with the float32 ones
+    more = dataclasses.replace(config, samples=2)
+    def bf16_model():
+        return tiny_model("llama").to(torch.bfloat16), CharTokenizer()
+
+    with pytest.raises(ValueError, match=r"computed in float32, and this run computes in bfloat16.*--dtype float32"):
+        run_grid(more, progress=False, executor=LocalGridExecutor(factory=bf16_model))
+    with ResultsStore(config.store) as store:
+        assert store.count() == len(rows)  # refused before any row of the second sample landed
+        assert store.dtypes(model="tiny") == {"float32"} and store.dtypes(model="other") == set()
+    with run_grid(more, progress=False, executor=LocalGridExecutor(factory=executor.factory)) as store:
+        assert store.count() == 2 * len(rows)  # the same dtype resumes
 
 
 def test_the_grid_refuses_a_learned_checkpoint_on_another_model_of_its_geometry():

@@ -30,7 +30,7 @@ from kvsieve.selection import Budget
 from kvsieve.tasks.metrics import score as metric_score
 from kvsieve.tasks.sample import Sample
 
-__all__ = ["evaluate_sample"]
+__all__ = ["evaluate_sample", "dtype_name"]
 
 
 def _policy_for(cell: Cell, sample: Sample, prompt: Prompt, tokenizer) -> Policy:
@@ -57,6 +57,11 @@ def _reconstructions(model, tokenizer, cache, ids, cells, policies, protected: i
     return out
 
 
+def dtype_name(model) -> str:
+    """The dtype ``model`` computes in, as rows record it: ``"float32"``, ``"bfloat16"``."""
+    return str(model.dtype).removeprefix("torch.")
+
+
 @torch.no_grad()
 def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_name: str = "", shared: bool = True,
                     config: dict | None = None) -> list[CellResult]:
@@ -71,7 +76,7 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
         # the dtype the model computed in, not the "auto" that asked for it; in a shared grid ``timing`` holds
         # the sample's own prefill and this cell's compression, timed in one process (the headline's overhead)
         cfg = dict(config or {}, **(timing or {}),
-                   dtype=str(model.dtype).removeprefix("torch."), policy_digest=cell.spec.digest,
+                   dtype=dtype_name(model), policy_digest=cell.spec.digest,
                    cell=cell.as_dict(),
                    sample_seed=sample.seed, metric=sample.metric, shared=shared,
                    context_tokens=prompt.context_ids.shape[1], kvsieve=kvsieve.__version__,

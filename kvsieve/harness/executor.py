@@ -24,7 +24,7 @@ import functools
 from collections.abc import Callable
 from typing import Protocol
 
-from kvsieve.harness.evaluate import evaluate_sample
+from kvsieve.harness.evaluate import dtype_name, evaluate_sample
 from kvsieve.harness.grid import Cell, GridConfig
 from kvsieve.harness.store import CellResult
 from kvsieve.models import load, resolve_dtype
@@ -39,6 +39,10 @@ Work = list[tuple[Sample, list[Cell]]]
 class GridExecutor(Protocol):
     def samples(self, config: GridConfig) -> list[Sample]:
         """The grid's samples, in ``load_samples`` order (generating them needs the model's tokenizer)."""
+        ...
+
+    def dtype(self, config: GridConfig) -> str:
+        """The dtype its models compute in, named as rows record it (``"float32"``, ``"bfloat16"``)."""
         ...
 
     def run(self, config: GridConfig, work: Work, run_config: dict,
@@ -75,6 +79,10 @@ class LocalGridExecutor:
     def samples(self, config: GridConfig) -> list[Sample]:
         self._ensure(config)
         return list(load_samples(config.sample_spec(), self.tokenizer))
+
+    def dtype(self, config: GridConfig) -> str:
+        self._ensure(config)
+        return dtype_name(self.model)
 
     def run(self, config: GridConfig, work: Work, run_config: dict,
             on_sample: Callable[[list[CellResult]], None]) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from kvsieve.distributed import WorkerPool
 from kvsieve.distributed.actors import RayActors
 from kvsieve.distributed.cluster import import_ray
-from kvsieve.harness.evaluate import evaluate_sample
+from kvsieve.harness.evaluate import dtype_name, evaluate_sample
 from kvsieve.harness.executor import Work, model_factory
 from kvsieve.harness.grid import Cell, GridConfig
 from kvsieve.harness.store import CellResult
@@ -36,6 +36,9 @@ class GridWorker:
 
     def samples(self, config: GridConfig) -> list[Sample]:
         return list(load_samples(config.sample_spec(), self.tokenizer))
+
+    def dtype(self) -> str:
+        return dtype_name(self.model)
 
     def evaluate(self, sample: Sample, cells: list[Cell], model_name: str, shared: bool,
                  run_config: dict) -> list[CellResult]:
@@ -84,6 +87,9 @@ class RayGridExecutor(RayActors):
         if config.data:  # read here: the file need not exist on the workers' machines
             return list(load_samples(config.sample_spec(), None))
         return import_ray().get(self._ensure(config).first().samples.remote(config))
+
+    def dtype(self, config: GridConfig) -> str:
+        return import_ray().get(self._ensure(config).first().dtype.remote())
 
     def pids(self) -> list[int]:
         """The workers' process ids (waits until they are built)."""

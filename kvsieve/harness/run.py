@@ -1,14 +1,15 @@
 """The run loop: every missing cell of a grid, through an executor, into the results store.
 
 Resumable by construction: the store says which cells are missing, a sample's rows land in one
-transaction, so a run stopped at any moment (Ctrl-C, a lost machine) is continued by rerunning it.
+transaction, so a run stopped at any moment (Ctrl-C, a lost machine) is continued by rerunning it;
+one computing in another dtype than the store's rows is refused (``content.check_dtype``).
 """
 
 from __future__ import annotations
 
 from tqdm import tqdm
 
-from kvsieve.harness.content import check_store
+from kvsieve.harness.content import check_dtype, check_store
 from kvsieve.harness.executor import LocalGridExecutor
 from kvsieve.harness.grid import GridConfig, cells_for
 from kvsieve.harness.ray_executor import RayGridExecutor
@@ -38,8 +39,14 @@ def run_grid(config: GridConfig, progress: bool = True, executor=None) -> Result
     owned = executor is None
     executor = LocalGridExecutor() if owned else executor
     try:
+        samples = executor.samples(config)
+        try:
+            check_dtype(store, config.model, executor.dtype(config))
+        except ValueError:
+            store.close()
+            raise
         todo = []
-        for sample in executor.samples(config):
+        for sample in samples:
             keys = {c: CellKey(config.model, sample.task, sample.length, sample.id, c.label, c.ratio,
                                c.question_aware) for c in cells}
             missing = set(store.missing(list(keys.values())))

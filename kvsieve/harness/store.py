@@ -306,6 +306,13 @@ class ResultsStore:
         return [CellKey(model=r[0], task=r[1], length=r[2], sample_id=r[3], policy=r[4], ratio=r[5],
                         question_aware=bool(r[6])) for r in self.conn.execute(sql, params)]
 
+    def dtypes(self, **filters: Any) -> set[str]:
+        """The dtypes the stored cells were computed in (their config's ``dtype``), with the same filters as
+        :meth:`rows`; rows that recorded none, or only the ``"auto"`` that asked for one, are left out."""
+        where, params = self._where(filters)
+        sql = f"SELECT DISTINCT json_extract(config, '$.dtype') FROM cells{where}"
+        return {r[0] for r in self.conn.execute(sql, params)} - {None, "auto"}
+
     def count(self, **filters: Any) -> int:
         """Number of stored cells (optionally filtered like :meth:`rows`)."""
         where, params = self._where(filters)
