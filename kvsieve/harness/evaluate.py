@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 import transformers
@@ -64,8 +65,13 @@ def dtype_name(model) -> str:
 
 @torch.no_grad()
 def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_name: str = "", shared: bool = True,
-                    config: dict | None = None) -> list[CellResult]:
-    """Evaluate ``cells`` on one sample; shared prefill and batched decoding unless ``shared=False``."""
+                    config: dict | None = None,
+                    on_rows: Callable[[list[CellResult]], None] | None = None) -> list[CellResult]:
+    """Evaluate ``cells`` on one sample; shared prefill and batched decoding unless ``shared=False``.
+
+    Returns every row in ``cells`` order; ``on_rows(rows)`` also receives them as they are decoded (each
+    decoded batch of one ratio, each unshared cell), so a caller can store them before the sample ends.
+    """
     prompt = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
     stop = tuple(sample.stop)
     results: list[CellResult] = []
@@ -86,6 +92,14 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
 
     order = {(c.label, round(c.ratio, 6), c.question_aware): i for i, c in enumerate(cells)}
 
+    landed = 0
+
+    def hand_over() -> None:
+        nonlocal landed
+        if on_rows is not None and landed < len(results):
+            on_rows(results[landed:])
+        landed = len(results)
+
     def in_cell_order() -> list[CellResult]:
         return sorted(results, key=lambda r: order[(r.key.policy, round(r.key.ratio, 6), r.key.question_aware)])
 
@@ -99,6 +113,7 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
                        max_new_tokens=sample.max_new_tokens, stop=stop, **mode)
         record(cell, gen.text, max(gen.kept_tokens), gen.cache_bytes_kept, gen.cache_bytes_full,
                gen.prefill_seconds, gen.decode_seconds)
+        hand_over()
     cells = [c for c in cells if shared and not c.chunk_size]
     if not cells:
         return in_cell_order()
@@ -164,4 +179,5 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
                     record(cell, tokenizer.decode(row, skip_special_tokens=True), kept, kept_bytes, full_bytes,
                            prefill_s + compress_s, decode_s,
                            dict(zip(TIMING_CONFIG_KEYS, (prefill_s, compress_s))))
+                hand_over()
     return in_cell_order()

@@ -46,8 +46,9 @@ class GridExecutor(Protocol):
         ...
 
     def run(self, config: GridConfig, work: Work, run_config: dict,
-            on_sample: Callable[[list[CellResult]], None]) -> None:
-        """Evaluate each ``(sample, cells)``; ``on_sample(rows)`` in this process as each sample finishes."""
+            on_rows: Callable[[list[CellResult]], None]) -> None:
+        """Evaluate each ``(sample, cells)``; ``on_rows(rows)`` in this process as rows finish (each decoded
+        batch here, each sample on Ray)."""
         ...
 
     def close(self) -> None: ...
@@ -85,11 +86,11 @@ class LocalGridExecutor:
         return dtype_name(self.model)
 
     def run(self, config: GridConfig, work: Work, run_config: dict,
-            on_sample: Callable[[list[CellResult]], None]) -> None:
+            on_rows: Callable[[list[CellResult]], None]) -> None:
         self._ensure(config)
         for sample, cells in work:
-            on_sample(evaluate_sample(self.model, self.tokenizer, sample, cells, config.model, config.shared,
-                                      run_config))
+            evaluate_sample(self.model, self.tokenizer, sample, cells, config.model, config.shared, run_config,
+                            on_rows=on_rows)
 
     def close(self) -> None:
         self.model = self.tokenizer = None

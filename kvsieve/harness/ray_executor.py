@@ -96,12 +96,12 @@ class RayGridExecutor(RayActors):
         return self._pool.pids() if self._pool is not None else []
 
     def run(self, config: GridConfig, work: Work, run_config: dict,
-            on_sample: Callable[[list[CellResult]], None]) -> None:
+            on_rows: Callable[[list[CellResult]], None]) -> None:
         if not work:
             return
         pool = self._ensure(config)
         pool.grow(min(self.size(), len(work)))
         items = [(sample, cells, config.model, config.shared, run_config) for sample, cells in work]
-        self._run(pool, items, lambda i, rows: on_sample(rows), [sample for sample, _ in work],
+        self._run(pool, items, lambda i, rows: on_rows(rows), [sample for sample, _ in work],
                   describe=lambda sample: f"sample {sample.task}/{sample.length}/{sample.id}",
                   ident=lambda sample: sample.id)

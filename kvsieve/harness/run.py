@@ -1,7 +1,8 @@
 """The run loop: every missing cell of a grid, through an executor, into the results store.
 
-Resumable by construction: the store says which cells are missing, a sample's rows land in one
-transaction, so a run stopped at any moment (Ctrl-C, a lost machine) is continued by rerunning it;
+Resumable by construction: the store says which cells are missing, rows land as they are decoded (each
+batch of one ratio in one transaction; on Ray each sample's), so a run stopped at any moment (Ctrl-C, a
+lost machine) loses at most the batch in flight and is continued by rerunning it;
 one computing in another dtype than the store's rows is refused (``content.check_dtype``).
 """
 
@@ -22,7 +23,7 @@ EXECUTORS = ("local", "ray")
 
 
 def run_grid(config: GridConfig, progress: bool = True, executor=None) -> ResultsStore:
-    """Evaluate every missing cell of the grid; rows land in the store after each sample.
+    """Evaluate every missing cell of the grid; rows land in the store as they are decoded.
 
     ``executor`` (``harness/executor.py``) computes the samples: in this process (``None``: a
     ``LocalGridExecutor``, closed here) or on Ray actors (``RayGridExecutor``; the caller closes it).
@@ -57,12 +58,12 @@ def run_grid(config: GridConfig, progress: bool = True, executor=None) -> Result
         bar = tqdm(total=total, unit="cell", disable=not progress, desc=f"{config.model}")
         run_config = {k: v for k, v in config.as_dict().items() if k != "store"}
 
-        def on_sample(results: list[CellResult]) -> None:
-            store.add_many(results)  # one transaction: a sample's rows land together
+        def on_rows(results: list[CellResult]) -> None:
+            store.add_many(results)  # one transaction: a decoded batch's rows land together
             bar.update(len(results))
 
         try:
-            executor.run(config, todo, run_config, on_sample)
+            executor.run(config, todo, run_config, on_rows)
         finally:
             bar.close()
     finally:
