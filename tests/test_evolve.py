@@ -166,6 +166,10 @@ def test_evolution_runs_end_to_end_and_resumes_after_kill(tmp_path):
     assert 0 < len(partial) < len(expected)
     run_evolution(tiny_run_config(killed, 8), progress=False, model=model, tokenizer=tokenizer)
     assert rows(killed / "run.sqlite") == expected
+    # resumed on a machine where dtype "auto" picks bfloat16: refused before any candidate is scored
+    with pytest.raises(ValueError, match=r"evaluated in float32, and this run's model computes in bfloat16"):
+        run_evolution(tiny_run_config(killed, 10), progress=False, model=model.to(torch.bfloat16), tokenizer=tokenizer)
+    assert rows(killed / "run.sqlite") == expected
 
 
 def test_a_database_refuses_another_run(tmp_path):
@@ -175,6 +179,10 @@ def test_a_database_refuses_another_run(tmp_path):
     db.check_config(tiny_run_config(tmp_path, 9).identity())  # more candidates: the same run, resumed
     with pytest.raises(ValueError, match="seed: 0 -> 1"):
         db.check_config(tiny_run_config(tmp_path, 5, seed=1).identity())
+    db.check_dtype("float32")  # a database from before the dtype was recorded takes this run's
+    db.check_dtype("float32")
+    with pytest.raises(ValueError, match=r"evaluated in float32.*computes in bfloat16.*dtype = \"float32\""):
+        db.check_dtype("bfloat16")
     db.close()
 
 

@@ -118,6 +118,17 @@ class ProgramDatabase:
             diff = ", ".join(f"{k}: {stored.get(k)!r} -> {config.get(k)!r}" for k in changed)
             raise ValueError(f"{self.path} holds a run with another configuration ({diff}); use a new database")
 
+    def check_dtype(self, dtype: str) -> None:
+        """Record the dtype the run's model computes in (``"float32"``, ``"bfloat16"``) on first use; refuse to
+        resume under another (``dtype="auto"`` picks per machine, and fitness in two dtypes does not compare).
+        A database from before the dtype was recorded takes this run's."""
+        recorded = self.meta("dtype")
+        if recorded is not None and recorded != dtype:
+            raise ValueError(f"the evolution database {self.path} was evaluated in {recorded}, and this run's model "
+                             f"computes in {dtype}: set dtype = \"{recorded}\" in the config to resume it, or start "
+                             "another db")
+        self.set_meta("dtype", dtype)
+
     def meta(self, key: str) -> object:
         """A JSON value stored under ``key`` in the meta table (``None`` if absent)."""
         row = self.conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()

@@ -43,6 +43,7 @@ def run_evolution(config: EvolveConfig, progress: bool = True, model=None, token
         db.set_meta("isolation", isolation)
         if model is None:
             model, tokenizer = load(config.model, dtype=config.dtype)
+        db.check_dtype(str(model.dtype).removeprefix("torch."))  # before the dev cache, which holds its answers
         workdir = Path(config.out) / "dev-cache"
         dev = DevSet(model, tokenizer, dev_samples(config, tokenizer, config.dev_seed, config.dev_samples),
                      config.ratios, config.window, workdir, progress=progress)
