@@ -52,7 +52,7 @@ from kvsieve.tasks import TASKS
 from kvsieve.tasks.load import SampleSpec, load_samples
 
 __all__ = ["KVzapTrainConfig", "KVzapResult", "train_kvzap", "kvzap_targets", "stdlib_texts", "collect_sequence",
-           "fit"]
+           "collect_rows", "split_rows", "heldout_count", "fit"]
 
 DEFAULT_TASKS = ["niah_multikey_2", "niah_multivalue", "niah_multiquery", "vt", "fwe", "qa_1"]
 FLOOR = 1e-8  # KVzip scores are softmax weights in (0, 1]; the floor keeps log finite for the never-attended
@@ -213,7 +213,7 @@ def collect_sequence(model, tokenizer, episode: Episode, rope: tuple[list, list[
             "header": torch.tensor(header), "tokens": torch.tensor(n), "seconds": torch.tensor(rebuilt.seconds)}
 
 
-def _collect_all(config: KVzapTrainConfig, model, tokenizer, progress: bool,
+def collect_rows(config: KVzapTrainConfig, model, tokenizer, progress: bool = True,
                  episodes: list[tuple[str, Episode]] | None = None) -> tuple[list[dict], list[dict]]:
     """Every sequence's rows, read from ``out/kvzap-data`` where a sequence with the same key was saved."""
     from safetensors import safe_open
@@ -248,16 +248,21 @@ def _collect_all(config: KVzapTrainConfig, model, tokenizer, progress: bool,
     return data, info
 
 
-def _split(count: int, holdout: float) -> tuple[list[int], list[int]]:
-    """The last ``holdout`` share of the (interleaved) sequences is held out, at least one."""
-    held = max(1, round(count * holdout))
-    return list(range(count - held)), list(range(count - held, count))
+def heldout_count(sequences: int, holdout: float) -> int:
+    """How many of the (interleaved) sequences are held out: the last ``holdout`` share, at least one."""
+    return max(1, round(sequences * holdout))
 
 
-def _rows(data: list[dict], indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    x = torch.cat([data[i]["inputs"] for i in indices], dim=1).float()
-    y = torch.cat([data[i]["targets"] for i in indices], dim=1).float()
-    return x, y
+def split_rows(data: list[dict], holdout: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x, y, x_held, y_held)``: (L, N, D) inputs and (L, N, H) targets of the training sequences and of the
+    last :func:`heldout_count` ones."""
+    held = heldout_count(len(data), holdout)
+
+    def rows(part: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.cat([d["inputs"] for d in part], dim=1).float(),
+                torch.cat([d["targets"] for d in part], dim=1).float())
+
+    return (*rows(data[: len(data) - held]), *rows(data[len(data) - held:]))
 
 
 def fit(net: KVzapNet, x: torch.Tensor, y: torch.Tensor, x_held: torch.Tensor, y_held: torch.Tensor, steps: int,
@@ -318,11 +323,9 @@ def train_kvzap(config: KVzapTrainConfig, model=None, tokenizer=None, progress: 
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     shape = ModelShape.of(model, config.model)
-    data, info = _collect_all(config, model, tokenizer, progress, episodes)
+    data, info = collect_rows(config, model, tokenizer, progress, episodes)
     collected = time.perf_counter() - start
-    train_idx, held_idx = _split(len(data), config.holdout)
-    x, y = _rows(data, train_idx)
-    x_held, y_held = _rows(data, held_idx)
+    x, y, x_held, y_held = split_rows(data, config.holdout)
     net = KVzapNet(KVzapNetConfig(x.shape[0], y.shape[-1], x.shape[-1], config.hidden))
     losses, history = fit(net, x, y, x_held, y_held, config.steps, config.lr, config.ridge, _hash(config.seed, "init"),
                           config.weight_decay)
@@ -331,7 +334,8 @@ def train_kvzap(config: KVzapTrainConfig, model=None, tokenizer=None, progress: 
     kinds = sorted({r["kind"] for r in info})
     mixture = {kind: {"sequences": sum(r["kind"] == kind for r in info),
                       "tokens": sum(r["tokens"] for r in info if r["kind"] == kind)} for kind in kinds}
-    report = {"config": asdict(config), "mixture": mixture, "heldout_sequences": len(held_idx),
+    report = {"config": asdict(config), "mixture": mixture,
+              "heldout_sequences": heldout_count(len(data), config.holdout),
               "train_rows_per_layer": int(x.shape[1]), "heldout_rows_per_layer": int(x_held.shape[1]),
               "losses": losses, "variant": variant,
               "parameters": {v: net.num_parameters(v) for v in ("linear", "mlp")},
