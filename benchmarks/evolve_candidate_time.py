@@ -17,7 +17,7 @@ import torch
 from kvsieve.evolve.evaluate import DevSet, evaluate_program
 from kvsieve.evolve.program import Program
 from kvsieve.evolve.seeds import SEEDS
-from kvsieve.models import load
+from kvsieve.models import dtype_name, load
 from kvsieve.tasks.load import SampleSpec, load_samples
 
 
@@ -47,7 +47,7 @@ def main() -> None:
     seconds = (time.perf_counter() - start) / args.repeats
     first = evaluations[0]
     print(f"{args.model}, {len(dev.items)} dev samples x {len(dev.ratios)} ratios, seed {args.seed_program}, "
-          f"{args.threads} thread(s), {str(model.dtype).removeprefix('torch.')}: {seconds:.1f} s per candidate "
+          f"{args.threads} thread(s), {dtype_name(model)}: {seconds:.1f} s per candidate "
           f"(status {first.status}, proxy {first.proxy:.6f}, score {first.score})")
 
 

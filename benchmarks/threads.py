@@ -28,7 +28,7 @@ CELL = r"""
 import json, sys, time
 import torch
 from kvsieve.engine.generate import generate
-from kvsieve.models import load
+from kvsieve.models import dtype_name, load
 from kvsieve.policies import get
 from kvsieve.tasks.ruler import generate as make_sample
 
@@ -42,7 +42,7 @@ for _ in range(int(sys.argv[2])):
              answer_prefix=sample.answer_prefix, max_new_tokens=16)
     times.append(time.perf_counter() - start)
 print(json.dumps({"seconds": sorted(times)[len(times) // 2], "threads": torch.get_num_threads(),
-                  "dtype": str(model.dtype).removeprefix("torch.")}))
+                  "dtype": dtype_name(model)}))
 """
 
 SETTINGS = {

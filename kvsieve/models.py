@@ -27,7 +27,7 @@ import torch
 from kvsieve.bundled import ALIASES, BUNDLED, BundledModel, bundled, canonical_name
 
 __all__ = ["BUNDLED", "ALIASES", "BundledModel", "load", "bundled", "canonical_name", "cache_dir", "resolve_gguf",
-           "context_length", "check_length", "auto_dtype", "resolve_dtype", "cpu_flags", "DTYPES"]
+           "context_length", "check_length", "auto_dtype", "resolve_dtype", "dtype_name", "cpu_flags", "DTYPES"]
 
 
 def cache_dir() -> Path:
@@ -211,6 +211,11 @@ def resolve_dtype(dtype: torch.dtype | str = "auto") -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use one of {['auto', *sorted(DTYPES)]}")
     return DTYPES[dtype]
+
+
+def dtype_name(model) -> str:
+    """The dtype ``model`` computes in, as results record it: ``"float32"``, ``"bfloat16"``."""
+    return str(model.dtype).removeprefix("torch.")
 
 
 def load(name_or_path: str, dtype: torch.dtype | str = "auto", attn_implementation: str = "sdpa"):

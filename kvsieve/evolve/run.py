@@ -16,7 +16,7 @@ from kvsieve.evolve.ray_executor import RayExecutor
 from kvsieve.evolve.report import write_report
 from kvsieve.evolve.sandbox import SandboxLimits, require_isolation
 from kvsieve.evolve.search import evolve, export_best
-from kvsieve.models import load
+from kvsieve.models import dtype_name, load
 
 __all__ = ["EvolveResult", "run_evolution"]
 
@@ -43,7 +43,7 @@ def run_evolution(config: EvolveConfig, progress: bool = True, model=None, token
         db.set_meta("isolation", isolation)
         if model is None:
             model, tokenizer = load(config.model, dtype=config.dtype)
-        db.check_dtype(str(model.dtype).removeprefix("torch."))  # before the dev cache, which holds its answers
+        db.check_dtype(dtype_name(model))  # before the dev cache, which holds its answers
         workdir = Path(config.out) / "dev-cache"
         dev = DevSet(model, tokenizer, dev_samples(config, tokenizer, config.dev_seed, config.dev_samples),
                      config.ratios, config.window, workdir, progress=progress)

@@ -25,13 +25,14 @@ from kvsieve.engine.generate import generate, greedy_decode
 from kvsieve.engine.reconstruct import ReconstructionPrompt, compress_with_reconstruction, reconstruction_scores
 from kvsieve.harness.grid import Cell
 from kvsieve.harness.store import TIMING_CONFIG_KEYS, CellKey, CellResult
+from kvsieve.models import dtype_name
 from kvsieve.policy import FullCache, Policy
 from kvsieve.prompt import Prompt, build_prompt
 from kvsieve.selection import Budget
 from kvsieve.tasks.metrics import score as metric_score
 from kvsieve.tasks.sample import Sample
 
-__all__ = ["evaluate_sample", "dtype_name"]
+__all__ = ["evaluate_sample"]
 
 
 def _policy_for(cell: Cell, sample: Sample, prompt: Prompt, tokenizer) -> Policy:
@@ -56,11 +57,6 @@ def _reconstructions(model, tokenizer, cache, ids, cells, policies, protected: i
                 out[key] = reconstruction_scores(model, cache, ids, ReconstructionPrompt.from_tokenizer(tokenizer),
                                                  protected, policy.chunk_size, policy.normalization)
     return out
-
-
-def dtype_name(model) -> str:
-    """The dtype ``model`` computes in, as rows record it: ``"float32"``, ``"bfloat16"``."""
-    return str(model.dtype).removeprefix("torch.")
 
 
 @torch.no_grad()

@@ -24,10 +24,10 @@ import functools
 from collections.abc import Callable
 from typing import Protocol
 
-from kvsieve.harness.evaluate import dtype_name, evaluate_sample
+from kvsieve.harness.evaluate import evaluate_sample
 from kvsieve.harness.grid import Cell, GridConfig
 from kvsieve.harness.store import CellResult
-from kvsieve.models import load, resolve_dtype
+from kvsieve.models import dtype_name, load, resolve_dtype
 from kvsieve.tasks.load import load_samples
 from kvsieve.tasks.sample import Sample
 

@@ -12,10 +12,11 @@ from collections.abc import Callable
 from kvsieve.distributed import WorkerPool
 from kvsieve.distributed.actors import RayActors
 from kvsieve.distributed.cluster import import_ray
-from kvsieve.harness.evaluate import dtype_name, evaluate_sample
+from kvsieve.harness.evaluate import evaluate_sample
 from kvsieve.harness.executor import Work, model_factory
 from kvsieve.harness.grid import Cell, GridConfig
 from kvsieve.harness.store import CellResult
+from kvsieve.models import dtype_name
 from kvsieve.tasks.load import load_samples
 from kvsieve.tasks.sample import Sample
 
