@@ -57,6 +57,20 @@ def _timings(path) -> dict:
         return {r.key: (r.prefill_seconds, r.decode_seconds) for r in store.rows()}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The local rows are computed with the workers' one torch thread: float32 reductions split over two
+    threads round differently (seen on an AMD EPYC: a proxy 0.0020466 locally, 0.0020471 on an actor)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def cluster():
     with pytest.MonkeyPatch.context() as patch:  # workers (started by the raylet) import test modules by name
