@@ -144,7 +144,6 @@ def test_an_interrupted_sample_keeps_the_batches_it_decoded(tmp_path, monkeypatc
         assert sorted((k.policy, k.ratio) for k in store.keys()) == [("full", 0.0), ("knorm", 0.5), ("tova", 0.5)]
         kept = {r.key: r.prediction for r in store.rows()}
     monkeypatch.setattr(evaluate_module, "greedy_decode", real)
-    calls.clear()
     with run_grid(grid("r.sqlite"), progress=False, executor=executor()) as store:
         resumed = {r.key: r.prediction for r in store.rows()}
     with run_grid(grid("whole.sqlite"), progress=False, executor=executor()) as store:

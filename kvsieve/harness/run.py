@@ -32,20 +32,12 @@ def run_grid(config: GridConfig, progress: bool = True, executor=None) -> Result
     validate(config)
     cells = cells_for(config)
     store = ResultsStore(config.store)
-    try:
-        check_store(store, config.model, {c.label: c.spec.digest for c in cells})
-    except ValueError:
-        store.close()
-        raise
     owned = executor is None
     executor = LocalGridExecutor() if owned else executor
     try:
+        check_store(store, config.model, {c.label: c.spec.digest for c in cells})
         samples = executor.samples(config)
-        try:
-            check_dtype(store, config.model, executor.dtype(config))
-        except ValueError:
-            store.close()
-            raise
+        check_dtype(store, config.model, executor.dtype(config))
         todo = []
         for sample in samples:
             keys = {c: CellKey(config.model, sample.task, sample.length, sample.id, c.label, c.ratio,
@@ -66,6 +58,9 @@ def run_grid(config: GridConfig, progress: bool = True, executor=None) -> Result
             executor.run(config, todo, run_config, on_rows)
         finally:
             bar.close()
+    except ValueError:  # a refused store (other file contents, another dtype): the caller never gets it
+        store.close()
+        raise
     finally:
         if owned:
             executor.close()
