@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -72,6 +74,28 @@ def test_imitation_lowers_the_regression_loss_and_writes_a_loadable_policy(llama
     first, second = load_checkpoint(result.policy), load_checkpoint(again.policy)
     assert all(torch.equal(first.tensors[k], second.tensors[k]) for k in first.tensors)
     assert result.history[0]["seconds"] > 0
+
+
+def test_the_collected_set_is_keyed_by_the_dtype_the_model_computes_in(llama, tmp_path):
+    # the config's dtype is usually "auto", which resolves per machine: the key must hold the model's own
+    from safetensors import safe_open
+
+    episodes = [_episode(0)]
+    config = TrainConfig(model="tiny-llama", objective="imitate", steps=1, window=8, out=str(tmp_path))
+    path = tmp_path / "imitation-data.safetensors"
+
+    def stored() -> tuple[str, torch.Tensor]:
+        with safe_open(str(path), framework="pt") as handle:
+            return handle.metadata()["key"], handle.get_tensor("0.0.targets")
+
+    train(config, model=llama, tokenizer=TOKENIZER, episodes=episodes, progress=False)
+    key32, targets32 = stored()
+    assert config.dtype == "auto" and "'dtype': 'float32'" in key32
+    train(config, model=copy.deepcopy(llama).to(torch.bfloat16), tokenizer=TOKENIZER, episodes=episodes,
+          progress=False)
+    key16, targets16 = stored()  # collected again, not the float32 set read back
+    assert "'dtype': 'bfloat16'" in key16
+    assert not torch.equal(targets16.float(), targets32.float())
 
 
 def test_the_regression_recovers_a_target_that_is_a_feature():

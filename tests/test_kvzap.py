@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +20,14 @@ from kvsieve.evolve.features import load_features
 from kvsieve.evolve.seeds import SEEDS
 from kvsieve.learn import kvzap as kvzap_module
 from kvsieve.learn.kvzap import KVzap, kvzap_inputs, load_kvzap, pre_rope_keys, shipped_kvzap_for
-from kvsieve.learn.kvzap_train import KVzapTrainConfig, collect_sequence, rope_tables, stdlib_texts, train_kvzap
+from kvsieve.learn.kvzap_train import (
+    KVzapTrainConfig,
+    collect_rows,
+    collect_sequence,
+    rope_tables,
+    stdlib_texts,
+    train_kvzap,
+)
 from kvsieve.learn.rollout import Episode
 from kvsieve.policies import FullCache
 from kvsieve.policies.program import ProgramPolicy
@@ -187,6 +198,20 @@ def test_a_rerun_reuses_the_collected_data_and_fits_the_same(trained):
     again = train_kvzap(config, model, TOKENIZER, progress=False, episodes=episodes)
     assert again.report["losses"] == result.report["losses"]
     assert again.report["collection_seconds_this_run"] < result.report["collection_seconds_this_run"]
+
+
+def test_collected_rows_are_keyed_by_the_dtype_the_model_computes_in(trained, tmp_path):
+    # a model passed in (or dtype "auto" on another machine) may compute in another dtype than the config says
+    model, config, episodes, result = trained
+    shutil.copytree(result.out / "kvzap-data", tmp_path / "kvzap-data")
+    here = dataclasses.replace(config, out=str(tmp_path))
+    before = len(list((tmp_path / "kvzap-data").glob("*.safetensors")))
+    _, same = collect_rows(here, model, TOKENIZER, progress=False, episodes=episodes[:2])
+    assert len(list((tmp_path / "kvzap-data").glob("*.safetensors"))) == before  # float32: read back
+    _, other = collect_rows(here, copy.deepcopy(model).to(torch.bfloat16), TOKENIZER, progress=False,
+                            episodes=episodes[:2])
+    assert len(list((tmp_path / "kvzap-data").glob("*.safetensors"))) == before + 2  # bfloat16: collected anew
+    assert [r["wall"] for r in same] != [r["wall"] for r in other]
 
 
 def test_the_policy_scores_predicted_log_kvzip_and_spends_a_global_budget(trained):

@@ -383,6 +383,20 @@ def test_decode_training_resumes_to_the_same_weights(llama, tmp_path):
     shutil.rmtree(tmp_path)
 
 
+def test_a_run_refuses_to_resume_in_another_dtype(llama, tmp_path):
+    # dtype "auto" picks bfloat16 on one machine and float32 on another: a resumed run must not mix them
+    episodes = [_episode(i) for i in range(2)]
+    config = dict(CONFIG, mode="prefill")
+    train(TrainConfig(steps=1, out=str(tmp_path), **config), model=llama, episodes=episodes, progress=False)
+    assert load_checkpoint(tmp_path / "checkpoint.safetensors").meta["dtype"] == "float32"
+    bf16 = copy.deepcopy(llama).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="computed in float32, this one computes in bfloat16: pass --dtype float32"):
+        train(TrainConfig(steps=2, out=str(tmp_path), **config), model=bf16, episodes=episodes, progress=False)
+    assert load_checkpoint(tmp_path / "checkpoint.safetensors").meta["step"] == 1  # nothing was overwritten
+    result = train(TrainConfig(steps=2, out=str(tmp_path), **config), model=llama, episodes=episodes, progress=False)
+    assert result.step == 2
+
+
 def test_mean_baseline_training_keeps_its_running_mean_in_the_checkpoint(llama, tmp_path):
     result = train(TrainConfig(steps=2, out=str(tmp_path), mode="decode", baseline="mean", **CONFIG), model=llama,
                    episodes=[_episode(i) for i in range(2)], progress=False)

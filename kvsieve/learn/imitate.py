@@ -43,6 +43,7 @@ from kvsieve.learn.features import FEATURES, extract
 from kvsieve.learn.network import KeepNet, NetConfig
 from kvsieve.learn.policy import ModelShape
 from kvsieve.learn.rollout import Episode, context_cache_for
+from kvsieve.models import dtype_name
 
 __all__ = ["imitation_targets", "kvzip_reconstruction", "collect", "imitate", "LOG_FIELDS"]
 
@@ -90,19 +91,21 @@ def collect(model, tokenizer, episode: Episode, window: int) -> list[tuple[torch
     return out
 
 
-def _data_key(config) -> str:
-    """What the collected set depends on; the feature list too, so a set from older features is recomputed."""
-    keep = ("model", "tasks", "length", "samples", "seed", "window", "data", "dtype")
-    return repr({**{k: getattr(config, k) for k in keep}, "features": list(FEATURES)})
+def _data_key(config, dtype: str) -> str:
+    """What the collected set depends on: the feature list too, so a set from older features is recomputed, and the
+    dtype the model computes in (``dtype_name``), not the config's, which ``"auto"`` resolves per machine."""
+    keep = ("model", "tasks", "length", "samples", "seed", "window", "data")
+    return repr({**{k: getattr(config, k) for k in keep}, "dtype": dtype, "features": list(FEATURES)})
 
 
 def _collect_all(config, model, tokenizer, episodes: list[Episode], out: Path, progress: bool) -> tuple[list, float]:
     """Every episode's layers, from ``out/imitation-data.safetensors`` when it holds this config's set."""
     path = out / "imitation-data.safetensors"
+    key = _data_key(config, dtype_name(model))
     if path.is_file():
         with safe_open(str(path), framework="pt") as handle:
             meta = handle.metadata() or {}
-            if meta.get("key") == _data_key(config):
+            if meta.get("key") == key:
                 tensors = {name: handle.get_tensor(name) for name in handle.keys()}
                 data = [[(tensors[f"{e}.{i}.features"], tensors[f"{e}.{i}.targets"], tensors[f"{e}.{i}.mask"])
                          for i in range(int(meta["layers"]))] for e in range(int(meta["episodes"]))]
@@ -114,7 +117,7 @@ def _collect_all(config, model, tokenizer, episodes: list[Episode], out: Path, p
     tensors = {f"{e}.{i}.{name}": tensor.contiguous() for e, layers in enumerate(data)
                for i, triple in enumerate(layers) for name, tensor in zip(("features", "targets", "mask"), triple)}
     partial = path.with_name(path.name + ".partial")
-    save_file(tensors, str(partial), metadata={"key": _data_key(config), "episodes": str(len(data)),
+    save_file(tensors, str(partial), metadata={"key": key, "episodes": str(len(data)),
                                                "layers": str(len(data[0])), "seconds": repr(seconds)})
     partial.replace(path)
     return data, seconds

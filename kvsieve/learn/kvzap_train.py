@@ -46,7 +46,7 @@ from kvsieve.learn.imitate import kvzip_reconstruction
 from kvsieve.learn.kvzap import INPUTS, KVzapNet, KVzapNetConfig, kvzap_inputs, save_kvzap
 from kvsieve.learn.policy import ModelShape
 from kvsieve.learn.rollout import Episode
-from kvsieve.models import load
+from kvsieve.models import dtype_name, load
 from kvsieve.prompt import build_prompt
 from kvsieve.tasks import TASKS
 from kvsieve.tasks.load import SampleSpec, load_samples
@@ -105,10 +105,11 @@ class KVzapTrainConfig:
                    steps=config.steps, lr=config.lr, out=config.out, inputs=config.kvzap_inputs,
                    dtype="float32" if config.dtype == "auto" else config.dtype)
 
-    def data_key(self) -> dict:
-        """What a collected sequence depends on (not the fit's settings)."""
-        keep = ("model", "length", "seed", "positions", "dtype")
-        key = {k: getattr(self, k) for k in keep}
+    def data_key(self, dtype: str) -> dict:
+        """What a collected sequence depends on (not the fit's settings): ``dtype`` is the one the model computes in
+        (``dtype_name``), which a model passed in need not share with ``self.dtype``."""
+        keep = ("model", "length", "seed", "positions")
+        key = {**{k: getattr(self, k) for k in keep}, "dtype": dtype}
         return key if self.inputs == "kv" else {**key, "inputs": self.inputs}  # "kv" rows keep their old keys
 
 
@@ -226,7 +227,7 @@ def collect_rows(config: KVzapTrainConfig, model, tokenizer, progress: bool = Tr
     rope = rope_tables(model)
     data, info = [], []
     for i, (kind, episode) in enumerate(tqdm(episodes, desc="kvzip targets", unit="seq", disable=not progress)):
-        key = json.dumps({**config.data_key(), "name": episode.name, "kind": kind,
+        key = json.dumps({**config.data_key(dtype_name(model)), "name": episode.name, "kind": kind,
                           "ids": hashlib.sha256(episode.context.numpy().tobytes()).hexdigest()}, sort_keys=True)
         path = folder / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"  # any subset reuses it
         rows = None

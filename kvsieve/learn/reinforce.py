@@ -74,6 +74,7 @@ from kvsieve.learn.rollout import (
     step_returns,
     teacher_for,
 )
+from kvsieve.models import dtype_name
 from kvsieve.selection import Budget
 
 __all__ = ["reinforce", "reinforce_loss", "initial_weights", "check_budget", "plot_curve", "Trainer"]
@@ -176,7 +177,7 @@ class Trainer:
     def meta(self) -> dict:
         return {"model": self.shape.to_dict(), "net": self.net.config.to_dict(), "window": self.config.window,
                 "train": self.config.to_dict(), "step": self.step, "kvsieve_train": "reinforce-kl",
-                "network": self.config.network}
+                "network": self.config.network, "dtype": dtype_name(self.model)}
 
     def tensors(self, with_state: bool) -> dict[str, torch.Tensor]:
         out = {f"net.{k}": v for k, v in self.net.state_dict().items()}
@@ -211,6 +212,11 @@ class Trainer:
                              f"same settings (only {', '.join(RESUMABLE)} may change on resume)")
         if _other_model(loaded.meta.get("model"), self.shape):
             raise ValueError(f"{path} was trained for {loaded.meta.get('model')}, not {self.shape.to_dict()}")
+        # dtype "auto" picks per machine: rewards and baselines from two dtypes would mix in one run
+        recorded, now_dtype = loaded.meta.get("dtype"), dtype_name(self.model)
+        if recorded is not None and recorded != now_dtype:
+            raise ValueError(f"{path} holds a run whose model computed in {recorded}, this one computes in "
+                             f"{now_dtype}: pass --dtype {recorded} to resume it, or use another out folder")
         self.net.load_state_dict(loaded.group("net"))
         params = list(self.net.parameters())
         for key, value in loaded.group("optim").items():
