@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,8 +50,6 @@ def tiny_model_and_tokenizer():
 
 def run_tiny(tmp: str, candidates: int) -> None:
     """Entry point of the subprocess the kill test starts."""
-    from pathlib import Path
-
     from kvsieve.evolve.run import run_evolution
 
     model, tokenizer = tiny_model_and_tokenizer()
@@ -571,3 +570,65 @@ def test_each_dev_cell_reads_the_question_once_and_its_gap_is_the_teacher_forced
     assert texts == alone and len(set(alone)) > 1  # the same answers, and they differ between cells
     assert evaluation.cells == {f"{i}/{ratio}": metric_score(item.sample.metric, alone[2 * i + j], item.sample.answers)
                                 for i, item in enumerate(dev.items) for j, ratio in enumerate(dev.ratios)}
+
+
+def _comparison_db(path, strategy: str, programs: list[tuple[int, float, float, dict]]) -> None:
+    """A program database with the given (generation, score, proxy, cells) rows, slots in order."""
+    db = ProgramDatabase(path)
+    db.check_config(dict(EvolveConfig(strategy=strategy, candidates=99).identity()))
+    slots: dict[int, int] = {}
+    for generation, score, proxy, cells in programs:
+        slot = slots.setdefault(generation, 0)
+        slots[generation] += 1
+        db.add(dict(generation=generation, island=0, slot=slot, mutator="m", status="ok", stage=3, score=score,
+                    proxy=proxy, cells=cells, source=f"def score(f):\n    return f.key_norm * {score}\n",
+                    code_hash=f"h{generation}-{slot}" if generation else "seed"))
+    db.add(dict(generation=1, island=1, slot=0, mutator="m", status="duplicate", stage=3, score=100.0, proxy=0.0,
+                cells={"0/0.75": 100.0}))  # a copy costs nothing and is never "best"
+    db.close()
+
+
+def test_evolve_compare_pairs_the_best_programs_at_equal_budgets(tmp_path):
+    seed = (0, 25.0, 1.0, {"0/0.75": 50.0, "0/0.875": 0.0, "1/0.75": 50.0, "1/0.875": 0.0, "2/0.75": 0.0,
+                           "2/0.875": 0.0})
+    run = [seed, (1, 50.0, 0.9, {"0/0.75": 100.0, "0/0.875": 100.0, "1/0.75": 50.0, "1/0.875": 50.0,
+                                 "2/0.75": 0.0, "2/0.875": 0.0}),
+           (1, 50.0, 0.5, {"0/0.75": 100.0, "0/0.875": 50.0, "1/0.75": 50.0, "1/0.875": 50.0, "2/0.75": 50.0,
+                           "2/0.875": 0.0}),
+           (2, 100.0, 0.1, {k: 100.0 for k in seed[3]})]  # the fourth candidate, past the control's budget
+    control = [seed, (1, 25.0, 0.8, {"0/0.75": 0.0, "0/0.875": 50.0, "1/0.75": 50.0, "1/0.875": 0.0,
+                                     "2/0.75": 50.0, "2/0.875": 0.0}),
+               (1, 8.3, 0.2, {"0/0.75": 50.0, "0/0.875": 0.0, "1/0.75": 0.0, "1/0.875": 0.0, "2/0.75": 0.0,
+                              "2/0.875": 0.0})]
+    _comparison_db(tmp_path / "run.sqlite", "evolve", run)
+    _comparison_db(tmp_path / "control.sqlite", "best_of_n", control)
+    script = Path(__file__).parents[1] / "benchmarks" / "evolve_compare.py"
+    out = subprocess.run([sys.executable, str(script), "--run", str(tmp_path / "run.sqlite"), "--control",
+                          str(tmp_path / "control.sqlite"), "--every", "2"], capture_output=True, text=True,
+                         check=True).stdout
+    lines = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    # budget 3 = the seed and two children each: the run's best is the 50.0 with the smaller gap (#3); the
+    # control's is its 25.0 child, tied with the seed on score and ahead of it on the gap; the 100.0 is past it
+    assert "50.0 / 0.500 (#3, gen 1)" in lines["3"] and "25.0 / 0.800 (#2, gen 1)" in lines["3"]
+    assert "50.0 / 0.900 (#2, gen 1)" in lines["2"] and "25.0 / 0.800 (#2, gen 1)" in lines["2"]
+    assert "100.0" not in out
+    # per-sample means over the ratios, written out: run #3 = 75, 50, 25; control #2 = 25, 25, 25; seed 25, 25, 0
+    row = lines["evolution best - best-of-N best"]
+    assert row.split("|")[2].strip().startswith("+25.0")
+    assert lines["evolution best - best seed (#1)"].split("|")[2].strip().startswith("+33.3")
+    control_row = lines["best-of-N best - best seed (#1)"].split("|")[2].strip()
+    assert control_row.startswith("+8.3")
+    # the interval of the control's +8.3: the differences 0, 0, 25 resample to means in [0, 25]
+    low, high = (float(x) for x in lines["best-of-N best - best seed (#1)"].split("|")[3].strip(" []").split(","))
+    assert 0.0 <= low <= 8.3 <= high <= 25.0 and "(not distinguishable)" in control_row
+
+
+def test_evolve_compare_refuses_runs_on_other_dev_sets(tmp_path):
+    _comparison_db(tmp_path / "run.sqlite", "evolve", [(0, 25.0, 1.0, {"0/0.75": 25.0})])
+    db = ProgramDatabase(tmp_path / "control.sqlite")
+    db.check_config(dict(EvolveConfig(strategy="best_of_n", dev_seed=1500).identity()))
+    db.close()
+    script = Path(__file__).parents[1] / "benchmarks" / "evolve_compare.py"
+    result = subprocess.run([sys.executable, str(script), "--run", str(tmp_path / "run.sqlite"), "--control",
+                             str(tmp_path / "control.sqlite")], capture_output=True, text=True)
+    assert result.returncode != 0 and "dev_seed: 1000 vs 1500" in result.stderr
