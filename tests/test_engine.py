@@ -304,6 +304,29 @@ class _IdTokenizer:
         return " ".join(str(i) for i in ids)
 
 
+def test_a_settled_row_stops_and_the_others_decode_on_unchanged():
+    from kvsieve.engine.generate import greedy_decode
+
+    model = tiny_model("llama")
+    prompts = torch.randint(1, 128, (3, 40), generator=torch.Generator().manual_seed(7))
+
+    def decode(settled=None, steps=12):
+        with kvsieve.attach(model, get("snapkv", window=8), ratio=0.5):
+            out = model(input_ids=prompts, use_cache=True)
+            return greedy_decode(model, _IdTokenizer(None), out.cache, out.logits[:, -1], steps, settled=settled)
+
+    free = decode()
+    calls = []
+
+    def settled(row: int, tokens: list[int]) -> bool:  # row 0 is decided after 3 tokens, row 2 after 5
+        calls.append((row, len(tokens)))
+        return (row, len(tokens)) in ((0, 3), (2, 5))
+
+    stopped = decode(settled)
+    assert stopped == [free[0][:3], free[1], free[2][:5]] and len(free[1]) == 12
+    assert (0, 4) not in calls and (1, 12) in calls  # a settled row is not asked again
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_batched_decode_drops_finished_rows_without_changing_the_others(arch, monkeypatch):
     from kvsieve.engine.generate import greedy_decode

@@ -510,6 +510,52 @@ def test_a_dev_samples_ratios_decode_as_one_batch_and_each_row_as_it_would_alone
             100.0 * ("4711" in dev.answers(dev.items[0], [dev.compressed(0, policies[0], 0.5)])[0])]
 
 
+def test_stage3_stops_a_row_once_its_score_is_settled_and_scores_it_as_a_decode_to_the_limit(tmp_path):
+    # a monotone metric at 100 cannot change: decoding on would cost steps and give the same score
+    import torch
+    from conftest import CharTokenizer, tiny_model
+
+    from kvsieve.engine.attach import attach
+    from kvsieve.engine.cache import clone_cache, stack_caches
+    from kvsieve.engine.generate import greedy_decode
+    from kvsieve.evolve.evaluate import DevSet
+    from kvsieve.policies import get
+    from kvsieve.tasks.metrics import score as metric_score
+    from kvsieve.tasks.sample import Sample
+
+    model, tokenizer = tiny_model("llama"), CharTokenizer()
+
+    def dev_for(answers: list[str], metric: str) -> DevSet:
+        sample = Sample(id="d0", task="niah_single_1", context="the number is 4711. " * 6, question="Which number?",
+                        answer_prefix="It is", answers=answers, max_new_tokens=16, length=0, seed=0, metric=metric)
+        return DevSet(model, tokenizer, [sample], ratios=[0.5, 0.75], window=4, workdir=tmp_path / metric)
+
+    def to_the_limit(dev: DevSet, caches: list) -> list[str]:
+        first = torch.cat([dev.read_question(dev.items[0], c)[1] for c in caches])
+        with torch.no_grad(), attach(model, dev.capture, ratio=0.0):
+            rows = greedy_decode(model, tokenizer, stack_caches(caches), first, 16)
+        return [tokenizer.decode(r, skip_special_tokens=True) for r in rows]
+
+    policy = get("tova", window=4)
+    probe = dev_for(["zzz"], "string_match_all")
+    full = to_the_limit(probe, [probe.compressed(0, policy, r) for r in probe.ratios])
+    assert all(len(text) == 16 for text in full)
+    # references the rows' own answers contain early: the first row's 3rd-4th characters, and one it never writes
+    for metric, refs in (("string_match_all", [full[0][2:4]]), ("string_match_part", [full[0][2:4], "\x01"])):
+        dev = dev_for(refs, metric)
+        caches = [dev.compressed(0, policy, r) for r in dev.ratios]
+        early = dev.answers(dev.items[0], caches)
+        late = to_the_limit(dev, [dev.compressed(0, policy, r) for r in dev.ratios])
+        assert late == full and early[0] == full[0][:4]  # settled at its 4th token, a prefix of the long answer
+        for text, long in zip(early, late):
+            assert long.startswith(text)
+            assert metric_score(metric, text, refs) == metric_score(metric, long, refs)
+        assert dev.items[0].full_score == metric_score(metric, to_the_limit(dev, [clone_cache(dev.items[0].cache)])[0],
+                                                                       refs)
+    dev = dev_for([full[0][2:4]], "qa_f1")  # not monotone: never cut short
+    assert dev.answers(dev.items[0], [dev.compressed(0, policy, r) for r in dev.ratios]) == full
+
+
 def test_each_dev_cell_reads_the_question_once_and_its_gap_is_the_teacher_forced_log_likelihood(tmp_path,
                                                                                                  monkeypatch):
     """Stages 2 and 3 share one compression and one question read per (sample, ratio); the proxy stays what it

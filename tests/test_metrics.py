@@ -16,6 +16,7 @@ from kvsieve.tasks.metrics import (
     retrieval,
     rouge_l,
     score,
+    settled,
     string_match_all,
     string_match_part,
 )
@@ -28,6 +29,21 @@ def test_string_match():
     assert string_match_part("nothing", ["1234", "9999"]) == 0.0
     with pytest.raises(ValueError, match="at least one"):
         string_match_all("x", [])
+
+
+def test_settled_means_no_longer_prediction_can_change_the_score():
+    text = "1. 4711\n2. 2024\n3. 4711\n4. 99 and more text after the answers"
+    refs = ["4711", "2024", "99"]
+    for metric in ("string_match_all", "string_match_part"):
+        prefix_scores = [score(metric, text[:i], refs) for i in range(len(text) + 1)]
+        assert prefix_scores == sorted(prefix_scores)  # monotone: a reference found stays found
+        first = next(i for i, v in enumerate(prefix_scores) if v == 100.0)
+        assert [settled(metric, text[:i], refs) for i in range(len(text) + 1)] == [i >= first for i in
+                                                                                   range(len(text) + 1)]
+    assert not settled("string_match_all", "4711 and 2024", refs)  # 67: "99" may still come
+    # F1 is not monotone (more words can lower it), so a perfect F1 is never settled
+    assert qa_f1("Paris", ["Paris"]) == 100.0 > qa_f1("Paris and more", ["Paris"])
+    assert not settled("qa_f1", "Paris", ["Paris"])
 
 
 def test_normalize_and_qa_f1():

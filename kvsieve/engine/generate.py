@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,9 +31,12 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 @torch.no_grad()
 def greedy_decode(
-    model, tokenizer, cache, logits: torch.Tensor, max_new_tokens: int, stop: tuple[str, ...] = ()
+    model, tokenizer, cache, logits: torch.Tensor, max_new_tokens: int, stop: tuple[str, ...] = (),
+    settled: Callable[[int, list[int]], bool] | None = None,
 ) -> list[list[int]]:
-    """Greedy tokens for each row after ``logits`` (b, vocab); a row ends at EOS, a stop string or the limit.
+    """Greedy tokens for each row after ``logits`` (b, vocab); a row ends at EOS, a stop string or the limit,
+    and, when ``settled(row, tokens)`` is given, as soon as it says the row's outcome is decided (a caller that
+    only needs a score that further tokens cannot change: ``tasks.metrics.settled``).
 
     Rows of a batch share the cache's batch dimension; a finished row is dropped from the cache
     (``batch_select_indices``), so a batch costs the sum of its answers' lengths, not rows x longest.
@@ -48,7 +52,9 @@ def greedy_decode(
             if token in eos:
                 continue
             tokens[row].append(token)
-            if not (stop and any(s in tokenizer.decode(tokens[row]) for s in stop)):
+            if stop and any(s in tokenizer.decode(tokens[row]) for s in stop):
+                continue
+            if settled is None or not settled(row, tokens[row]):
                 keep.append(i)
         if not keep or step + 1 == max_new_tokens:
             break

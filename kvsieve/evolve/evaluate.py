@@ -9,7 +9,8 @@
 2. cheap proxy: the teacher-forced log-likelihood of each dev sample's reference answer on the
    compressed cache against the full cache (nats per answer token; no decoding); a candidate whose
    mean gap exceeds ``max_gap`` is rejected here;
-3. task score: greedy decoding on the dev set, scored by the task's metric.
+3. task score: greedy decoding on the dev set, scored by the task's metric (a row stops once further tokens
+   cannot change its score: a monotone metric at 100, such as RULER's string matching).
 
 The dev set is prefilled once (:class:`DevSet`): every candidate prunes copies of the same full-cache
 prefills and reads the same saved features. Each (sample, ratio) of a candidate is pruned and reads the
@@ -44,6 +45,7 @@ from kvsieve.prompt import Prompt, build_prompt
 from kvsieve.selection import Budget, Selection
 from kvsieve.signals import Signals
 from kvsieve.tasks.metrics import score as metric_score
+from kvsieve.tasks.metrics import settled as metric_settled
 from kvsieve.tasks.sample import Sample
 
 __all__ = ["DevSet", "Evaluation", "evaluate_program", "selection_problem", "answer_token_ids", "STAGES"]
@@ -154,13 +156,21 @@ class DevSet:
     @torch.no_grad()
     def answers(self, item: DevSample, caches: list, first_logits: torch.Tensor | None = None) -> list[str]:
         """The greedy answer decoded on each of ``caches``, as one batch: a decode step reads the weights once for
-        every row (as the harness batches a sample's cells); each row decodes as it would alone. ``first_logits``
-        (one row per cache): the caches have read the question already (:meth:`read_question`)."""
+        every row (as the harness batches a sample's cells); each row decodes as it would alone, and stops once its
+        score is settled (a monotone metric at 100, ``tasks.metrics.settled``: a prefix of the harness's answer, the
+        same score). ``first_logits`` (one row per cache): the caches have read the question already
+        (:meth:`read_question`)."""
         if first_logits is None:  # each row reads the question alone, as one cell of the harness does
             first_logits = torch.cat([self.read_question(item, cache)[1] for cache in caches])
+        sample = item.sample
+
+        def decided(row: int, tokens: list[int]) -> bool:  # the score cannot change: stop decoding this row
+            return metric_settled(sample.metric, self.tokenizer.decode(tokens, skip_special_tokens=True),
+                                  sample.answers)
+
         with attach(self.model, self.capture, ratio=0.0):
             tokens = greedy_decode(self.model, self.tokenizer, stack_caches(caches), first_logits,
-                                   item.sample.max_new_tokens, tuple(item.sample.stop))
+                                   sample.max_new_tokens, tuple(sample.stop), settled=decided)
         return [self.tokenizer.decode(row, skip_special_tokens=True) for row in tokens]
 
     def task_scores(self, item: DevSample, caches: list, first_logits: torch.Tensor | None = None) -> list[float]:

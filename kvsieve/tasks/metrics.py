@@ -29,6 +29,8 @@ from collections.abc import Callable, Sequence
 __all__ = [
     "METRICS",
     "score",
+    "settled",
+    "MONOTONE",
     "string_match_all",
     "string_match_part",
     "qa_f1",
@@ -225,6 +227,18 @@ METRICS: dict[str, Metric] = {
     "count": count,
     "code_sim": code_sim,
 }
+
+
+# metrics that can only grow as the prediction is extended (a reference found stays found): once such a metric
+# scores 100, no further token can change it
+MONOTONE = frozenset({"string_match_all", "string_match_part"})
+
+
+def settled(metric_name: str, prediction: str, answers: list[str]) -> bool:
+    """Whether decoding further cannot change ``prediction``'s score: a monotone metric (``MONOTONE``) already at
+    100. A caller that needs only the score may stop there (evolution's stage 3 does; the harness stores whole
+    predictions and does not)."""
+    return metric_name in MONOTONE and score(metric_name, prediction, answers) >= 100.0
 
 
 def score(metric_name: str, prediction: str, answers: list[str]) -> float:
