@@ -206,9 +206,9 @@ def test_collected_rows_are_keyed_by_the_dtype_the_model_computes_in(trained, tm
     shutil.copytree(result.out / "kvzap-data", tmp_path / "kvzap-data")
     here = dataclasses.replace(config, out=str(tmp_path))
     before = len(list((tmp_path / "kvzap-data").glob("*.safetensors")))
-    _, same = collect_rows(here, model, TOKENIZER, progress=False, episodes=episodes[:2])
+    same, _ = collect_rows(here, model, TOKENIZER, progress=False, episodes=episodes[:2])
     assert len(list((tmp_path / "kvzap-data").glob("*.safetensors"))) == before  # float32: read back
-    _, other = collect_rows(here, copy.deepcopy(model).to(torch.bfloat16), TOKENIZER, progress=False,
+    other, _ = collect_rows(here, copy.deepcopy(model).to(torch.bfloat16), TOKENIZER, progress=False,
                             episodes=episodes[:2])
     assert len(list((tmp_path / "kvzap-data").glob("*.safetensors"))) == before + 2  # bfloat16: collected anew
     assert not torch.equal(same[0]["targets"].float(), other[0]["targets"].float())  # computed in bfloat16
