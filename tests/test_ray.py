@@ -145,7 +145,10 @@ def test_an_interrupted_driver_resumes_with_only_the_missing_cells(cluster, loca
     grid = {**GRID, "samples": 16}
     # each dispatch waits 0.3 s in the driver, so the 14 samples left after the check take seconds: the
     # signal always lands mid-run (a fast machine finished 16 tiny samples before it, twice)
-    code = ("import sys, time; sys.path.insert(0, sys.argv[3]); from test_ray import tiny_factory; "
+    # a process started in the background of a non-interactive shell inherits SIGINT ignored (POSIX), and so
+    # would the driver: restore Python's handler so Ctrl-C raises KeyboardInterrupt wherever the test runs
+    code = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "import sys, time; sys.path.insert(0, sys.argv[3]); from test_ray import tiny_factory; "
             "from kvsieve.harness.grid import GridConfig; from kvsieve.harness.run import run_grid; "
             "from kvsieve.harness.ray_executor import RayGridExecutor; "
             f"run_grid(GridConfig(**{grid!r}, store=sys.argv[1]), progress=False, "
