@@ -550,8 +550,8 @@ def test_stage3_stops_a_row_once_its_score_is_settled_and_scores_it_as_a_decode_
         for text, long in zip(early, late):
             assert long.startswith(text)
             assert metric_score(metric, text, refs) == metric_score(metric, long, refs)
-        assert dev.items[0].full_score == metric_score(metric, to_the_limit(dev, [clone_cache(dev.items[0].cache)])[0],
-                                                                       refs)
+        full_cache_answer = to_the_limit(dev, [clone_cache(dev.items[0].cache)])[0]
+        assert dev.items[0].full_score == metric_score(metric, full_cache_answer, refs)
     dev = dev_for([full[0][2:4]], "qa_f1")  # not monotone: never cut short
     assert dev.answers(dev.items[0], [dev.compressed(0, policy, r) for r in dev.ratios]) == full
 
