@@ -143,3 +143,58 @@ def test_budget_above_context_and_empty_context():
 def test_bad_selection(kwargs):
     with pytest.raises(ValueError):
         Selection(**kwargs)
+
+
+def _reference_allocation(layers, budgets, sink, floor_share):
+    """Plain Python: every head keeps its sinks and its best entries up to its floor, then the rest of the
+    total goes to the best remaining entries of any head, ties to the earlier layer, head, entry."""
+    b, h = len(layers[0]), len(layers[0][0])
+    kept = [[[set() for _ in range(h)] for _ in range(b)] for _ in layers]
+    for row in range(b):
+        pool = []
+        for li, (layer, budget) in enumerate(zip(layers, budgets)):
+            floor = max(int(floor_share * budget), sink, 1)
+            for head in range(h):
+                values = layer[row][head]
+                order = list(range(sink)) + sorted(range(sink, len(values)), key=lambda i: (-values[i], i))
+                kept[li][row][head].update(order[:floor])
+                pool += [(-values[i], li, head, i) for i in order[floor:]]
+        remaining = h * sum(budgets) - sum(len(kept[li][row][head]) for li in range(len(layers)) for head in range(h))
+        for _, li, head, i in sorted(pool)[:remaining]:
+            kept[li][row][head].add(i)
+    return kept
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_global_allocation_matches_a_plain_python_reference(seed):
+    gen = torch.Generator().manual_seed(seed)
+    lengths, budgets = [40, 23, 31], [9, 6, 12]
+    # integer scores: many ties, which must go to the earlier layer, head and entry
+    layers = [torch.randint(0, 6, (2, 3, n), generator=gen).double() for n in lengths]
+    sel = Selection(sink=2, allocation="global", adaptive_floor=0.25)
+    picked = sel.allocate(layers, budgets)
+    expected = _reference_allocation([x.tolist() for x in layers], budgets, sink=2, floor_share=0.25)
+    for li, (indices, valid) in enumerate(picked):
+        assert indices.shape[-1] == max(len(s) for row in expected[li] for s in row)
+        assert bool((indices.diff(dim=-1) > 0).all())  # ascending, distinct
+        for row in range(2):
+            for head in range(3):
+                mine = indices[row, head] if valid is None else indices[row, head][valid[row, head]]
+                assert set(mine.tolist()) == expected[li][row][head], (li, row, head)
+
+
+@pytest.mark.parametrize("normalization", ["none", "zscore"])
+def test_entries_scored_minus_infinity_are_never_kept_and_plus_infinity_always(normalization):
+    s = scores(h=3, n=40)
+    s[0, 0, 10:] = float("-inf")  # head 0 holds 10 real entries, the rest padding
+    s[0, 1, 5] = float("inf")
+    s[0, 2, 7] = float("nan")
+    sel = Selection(allocation="layer", normalization=normalization)
+    idx, valid = sel.kept_indices(s, 16)
+    kept = [set(idx[0, head][valid[0, head]].tolist()) for head in range(3)]
+    assert sum(map(len, kept)) == 48
+    assert kept[0] <= set(range(10)) and 5 in kept[1] and 7 not in kept[2]
+    # a budget above the keepable entries keeps all of them and nothing else
+    idx, valid = sel.kept_indices(s, 32)
+    kept = [set(idx[0, head][valid[0, head]].tolist()) for head in range(3)]
+    assert kept == [set(range(10)), set(range(40)), set(range(40)) - {7}]

@@ -27,6 +27,7 @@ from kvsieve.evolve import seccomp
 from kvsieve.evolve.features import TENSOR_FIELDS, Features, synthetic_features
 from kvsieve.evolve.interpreter import InterpreterError, LimitExceeded, Limits, ScoreProgram
 from kvsieve.evolve.program import Program, ProgramError
+from kvsieve.selection import ALLOCATIONS, Selection
 
 __all__ = ["check_invariants", "install_guards", "invariant_cases", "main", "INVARIANTS", "features_from_bytes",
            "remove_native_io"]
@@ -458,7 +459,8 @@ def _warm_up(window: int) -> None:
                     attr(*args)
                 except Exception:  # noqa: BLE001, S110
                     continue
-    torch.nan_to_num(x.double(), nan=float("-inf")).argsort(dim=-1, stable=True)
+    for allocation in ALLOCATIONS:  # the selection's own kernels (kthvalue, cumsum, masked indexing)
+        Selection(allocation=allocation).kept_indices(x, 2)
     torch.topk(x, 2, dim=-1)
     torch.broadcast_shapes((2, 1), (1, 3))
     ScoreProgram("def score(f):\n    return pool(group_mean(f.attn), 5) + 0.0 * f.key_norm\n",

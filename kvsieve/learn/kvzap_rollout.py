@@ -45,10 +45,10 @@ class _GlobalRecordingSelection(Selection):
     decisions: list = field(default_factory=list, compare=False, repr=False)
     pending: list = field(default_factory=list, compare=False, repr=False)
 
-    def allocate(self, scores, budgets, protected_tail=0, _keys=None):
-        picked = super().allocate(scores, budgets, protected_tail, _keys)
+    def allocate(self, scores, budgets, protected_tail=0, _protected=None):
+        picked = super().allocate(scores, budgets, protected_tail, _protected)
         pending, self.pending[:] = list(self.pending), []
-        if _keys is not None or len(pending) != len(scores):  # not the prefill's global pick of the scored layers
+        if _protected is not None or len(pending) != len(scores):  # not the prefill's global pick of the scored layers
             return picked
         b, h = scores[0].shape[:2]
         masks, pools, floors = [], [], 0
