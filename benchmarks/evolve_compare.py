@@ -29,7 +29,8 @@ from kvsieve.evolve.database import ProgramRecord, rank_key
 from kvsieve.harness.headline import bootstrap_interval
 
 # what the dev cells and the starting point depend on: equal in a run and its control, or their cells do not pair
-DEV_KEYS = ("model", "tasks", "length", "ratios", "dev_samples", "dev_seed", "window", "dtype", "seed_programs")
+DEV_KEYS = ("model", "tasks", "length", "ratios", "dev_samples", "dev_seed", "window", "dev_max_new_tokens", "dtype",
+            "seed_programs")
 COLUMNS = [f.name for f in ProgramRecord.__dataclass_fields__.values()]
 
 
@@ -40,7 +41,9 @@ def read_run(path: str) -> tuple[dict, list[ProgramRecord]]:
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)  # a running evolution may be writing it
     try:
         row = conn.execute("SELECT value FROM meta WHERE key = 'config'").fetchone()
-        rows = conn.execute(f"SELECT {', '.join(COLUMNS)} FROM programs "
+        present = {r[1] for r in conn.execute("PRAGMA table_info(programs)")}
+        columns = [c for c in COLUMNS if c in present]  # older databases lack the newer columns (defaults)
+        rows = conn.execute(f"SELECT {', '.join(columns)} FROM programs "
                             "WHERE status NOT IN ('duplicate', 'no_proposal', 'migrated') "
                             "ORDER BY generation, island, slot").fetchall()
     finally:
@@ -49,7 +52,7 @@ def read_run(path: str) -> tuple[dict, list[ProgramRecord]]:
         raise SystemExit(f"{path} holds no run configuration")
     records = []
     for r in rows:
-        values = dict(zip(COLUMNS, r))
+        values = dict(zip(columns, r))
         values["inspiration_ids"] = json.loads(values["inspiration_ids"])
         values["cells"] = json.loads(values["cells"])
         values["degenerate"] = bool(values["degenerate"])

@@ -12,13 +12,15 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from conftest import CharTokenizer, tiny_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from kvsieve.evolve.config import EvolveConfig, load_config
-from kvsieve.evolve.database import ProgramDatabase, behaviour_cell
-from kvsieve.evolve.features import synthetic_features
+from kvsieve.evolve.config import EvolveConfig, dev_samples, load_config
+from kvsieve.evolve.database import SCHEMA, ProgramDatabase, behaviour_cell
+from kvsieve.evolve.features import HELPERS, HELPERS_VERSION, synthetic_features
 from kvsieve.evolve.interpreter import ScoreProgram
 from kvsieve.evolve.mutators.structural import OPERATIONS, StructuralMutator
 from kvsieve.evolve.program import Program, ProgramError, parse_selection
@@ -185,6 +187,49 @@ def test_a_database_refuses_another_run(tmp_path):
     db.close()
 
 
+def test_a_database_of_other_helper_semantics_is_refused(tmp_path):
+    """Its scores hold for the helpers it ran with: a database from before HELPERS_VERSION (version 1) holding
+    rows is refused; an empty one takes this version."""
+    db = ProgramDatabase(tmp_path / "x.sqlite")
+    db.check_config(tiny_run_config(tmp_path, 5).identity())
+    assert db.meta("helpers_version") == HELPERS_VERSION
+    db.add(dict(generation=0, island=0, slot=0, mutator="seed", status="ok", stage=3))
+    db.check_config(tiny_run_config(tmp_path, 5).identity())
+    db.conn.execute("DELETE FROM meta WHERE key = 'helpers_version'")  # as written before the version existed
+    db.conn.commit()
+    with pytest.raises(ValueError, match=f"version 1 of the program helpers.*interprets version {HELPERS_VERSION}"):
+        db.check_config(tiny_run_config(tmp_path, 5).identity())
+    db.close()
+
+
+def test_scale_helpers_divide_by_a_magnitude_whatever_the_sign():
+    """unit_mean and normalize keep a signal's order and put it on a unit scale, negative values included
+    (log scores): x / mean|x| and x / max|x| in plain numpy."""
+    x = torch.tensor([[[-3.0, -1.0, -2.0, -6.0], [0.5, -0.5, 1.5, 2.5]]])
+    a = x.numpy()
+    expected_mean = a / np.abs(a).mean(axis=-1, keepdims=True)
+    expected_max = a / np.abs(a).max(axis=-1, keepdims=True)
+    program = ScoreProgram("def score(f):\n    return unit_mean(f.key_norm) + 10.0 * normalize(f.key_norm)\n",
+                           static_check=False)
+    f = synthetic_features(0, n=4, window=2)
+    f.key_norm = x
+    assert np.allclose(program(f).numpy(), expected_mean + 10 * expected_max)
+    assert np.allclose(HELPERS["unit_mean"](torch.zeros(1, 3)).numpy(), 0.0)  # no division by zero
+
+
+def test_dev_max_new_tokens_caps_every_dev_sample_and_is_checked(tmp_path):
+    config = tiny_run_config(tmp_path, 5, tasks=["niah_multivalue", "niah_single_1"], length=1024)
+    plain = dev_samples(config, CharTokenizer(), config.dev_seed, 1)
+    assert sorted(s.max_new_tokens for s in plain) == [32, 128]  # each task's own limit
+    capped = dev_samples(tiny_run_config(tmp_path, 5, tasks=["niah_multivalue", "niah_single_1"], length=1024,
+                                         dev_max_new_tokens=64), CharTokenizer(), config.dev_seed, 1)
+    assert [s.max_new_tokens for s in capped] == [min(s.max_new_tokens, 64) for s in plain]
+    assert [s.context for s in capped] == [s.context for s in plain]
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match=f"dev_max_new_tokens must be an int >= 1.*got {bad!r}"):
+            tiny_run_config(tmp_path, 5, dev_max_new_tokens=bad)
+
+
 def test_a_run_that_stored_nothing_takes_the_corrected_config(tmp_path):
     """A run that failed before its first row (a typo) does not make the corrected rerun refuse."""
     db = ProgramDatabase(tmp_path / "x.sqlite")
@@ -215,15 +260,23 @@ def test_bad_databases_and_configs_are_refused_up_front(tmp_path):
 
 
 class _FakeExecutor:
-    """Scores derived from the program's hash alone (an independent, fixed function), so two runs agree."""
+    """Scores derived from the program's hash alone (an independent, fixed function), so two runs agree; the kept
+    entries are one of 40, so some children keep an earlier program's and take its results from ``known``."""
 
-    def evaluate(self, programs, max_gap=None, on_result=None):
+    def evaluate(self, programs, max_gap=None, on_result=None, known=None):
         from kvsieve.evolve.evaluate import Evaluation
 
         out = []
         for i, program in enumerate(programs):
             value = int(program.code_hash[:6], 16) % 1000 / 10.0
-            evaluation = Evaluation("ok", 3, proxy=1.0 / (1.0 + value), score=value, cells={"0/0.5": value})
+            kept = f"kept{int(program.code_hash[:6], 16) % 40}"
+            same = (known or {}).get(kept)
+            if same is not None:
+                evaluation = Evaluation("ok", 3, f"as #{same.program_id}", proxy=same.proxy, score=same.score,
+                                        cells=same.cells, kept_hash=kept)
+            else:
+                evaluation = Evaluation("ok", 3, proxy=1.0 / (1.0 + value), score=value, cells={"0/0.5": value},
+                                        kept_hash=kept)
             if on_result is not None:
                 on_result(i, evaluation)
             out.append(evaluation)
@@ -273,6 +326,7 @@ def test_resume_is_exact_across_migrations(tmp_path):
     db.close()
     expected = _whole_rows(straight)
     assert sum(1 for r in expected if r[6] == "migration") >= 2  # migrations happened (the mutator column)
+    assert any(r[12].startswith("as #") for r in expected)  # and children took earlier results by kept entries
     for stop in range(1, len(expected)):
         path = tmp_path / f"stopped-{stop}.sqlite"
         dying = _DyingDatabase(path, stop)
@@ -402,7 +456,6 @@ def test_allocation_is_a_gene_of_selection_and_holds_the_budget_in_bytes():
     import random
 
     import torch
-    from conftest import tiny_model
 
     import kvsieve
     from kvsieve.engine.cache import cache_bytes, sieve_layers
@@ -445,7 +498,6 @@ def test_normalization_is_a_gene_so_scores_on_one_scale_keep_their_ranking_acros
     # the surrogate seed's log KVzip scores are comparable across heads and layers; z-scoring each head first
     # (the default for a shared budget) threw that away and made the seed a uniform-like kvzap
     import torch
-    from conftest import tiny_model
 
     import kvsieve
     from kvsieve.engine.cache import sieve_layers
@@ -486,7 +538,6 @@ def test_normalization_is_a_gene_so_scores_on_one_scale_keep_their_ranking_acros
 def test_a_dev_samples_ratios_decode_as_one_batch_and_each_row_as_it_would_alone(tmp_path):
     # stage 3 decodes a sample's ratios together (one weight read per step for every row)
     import torch
-    from conftest import CharTokenizer, tiny_model
 
     from kvsieve.evolve.evaluate import DevSet
     from kvsieve.policies import get
@@ -513,7 +564,6 @@ def test_a_dev_samples_ratios_decode_as_one_batch_and_each_row_as_it_would_alone
 def test_stage3_stops_a_row_once_its_score_is_settled_and_scores_it_as_a_decode_to_the_limit(tmp_path):
     # a monotone metric at 100 cannot change: decoding on would cost steps and give the same score
     import torch
-    from conftest import CharTokenizer, tiny_model
 
     from kvsieve.engine.attach import attach
     from kvsieve.engine.cache import clone_cache, stack_caches
@@ -562,8 +612,6 @@ def test_each_dev_cell_reads_the_question_once_and_its_gap_is_the_teacher_forced
     is defined as (the answer teacher-forced after the question in one forward pass, computed here directly)
     and the task scores those of a cache that reads the question on its own."""
     import statistics
-
-    from conftest import CharTokenizer, tiny_model
 
     from kvsieve.engine.attach import attach
     from kvsieve.engine.cache import clone_cache, sieve_layers
@@ -678,3 +726,82 @@ def test_evolve_compare_refuses_runs_on_other_dev_sets(tmp_path):
     result = subprocess.run([sys.executable, str(script), "--run", str(tmp_path / "run.sqlite"), "--control",
                              str(tmp_path / "control.sqlite")], capture_output=True, text=True)
     assert result.returncode != 0 and "dev_seed: 1000 vs 1500" in result.stderr
+
+
+@pytest.mark.parametrize("allocation", ["uniform", "global"])  # dense layers; ragged heads
+def test_a_candidate_keeping_an_earlier_programs_entries_takes_its_results(tmp_path, monkeypatch, allocation):
+    """The fingerprint of the kept entries is equal exactly when two programs keep the same entries in every dev
+    cell (a monotone transform of the scores does, another signal does not); such a candidate takes the earlier
+    results, re-judged by this generation's stage-2 threshold, without reading a question or decoding."""
+    from kvsieve.engine.cache import sieve_layers
+    from kvsieve.evolve.evaluate import DevSet, KnownKept, evaluate_program, kept_fingerprint
+    from kvsieve.policies.program import ProgramPolicy
+    from kvsieve.tasks.sample import Sample
+
+    model = tiny_model("llama")
+    samples = [Sample(id=f"d{i}", task="niah_single_1", context=f"the number is {n}. " * 6 + "and so on. " * i,
+                      question="Which number?", answer_prefix="It is", answers=[str(n)], max_new_tokens=8, length=0,
+                      seed=i, metric="string_match_all") for i, n in enumerate((4711, 2024))]
+    dev = DevSet(model, CharTokenizer(), samples, ratios=[0.5, 0.75], window=4, workdir=tmp_path)
+    sources = {name: f'SELECTION = {{"chunk_size": 1, "sink": 2, "allocation": "{allocation}"}}\n\n\ndef score(f):\n'
+                     f'    return {body}\n'
+               for name, body in (("plain", "f.key_norm"), ("scaled", "3.0 * f.key_norm + 1.0"),
+                                  ("other", "f.value_norm"))}
+
+    def kept_sets(source):  # the positions each head keeps, read off the caches directly
+        policy = ProgramPolicy(source=source, window=4)
+        out = []
+        for i in range(len(dev.items)):
+            for ratio in dev.ratios:
+                for _, layer in sieve_layers(dev.compressed(i, policy, ratio)):
+                    heads = layer.heads if layer.is_ragged else None
+                    for h in range(layer.num_heads()):
+                        pos, valid = ((heads[h].positions, heads[h].valid) if heads is not None
+                                      else (layer.positions[:, h], None if layer.valid is None else layer.valid[:, h]))
+                        out.append(sorted(pos[0][valid[0]].tolist() if valid is not None else pos[0].tolist()))
+        return out
+
+    def fingerprint(source):
+        policy = ProgramPolicy(source=source, window=4)
+        return kept_fingerprint(dev.compressed(i, policy, r) for i in range(len(dev.items)) for r in dev.ratios)
+
+    assert kept_sets(sources["plain"]) == kept_sets(sources["scaled"]) != kept_sets(sources["other"])
+    assert fingerprint(sources["plain"]) == fingerprint(sources["scaled"]) != fingerprint(sources["other"])
+
+    first = evaluate_program(Program(sources["plain"]), dev)
+    assert first.status == "ok" and first.kept_hash == fingerprint(sources["plain"])
+    known = {first.kept_hash: KnownKept(7, first.proxy, first.score, first.cells)}
+    monkeypatch.setattr(dev, "read_question", lambda *a: pytest.fail("a known candidate read the question"))
+    again = evaluate_program(Program(sources["scaled"]), dev, known=known)
+    assert (again.status, again.stage, again.proxy, again.score, again.cells) == (
+        "ok", 3, first.proxy, first.score, first.cells)
+    assert "program #7" in again.reason and again.kept_hash == first.kept_hash
+    tight = evaluate_program(Program(sources["scaled"]), dev, max_gap=first.proxy - 1e-6, known=known)
+    assert tight.status == "proxy_rejected" and tight.proxy == first.proxy and "program #7" in tight.reason
+    with pytest.raises(pytest.fail.Exception, match="read the question"):  # an unknown one runs its stages
+        evaluate_program(Program(sources["other"]), dev, known=known)
+
+
+def test_kept_hashes_come_from_earlier_generations_and_old_databases_gain_the_column(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "old.sqlite"
+    old_schema = SCHEMA.replace("    kept_hash TEXT NOT NULL DEFAULT '',\n", "")
+    assert old_schema != SCHEMA
+    conn = sqlite3.connect(path)
+    conn.executescript(old_schema)
+    conn.execute("INSERT INTO programs (generation, island, slot, mutator, status, stage, proxy, score) "
+                 "VALUES (0, 0, 0, 'seed', 'ok', 3, 0.5, 50.0)")
+    conn.commit()
+    conn.close()
+    db = ProgramDatabase(path)
+    assert db.records()[0].kept_hash == ""  # written before the column: unknown, never matched
+    rows = [(1, 0, "ok", "a", 0.2, 60.0), (1, 1, "proxy_rejected", "b", 0.9, None), (1, 2, "ok", "a", 0.2, 60.0),
+            (1, 3, "duplicate", "c", 0.1, 90.0), (2, 0, "ok", "d", 0.3, 70.0), (1, 4, "killed", "e", None, None)]
+    for generation, slot, status, kept, proxy, score in rows:
+        db.add(dict(generation=generation, island=0, slot=slot, mutator="m", status=status, stage=3, proxy=proxy,
+                    score=score, kept_hash=kept))
+    found = db.by_kept_hash(before_generation=2)
+    assert sorted(found) == ["a", "b"] and found["a"].slot == 0 and found["b"].score is None
+    assert sorted(db.by_kept_hash(before_generation=3)) == ["a", "b", "d"]
+    db.close()

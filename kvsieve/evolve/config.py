@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from kvsieve.config import load_config as load_config_file
@@ -26,6 +26,10 @@ class EvolveConfig:
     heldout_samples: int = 2  # per task, for the dev/held-out gap of the best programs
     heldout_seed: int = 2000
     window: int = 64
+    # stage 3 decodes at most this many tokens per answer (None: each task's own limit, 128 for RULER's multivalue
+    # needles); a cap above the longest reference answer keeps every correct answer and halves a Qwen candidate,
+    # whose stage 3 is mostly multivalue rows that miss a value and decode to the limit
+    dev_max_new_tokens: int | None = None
     dtype: str = "auto"
     seed: int = 0
     candidates: int = 200  # programs evaluated (duplicates and unusable proposals do not count)
@@ -69,6 +73,9 @@ class EvolveConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        cap = self.dev_max_new_tokens
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"dev_max_new_tokens must be an int >= 1 or absent (each task's own limit), got {cap!r}")
         unknown = [s for s in self.seed_programs if s not in SEEDS and not Path(s).is_file()]
         if unknown or not self.seed_programs:
             raise ValueError(f"seed programs {unknown or '[]'} are neither seed names ({', '.join(SEEDS)}) nor files")
@@ -95,5 +102,8 @@ def load_config(path: str | None, **overrides) -> EvolveConfig:
 
 
 def dev_samples(config: EvolveConfig, tokenizer, seed: int, per_task: int):
+    """The run's dev (or held-out) samples, their decoding capped at ``dev_max_new_tokens``."""
     spec = SampleSpec(model=config.model, tasks=config.tasks, lengths=[config.length], samples=per_task, seed=seed)
-    return list(load_samples(spec, tokenizer))
+    samples = list(load_samples(spec, tokenizer))
+    cap = config.dev_max_new_tokens
+    return samples if cap is None else [replace(s, max_new_tokens=min(s.max_new_tokens, cap)) for s in samples]

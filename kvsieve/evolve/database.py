@@ -15,7 +15,7 @@ import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvsieve.evolve.features import TENSOR_FIELDS
+from kvsieve.evolve.features import HELPERS_VERSION, TENSOR_FIELDS
 from kvsieve.evolve.program import fields_read
 
 __all__ = ["ProgramRecord", "ProgramDatabase", "behaviour_cell", "rank_key"]
@@ -31,6 +31,7 @@ CREATE TABLE IF NOT EXISTS programs (
     status TEXT NOT NULL, stage INTEGER NOT NULL, reason TEXT NOT NULL DEFAULT '',
     proxy REAL, score REAL, cells TEXT NOT NULL DEFAULT '{}', degenerate INTEGER NOT NULL DEFAULT 0,
     cell TEXT NOT NULL DEFAULT '', seconds REAL NOT NULL DEFAULT 0, sandbox_seconds REAL NOT NULL DEFAULT 0,
+    kept_hash TEXT NOT NULL DEFAULT '',
     UNIQUE (generation, island, slot)
 );
 """
@@ -58,6 +59,7 @@ class ProgramRecord:
     cell: str
     seconds: float
     sandbox_seconds: float
+    kept_hash: str = ""  # the entries its compressed dev cells keep (evaluate.kept_fingerprint); "" if unknown
 
     @property
     def evaluated(self) -> bool:
@@ -86,6 +88,9 @@ class ProgramDatabase:
         self.conn = sqlite3.connect(str(self.path))
         try:
             self.conn.executescript(SCHEMA)
+            columns = {row[1] for row in self.conn.execute("PRAGMA table_info(programs)")}
+            if "kept_hash" not in columns:  # a database from before the column: its rows are "" (unknown)
+                self.conn.execute("ALTER TABLE programs ADD COLUMN kept_hash TEXT NOT NULL DEFAULT ''")
             self.conn.commit()
         except sqlite3.DatabaseError as err:
             self.conn.close()
@@ -98,20 +103,25 @@ class ProgramDatabase:
     # --- run configuration: a resumed run must be the same run --------------------------------------
 
     def check_config(self, config: dict) -> None:
-        """Store ``config`` on first use; refuse to resume a database made with another config."""
+        """Store ``config`` and the helpers' semantics (``features.HELPERS_VERSION``) on first use; refuse to
+        resume a database made with another config or under other helpers (its scores are not what its
+        programs compute now)."""
         row = self.conn.execute("SELECT value FROM meta WHERE key = 'config'").fetchone()
         text = json.dumps(config, sort_keys=True)
-        if row is None:
+        if row is None or self.conn.execute("SELECT COUNT(*) FROM programs").fetchone()[0] == 0:
+            # new, or nothing evaluated under the stored config (a run that failed before its first row,
+            # e.g. on a typo): this config takes its place instead of being refused
             with self.conn:
-                self.conn.execute("INSERT INTO meta VALUES ('config', ?)", (text,))
+                self.conn.execute("INSERT OR REPLACE INTO meta VALUES ('config', ?)", (text,))
+            self.set_meta("helpers_version", HELPERS_VERSION)
             return
+        recorded = self.meta("helpers_version") or 1  # databases before the version was recorded: 1
+        if recorded != HELPERS_VERSION:
+            raise ValueError(f"{self.path} was evaluated with version {recorded} of the program helpers and this "
+                             f"kvsieve interprets version {HELPERS_VERSION} (kvsieve/evolve/features.py: "
+                             "HELPERS_VERSION), so its stored scores may not be what its programs compute now; start "
+                             "another db (reports and `benchmarks/evolve_compare.py` still read this one)")
         stored = json.loads(row[0])
-        if self.conn.execute("SELECT COUNT(*) FROM programs").fetchone()[0] == 0:
-            # nothing was evaluated under the stored config (a run that failed before its first row,
-            # e.g. on a typo): the new config takes its place instead of being refused
-            with self.conn:
-                self.conn.execute("UPDATE meta SET value = ? WHERE key = 'config'", (text,))
-            return
         # keys the stored run does not know came with a newer kvsieve; they cannot have shaped its rows
         changed = sorted(k for k in stored if stored[k] != config.get(k) and k not in RESUMABLE_KEYS)
         if changed:
@@ -172,6 +182,14 @@ class ProgramDatabase:
             params += (before_generation,)
         found = self.records(where, params)
         return found[0] if found else None
+
+    def by_kept_hash(self, before_generation: int) -> dict[str, ProgramRecord]:
+        """The first program before ``before_generation`` that reached stage 2 with each kept-entries hash."""
+        found: dict[str, ProgramRecord] = {}
+        for record in self.records("kept_hash != '' AND proxy IS NOT NULL AND generation < ? AND status NOT IN "
+                                   "('duplicate', 'migrated', 'no_proposal')", (before_generation,)):
+            found.setdefault(record.kept_hash, record)
+        return found
 
     def get(self, program_id: int) -> ProgramRecord:
         found = self.records("id = ?", (program_id,))

@@ -12,6 +12,10 @@
 3. task score: greedy decoding on the dev set, scored by the task's metric (a row stops once further tokens
    cannot change its score: a monotone metric at 100, such as RULER's string matching).
 
+A candidate whose compressed dev cells keep exactly the entries an earlier program kept (every layer, head and
+cell: :func:`kept_fingerprint`) would compute the same stages 2 and 3 on the same caches: it takes that program's
+results (``known``) instead of decoding again.
+
 The dev set is prefilled once (:class:`DevSet`): every candidate prunes copies of the same full-cache
 prefills and reads the same saved features. Each (sample, ratio) of a candidate is pruned and reads the
 question once: stage 2 teacher-forces the answer on a copy of that cache, stage 3 decodes from it.
@@ -24,9 +28,11 @@ on its own (``SandboxUnavailable``, after retries) propagates, and nothing is st
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 import tempfile
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,7 +54,8 @@ from kvsieve.tasks.metrics import score as metric_score
 from kvsieve.tasks.metrics import settled as metric_settled
 from kvsieve.tasks.sample import Sample
 
-__all__ = ["DevSet", "Evaluation", "evaluate_program", "selection_problem", "answer_token_ids", "STAGES"]
+__all__ = ["DevSet", "Evaluation", "KnownKept", "evaluate_program", "kept_fingerprint", "selection_problem",
+           "answer_token_ids", "STAGES"]
 
 STAGES = ("static", "invariants", "proxy", "task")
 
@@ -199,6 +206,31 @@ class Evaluation:
     degenerate: bool = False  # constant scores in every layer: the selection falls back to tie order
     seconds: float = 0.0
     sandbox_seconds: float = 0.0
+    kept_hash: str = ""  # kept_fingerprint of its compressed dev cells ("" when it did not reach them)
+
+
+@dataclass(frozen=True)
+class KnownKept:
+    """An earlier program's stage 2 and 3 results, for a candidate that keeps exactly its entries."""
+
+    program_id: int
+    proxy: float
+    score: float | None  # None: it stopped at stage 2 (under an earlier generation's threshold)
+    cells: dict[str, float]
+
+
+def kept_fingerprint(caches: Iterable) -> str:
+    """SHA-256 of the original positions each KV head of each layer keeps, cache after cache: equal for two
+    compressions of the same full caches exactly when they hold the same entries."""
+    digest = hashlib.sha256()
+    for cache in caches:
+        for _, layer in sieve_layers(cache):
+            heads = layer.heads if layer.is_ragged else [layer]  # a dense layer: all heads at once
+            for positions, valid in ((h.positions, h.valid) for h in heads):
+                kept = positions if valid is None else positions.masked_fill(~valid, -1)
+                digest.update(repr(tuple(kept.shape)).encode())
+                digest.update(kept.to(torch.int64).contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def selection_problem(program: Program, dev: DevSet) -> str:
@@ -221,9 +253,10 @@ def selection_problem(program: Program, dev: DevSet) -> str:
 
 @torch.no_grad()
 def evaluate_program(program: Program, dev: DevSet, limits: SandboxLimits | None = None,
-                     max_gap: float | None = None) -> Evaluation:
+                     max_gap: float | None = None, known: Mapping[str, KnownKept] | None = None) -> Evaluation:
     """Run ``program`` through the cascade on ``dev``. Raises only ``SandboxUnavailable`` (not the
-    candidate's doing); everything the candidate causes is an :class:`Evaluation`."""
+    candidate's doing); everything the candidate causes is an :class:`Evaluation`. ``known``: earlier programs'
+    results by :func:`kept_fingerprint`, taken over when the candidate keeps the same entries."""
     start = time.perf_counter()
     result = run_in_sandbox(program.source, dev.features_path, window=dev.window, limits=limits or SandboxLimits())
     if result.status != "ok":
@@ -234,14 +267,15 @@ def evaluate_program(program: Program, dev: DevSet, limits: SandboxLimits | None
     if problem:
         return Evaluation("invalid", 0, problem, seconds=time.perf_counter() - start, sandbox_seconds=result.seconds)
     try:
-        return _stages_2_and_3(program, dev, result, max_gap, start)
+        return _stages_2_and_3(program, dev, result, max_gap, start, known or {})
     except Exception as err:  # noqa: BLE001 - the candidate's scores broke something here: reject it, go on
         text = " ".join(str(err).split())[:300]
         return Evaluation("error", 1, f"while compressing or decoding with its scores: {type(err).__name__}: {text}",
                           seconds=time.perf_counter() - start, sandbox_seconds=result.seconds)
 
 
-def _stages_2_and_3(program: Program, dev: DevSet, result, max_gap: float | None, start: float) -> Evaluation:
+def _stages_2_and_3(program: Program, dev: DevSet, result, max_gap: float | None, start: float,
+                    known: Mapping[str, KnownKept]) -> Evaluation:
     selection = program.selection(dev.window)
     # constant within every KV head of every layer: each head falls back to tie order
     degenerate = all(float(s.std(dim=-1).max()) < 1e-9 if s.shape[-1] > 1 else True for s in result.scores.values())
@@ -249,23 +283,38 @@ def _stages_2_and_3(program: Program, dev: DevSet, result, max_gap: float | None
     for i in range(len(dev.items)):
         scores = {layer: result.scores[f"s{i}-l{layer}"] for layer in range(dev.num_layers)}
         policies.append(_Precomputed(scores, selection, dev.window))
-    # each (sample, ratio) is compressed and reads the question once; stage 3 decodes from the same caches
+    compressed = [[dev.compressed(i, policies[i], ratio) for ratio in dev.ratios] for i in range(len(dev.items))]
+    kept_hash = kept_fingerprint(cache for row in compressed for cache in row)
+
+    def finish(status: str, stage: int, reason: str = "", **found) -> Evaluation:
+        return Evaluation(status, stage, reason, degenerate=degenerate, kept_hash=kept_hash,
+                          seconds=time.perf_counter() - start, sandbox_seconds=result.seconds, **found)
+
+    def rejected(proxy: float, why: str = "") -> Evaluation:
+        return finish("proxy_rejected", 1, f"answer log-likelihood gap {proxy:.3f} > {max_gap:.3f} nats/token{why}",
+                      proxy=proxy)
+
+    same = known.get(kept_hash)
+    if same is not None:
+        why = f"keeps the entries of program #{same.program_id} in every dev cell"
+        if max_gap is not None and same.proxy > max_gap:
+            return rejected(same.proxy, f" ({why})")
+        if same.score is not None:
+            return finish("ok", 3, why, proxy=same.proxy, score=same.score, cells=dict(same.cells))
+    # each (sample, ratio) reads the question once; stage 3 decodes from the same caches
     read: list[list[tuple[object, torch.Tensor]]] = []
     gaps = []
     for i, item in enumerate(dev.items):
-        read.append([dev.read_question(item, dev.compressed(i, policies[i], ratio)) for ratio in dev.ratios])
+        read.append([dev.read_question(item, cache) for cache in compressed[i]])
+        compressed[i] = []
         gaps.extend(item.full_logprob - dev.answer_logprob(item, cache, logits) for cache, logits in read[i])
     proxy = statistics.fmean(gaps)
     if max_gap is not None and proxy > max_gap:
-        return Evaluation("proxy_rejected", 1, f"answer log-likelihood gap {proxy:.3f} > {max_gap:.3f} nats/token",
-                          proxy=proxy, degenerate=degenerate, seconds=time.perf_counter() - start,
-                          sandbox_seconds=result.seconds)
+        return rejected(proxy)
     cells = {}
     for i, item in enumerate(dev.items):  # a sample's ratios decode as one batch
         caches, logits = zip(*read[i])
         scores = dev.task_scores(item, list(caches), torch.cat(logits))
         read[i] = []  # free them as we go
         cells.update({f"{i}/{ratio}": value for ratio, value in zip(dev.ratios, scores)})
-    score = statistics.fmean(cells.values())
-    return Evaluation("ok", 3, proxy=proxy, score=score, cells=cells, degenerate=degenerate,
-                      seconds=time.perf_counter() - start, sandbox_seconds=result.seconds)
+    return finish("ok", 3, proxy=proxy, score=statistics.fmean(cells.values()), cells=cells)

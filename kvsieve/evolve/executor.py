@@ -7,10 +7,10 @@ the other in this process (each program's code still runs in its own sandbox pro
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from kvsieve.evolve.evaluate import DevSet, Evaluation, evaluate_program
+from kvsieve.evolve.evaluate import DevSet, Evaluation, KnownKept, evaluate_program
 from kvsieve.evolve.program import Program
 from kvsieve.evolve.sandbox import SandboxLimits
 
@@ -19,8 +19,10 @@ __all__ = ["Executor", "LocalExecutor"]
 
 class Executor(Protocol):
     def evaluate(self, programs: list[Program], max_gap: float | None = None,
-                 on_result: Callable[[int, Evaluation], None] | None = None) -> list[Evaluation]:
-        """Evaluations in the order of ``programs``; ``on_result(i, evaluation)`` as each finishes."""
+                 on_result: Callable[[int, Evaluation], None] | None = None,
+                 known: Mapping[str, KnownKept] | None = None) -> list[Evaluation]:
+        """Evaluations in the order of ``programs``; ``on_result(i, evaluation)`` as each finishes; ``known``:
+        earlier programs' results by the entries they keep (``evaluate_program``)."""
         ...
 
     def close(self) -> None: ...
@@ -32,10 +34,11 @@ class LocalExecutor:
         self.limits = limits or SandboxLimits()
 
     def evaluate(self, programs: list[Program], max_gap: float | None = None,
-                 on_result: Callable[[int, Evaluation], None] | None = None) -> list[Evaluation]:
+                 on_result: Callable[[int, Evaluation], None] | None = None,
+                 known: Mapping[str, KnownKept] | None = None) -> list[Evaluation]:
         out = []
         for i, program in enumerate(programs):
-            evaluation = evaluate_program(program, self.dev, self.limits, max_gap)
+            evaluation = evaluate_program(program, self.dev, self.limits, max_gap, known)
             if on_result is not None:
                 on_result(i, evaluation)
             out.append(evaluation)

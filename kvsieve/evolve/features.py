@@ -160,13 +160,13 @@ def max_pool(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def normalize(x: torch.Tensor) -> torch.Tensor:
-    """``x`` divided by its maximum along the last dim (scale-free signals can be added)."""
-    return x / x.amax(dim=-1, keepdim=True).clamp_min(1e-12)
+    """``x`` divided by its largest magnitude along the last dim (scale-free signals can be added)."""
+    return x / x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
 
 
 def unit_mean(x: torch.Tensor) -> torch.Tensor:
-    """``x`` divided by its mean along the last dim (signals on different scales can be added)."""
-    return x / x.mean(dim=-1, keepdim=True).clamp_min(1e-12)
+    """``x`` divided by its mean magnitude along the last dim (signals on different scales can be added)."""
+    return x / x.abs().mean(dim=-1, keepdim=True).clamp_min(1e-12)
 
 
 def rank(x: torch.Tensor) -> torch.Tensor:
@@ -191,6 +191,10 @@ def _odd_kernel(k) -> int:
     return k if k % 2 else k + 1
 
 
+# What the helpers compute; an evolution database records it, since its scores hold only for these semantics.
+# 2: normalize and unit_mean divide by a magnitude (1 divided by the signed max / mean clamped at 1e-12, so a
+# signal with a negative mean, such as f.surrogate's log scores, was multiplied by 1e12 and swamped the rest).
+HELPERS_VERSION = 2
 HELPERS = {"pool": pool, "max_pool": max_pool, "normalize": normalize, "unit_mean": unit_mean, "rank": rank,
            "group_max": group_max, "group_mean": group_mean}
 

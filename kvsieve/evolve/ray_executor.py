@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from kvsieve.distributed import WorkerPool
 from kvsieve.distributed.actors import RayActors
 from kvsieve.evolve.config import EvolveConfig, dev_samples
-from kvsieve.evolve.evaluate import DevSet, Evaluation, evaluate_program
+from kvsieve.evolve.evaluate import DevSet, Evaluation, KnownKept, evaluate_program
 from kvsieve.evolve.program import Program
 from kvsieve.evolve.sandbox import SandboxLimits
 from kvsieve.models import load, resolve_dtype
@@ -41,8 +41,9 @@ class EvolveWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def evaluate(self, source: str, max_gap: float | None, limits: SandboxLimits) -> Evaluation:
-        return evaluate_program(Program(source), self.dev, limits, max_gap)
+    def evaluate(self, source: str, max_gap: float | None, limits: SandboxLimits,
+                 known: Mapping[str, KnownKept] | None = None) -> Evaluation:
+        return evaluate_program(Program(source), self.dev, limits, max_gap, known)
 
 
 class RayExecutor(RayActors):
@@ -81,7 +82,8 @@ class RayExecutor(RayActors):
         return self._ensure().pids()
 
     def evaluate(self, programs: list[Program], max_gap: float | None = None,
-                 on_result: Callable[[int, Evaluation], None] | None = None) -> list[Evaluation]:
+                 on_result: Callable[[int, Evaluation], None] | None = None,
+                 known: Mapping[str, KnownKept] | None = None) -> list[Evaluation]:
         pool = self._ensure()
         out: list[Evaluation | None] = [None] * len(programs)
 
@@ -90,6 +92,6 @@ class RayExecutor(RayActors):
             if on_result is not None:
                 on_result(i, evaluation)
 
-        self._run(pool, [(p.source, max_gap, self.limits) for p in programs], done, programs,
+        self._run(pool, [(p.source, max_gap, self.limits, known) for p in programs], done, programs,
                   describe=lambda p: f"candidate {p.code_hash}", ident=lambda p: p.code_hash)
         return out

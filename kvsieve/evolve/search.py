@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kvsieve.evolve.config import EvolveConfig
 from kvsieve.evolve.database import ProgramDatabase, ProgramRecord, behaviour_cell, rank_key
-from kvsieve.evolve.evaluate import Evaluation
+from kvsieve.evolve.evaluate import Evaluation, KnownKept
 from kvsieve.evolve.executor import Executor
 from kvsieve.evolve.mutators.base import Mutator
 from kvsieve.evolve.program import Program
@@ -40,7 +40,7 @@ def _row(evaluation: Evaluation, program: Program, generation: int, island: int,
                 status=evaluation.status, stage=evaluation.stage, reason=evaluation.reason, proxy=evaluation.proxy,
                 score=evaluation.score, cells=evaluation.cells, degenerate=int(evaluation.degenerate),
                 cell=behaviour_cell(program.source), seconds=evaluation.seconds,
-                sandbox_seconds=evaluation.sandbox_seconds)
+                sandbox_seconds=evaluation.sandbox_seconds, kept_hash=evaluation.kept_hash)
 
 
 def _copy_row(record: ProgramRecord, generation: int, island: int, slot: int, status: str, parent_id,
@@ -48,7 +48,8 @@ def _copy_row(record: ProgramRecord, generation: int, island: int, slot: int, st
     return dict(generation=generation, island=island, slot=slot, parent_id=parent_id, inspiration_ids=[],
                 mutator=mutator, operation=operation, source=record.source, code_hash=record.code_hash,
                 status=status, stage=record.stage, reason=f"same program as #{record.id}", proxy=record.proxy,
-                score=record.score, cells=record.cells, degenerate=int(record.degenerate), cell=record.cell)
+                score=record.score, cells=record.cells, degenerate=int(record.degenerate), cell=record.cell,
+                kept_hash=record.kept_hash)
 
 
 def max_gap(db: ProgramDatabase, config: EvolveConfig, generation: int) -> float | None:
@@ -173,7 +174,10 @@ def _run_generation(config, executor, mutator, db, generation, threshold, bar) -
         if best is not None:
             bar.set_postfix(best=f"{best.score:.1f}", status=evaluation.status)
 
-    executor.evaluate([p[0] for p in pending], threshold, on_result=store)
+    # a child keeping the entries of an earlier generation's program takes its results (siblings never count,
+    # as for duplicates: the answer must not depend on which of them an interrupted run had stored)
+    known = {h: KnownKept(r.id, r.proxy, r.score, r.cells) for h, r in db.by_kept_hash(generation).items()}
+    executor.evaluate([p[0] for p in pending], threshold, on_result=store, known=known)
 
 
 def _migrate(config: EvolveConfig, db: ProgramDatabase, generation: int) -> None:
