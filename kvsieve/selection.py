@@ -195,8 +195,9 @@ class Selection:
         if self.chunk_size > 1:
             return self._whole_chunks(scores, protected, kept), None
         if self.head_budgets == "uniform":  # protected first, then the best scores
-            keep = protected.expand(b, h, n) | _top_mask(scores, min(kept, n) - n_protected, exclude=protected)
-            return _ascending_indices(keep, min(kept, n)), None
+            kept = min(kept, n)
+            keep = protected.expand(b, h, n) | _top_mask(scores, kept - n_protected, exclude=protected)
+            return _ascending_indices(keep, kept), None
         return self.allocate([scores], [kept], protected_tail=None, _protected=[protected])[0]
 
     def _whole_chunks(self, scores: torch.Tensor, protected: torch.Tensor, kept: int) -> torch.Tensor:
@@ -209,10 +210,10 @@ class Selection:
         if taken > 0:
             grid = scores[..., start : start + n_chunks * self.chunk_size].reshape(b, h, n_chunks, self.chunk_size)
             means = grid.clamp(min=-1e300).mean(dim=-1)  # -inf scores count as very low
-            best = _descending_rank(means) < taken  # (b, h, n_chunks)
+            best = _top_mask(means, taken)  # (b, h, n_chunks)
             keep[..., start : start + n_chunks * self.chunk_size] = best.repeat_interleave(self.chunk_size, dim=-1)
         width = int(protected.sum()) + taken * self.chunk_size
-        return keep.long().argsort(dim=-1, descending=True, stable=True)[..., :width].sort(dim=-1).values
+        return _ascending_indices(keep, width)  # protected entries and whole chunks: ``width`` in every head
 
     def allocate(self, scores: list[torch.Tensor], budgets: list[int], protected_tail: int | None = 0,
                  _protected: list[torch.Tensor] | None = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -339,10 +340,3 @@ def _ascending_indices(mask: torch.Tensor, width: int) -> torch.Tensor:
     """(..., width) ascending positions of ``mask``'s True entries; every row must hold exactly ``width``."""
     positions = torch.arange(mask.shape[-1], device=mask.device).expand(mask.shape)
     return positions[mask].view(*mask.shape[:-1], width)
-
-
-def _descending_rank(values: torch.Tensor) -> torch.Tensor:
-    order = values.argsort(dim=-1, descending=True, stable=True)
-    rank = torch.empty_like(order)
-    rank.scatter_(-1, order, torch.arange(values.shape[-1], device=values.device).expand_as(order))
-    return rank
