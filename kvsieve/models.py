@@ -27,7 +27,8 @@ import torch
 from kvsieve.bundled import ALIASES, BUNDLED, BundledModel, bundled, canonical_name
 
 __all__ = ["BUNDLED", "ALIASES", "BundledModel", "load", "bundled", "canonical_name", "cache_dir", "resolve_gguf",
-           "context_length", "check_length", "auto_dtype", "resolve_dtype", "dtype_name", "cpu_flags", "DTYPES"]
+           "context_length", "check_length", "auto_dtype", "resolve_dtype", "dtype_name", "cpu_flags", "DTYPES",
+           "weights_digest"]
 
 
 def cache_dir() -> Path:
@@ -216,6 +217,20 @@ def resolve_dtype(dtype: torch.dtype | str = "auto") -> torch.dtype:
 def dtype_name(model) -> str:
     """The dtype ``model`` computes in, as results record it: ``"float32"``, ``"bfloat16"``."""
     return str(model.dtype).removeprefix("torch.")
+
+
+def weights_digest(module: torch.nn.Module, values: int = 256) -> str:
+    """sha256 (first 16 hex digits) over every parameter's name, shape, dtype and first and last ``values`` values.
+
+    Tells two models of one config apart (two random initialisations, another fine-tune) without reading every
+    weight: what a file computed from one model (a saved prefill) records to refuse another."""
+    digest = hashlib.sha256()
+    for name, tensor in module.state_dict().items():
+        flat = tensor.detach().reshape(-1)
+        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+        for part in (flat[:values], flat[-values:]):
+            digest.update(part.float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def load(name_or_path: str, dtype: torch.dtype | str = "auto", attn_implementation: str = "sdpa"):

@@ -805,3 +805,45 @@ def test_kept_hashes_come_from_earlier_generations_and_old_databases_gain_the_co
     assert sorted(found) == ["a", "b"] and found["a"].slot == 0 and found["b"].score is None
     assert sorted(db.by_kept_hash(before_generation=3)) == ["a", "b", "d"]
     db.close()
+
+
+def test_a_dev_set_reads_its_saved_prefills_back_and_a_candidate_scores_the_same_on_them(tmp_path):
+    """A resumed run does not prefill its dev set again: what it reads back is what it would compute; another
+    model (same config, other weights) does not read them."""
+    from kvsieve.engine.cache import sieve_layers
+    from kvsieve.evolve.evaluate import DevSet, evaluate_program
+    from kvsieve.evolve.features import load_features
+    from kvsieve.tasks.sample import Sample
+
+    samples = [Sample(id=f"d{i}", task="niah_single_1", context=f"the number is {n}. " * 6 + "and so on. " * i,
+                      question="Which number?", answer_prefix="It is", answers=[str(n)], max_new_tokens=8, length=0,
+                      seed=i, metric="string_match_all") for i, n in enumerate((4711, 2024))]
+    model = tiny_model("llama")
+
+    def build(model) -> tuple[DevSet, int]:
+        calls = []
+        hook = model.register_forward_hook(lambda *args: calls.append(1))
+        try:
+            return DevSet(model, CharTokenizer(), samples, ratios=[0.5, 0.75], window=4, workdir=tmp_path), len(calls)
+        finally:
+            hook.remove()
+
+    first, first_calls = build(model)
+    assert first_calls > 0 and len(list(tmp_path.glob("prefill-*.safetensors"))) == 2
+    second, second_calls = build(model)
+    assert second_calls == 0  # no prefill, no question read, no decoding
+    for a, b in zip(first.items, second.items):
+        assert (a.full_logprob, a.full_score) == (b.full_logprob, b.full_score)
+        for (_, x), (_, y) in zip(sieve_layers(a.cache), sieve_layers(b.cache)):
+            assert torch.equal(x.keys, y.keys) and torch.equal(x.recent_queries, y.recent_queries)
+    saved, read = load_features(first.features_path), load_features(second.features_path)
+    assert saved.keys() == read.keys()
+    assert all(torch.equal(saved[k].attn, read[k].attn) and torch.equal(saved[k].key_norm, read[k].key_norm)
+               for k in saved)
+    source = 'SELECTION = {"chunk_size": 1, "sink": 2}\n\n\ndef score(f):\n    return f.key_norm + f.attn.mean(2)\n'
+    a, b = evaluate_program(Program(source), first), evaluate_program(Program(source), second)
+    assert a.status == "ok" and a.stage == 3, a.reason
+    assert (a.proxy, a.score, a.cells) == (b.proxy, b.score, b.cells)
+    other, other_calls = build(tiny_model("llama", seed=1))
+    assert other_calls > 0 and len(list(tmp_path.glob("prefill-*.safetensors"))) == 4
+    assert other.items[0].full_logprob != first.items[0].full_logprob

@@ -29,6 +29,7 @@ on its own (``SandboxUnavailable``, after retries) propagates, and nothing is st
 from __future__ import annotations
 
 import hashlib
+import json
 import statistics
 import tempfile
 import time
@@ -37,15 +38,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import transformers
 
 from kvsieve.engine.attach import attach
 from kvsieve.engine.cache import clone_cache, sieve_layers, stack_caches
+from kvsieve.engine.cache_file import FORMAT_VERSION as CACHE_FORMAT
+from kvsieve.engine.cache_file import load_cache, save_cache
 from kvsieve.engine.compress import compress_cache, layer_signals
 from kvsieve.engine.generate import greedy_decode
-from kvsieve.evolve.features import Features, save_features
+from kvsieve.evolve.features import Features, load_features, save_features
 from kvsieve.evolve.program import Program, ProgramError
 from kvsieve.evolve.sandbox import SandboxLimits, run_in_sandbox
 from kvsieve.learn.kvzap import shipped_kvzap_for
+from kvsieve.models import weights_digest
 from kvsieve.policy import FullCache, Policy
 from kvsieve.prompt import Prompt, build_prompt
 from kvsieve.selection import Budget, Selection
@@ -84,6 +89,13 @@ class _Precomputed(Policy):
         return self.scores[signals.layer_idx]
 
 
+def _prefill_key(identity: dict, prompt: Prompt, answer: torch.Tensor) -> str:
+    """sha256 of everything a dev sample's saved prefill depends on (:meth:`DevSet._identity` and its tokens)."""
+    tokens = {name: getattr(prompt, name).reshape(-1).tolist() for name in ("context_ids", "question_ids")}
+    key = json.dumps({**identity, **tokens, "answer": answer.reshape(-1).tolist()}, sort_keys=True)
+    return hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
 def answer_token_ids(tokenizer, sample: Sample) -> torch.Tensor:
     """(1, a) tokens of the reference answer as the model would produce them after the prompt: after an
     answer prefix that does not end in whitespace the answer starts with a space ("is: 42" gives " 42",
@@ -116,24 +128,55 @@ class DevSet:
         features: dict[str, Features] = {}
         from tqdm import tqdm
 
+        keep = self._tmp is None  # a kept workdir: each prefill is saved there, and a later run reads it back
+        identity = self._identity() if keep else None
         for i, sample in enumerate(tqdm(samples, desc="dev prefills", unit="sample", disable=not progress)):
             prompt = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
-            with attach(model, self.capture, ratio=0.0), torch.no_grad():
-                cache = model(input_ids=prompt.context_ids, use_cache=True, logits_to_keep=1).cache
-            layers = list(sieve_layers(cache))
-            for layer_idx, layer in layers:
-                signals = layer_signals(layer, layer_idx, len(layers), window=window)
-                predicted = None if self.surrogate is None else self.surrogate.score(signals)
-                features[f"s{i}-l{layer_idx}"] = Features.from_signals(signals, predicted)
             answer = answer_token_ids(tokenizer, sample)
-            item = DevSample(sample, prompt, cache, answer, 0.0, 0.0)
-            read, logits = self.read_question(item, clone_cache(cache))
-            item.full_logprob = self.answer_logprob(item, read, logits)
-            item.full_score = self.task_scores(item, [read], logits)[0]
+            saved = self.workdir / f"prefill-{_prefill_key(identity, prompt, answer)}.safetensors" if keep else None
+            if saved is not None and saved.is_file():  # prefilled by an earlier run of this dev set
+                item, sample_features = self._load_prefill(saved, sample, prompt, answer)
+            else:
+                item, sample_features = self._prefill(sample, prompt, answer)
+                if saved is not None:  # the cache last: its file marks a complete pair
+                    save_features(saved.with_suffix(".features"), sample_features)
+                    save_cache(saved, item.cache, {"full_logprob": repr(item.full_logprob),
+                                                   "full_score": repr(item.full_score)})
+            features.update({f"s{i}-{key}": value for key, value in sample_features.items()})
             self.items.append(item)
-        self.num_layers = len(layers)
+        self.num_layers = len(sieve_layers(self.items[0].cache))
         self.features_path = self.workdir / "features.safetensors"
         save_features(self.features_path, features)
+
+    def _identity(self) -> dict:
+        """What a saved prefill depends on besides its tokens: the model's weights, dtype and code, the window, the
+        surrogate (the features' ``surrogate``) and the save format."""
+        surrogate = None if self.surrogate is None else [self.surrogate.variant, weights_digest(self.surrogate.net)]
+        return {"weights": weights_digest(self.model), "dtype": str(self.model.dtype), "torch": torch.__version__,
+                "transformers": transformers.__version__, "window": self.window, "surrogate": surrogate,
+                "hidden_states": self.capture.needs_hidden_states, "format": CACHE_FORMAT}
+
+    def _prefill(self, sample: Sample, prompt: Prompt, answer: torch.Tensor) -> tuple[DevSample, dict[str, Features]]:
+        """Prefill one dev sample on the full cache: its cache, features per layer, and full-cache answer scores."""
+        with attach(self.model, self.capture, ratio=0.0), torch.no_grad():
+            cache = self.model(input_ids=prompt.context_ids, use_cache=True, logits_to_keep=1).cache
+        layers = list(sieve_layers(cache))
+        features = {}
+        for layer_idx, layer in layers:
+            signals = layer_signals(layer, layer_idx, len(layers), window=self.window)
+            predicted = None if self.surrogate is None else self.surrogate.score(signals)
+            features[f"l{layer_idx}"] = Features.from_signals(signals, predicted)
+        item = DevSample(sample, prompt, cache, answer, 0.0, 0.0)
+        read, logits = self.read_question(item, clone_cache(cache))
+        item.full_logprob = self.answer_logprob(item, read, logits)
+        item.full_score = self.task_scores(item, [read], logits)[0]
+        return item, features
+
+    def _load_prefill(self, path: Path, sample: Sample, prompt: Prompt,
+                      answer: torch.Tensor) -> tuple[DevSample, dict[str, Features]]:
+        cache, meta = load_cache(path, self.model.config)
+        item = DevSample(sample, prompt, cache, answer, float(meta["full_logprob"]), float(meta["full_score"]))
+        return item, load_features(path.with_suffix(".features"))
 
     @property
     def full_score(self) -> float:
