@@ -6,6 +6,8 @@ Per round, interleaved after one warm-up round: the plain prefill (nothing compr
 of every layer of the captured cache (pre-RoPE inversion + network, both variants), and the prefill under
 kvsieve.attach with kvzap at --ratio (prefill + scoring + global selection + gather). Medians of wall and of
 process CPU time (less hit by other jobs on a shared machine), each as a % of the same round's plain prefill.
+--policy SPEC times another policy's whole compression the same way (e.g. an evolved program reading the surrogate:
+--policy program:results/evolve/qwen-surrogate-bestofn-best.py).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from kvsieve.engine.cache import sieve_layers
 from kvsieve.engine.compress import layer_signals
 from kvsieve.learn.kvzap import KVzap
 from kvsieve.models import load
-from kvsieve.policies import FullCache
+from kvsieve.policies import FullCache, from_spec
 from kvsieve.prompt import build_prompt
 
 
@@ -41,6 +43,8 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--ratio", type=float, default=0.75)
+    parser.add_argument("--policy", default=None, help="time this policy spec's compression instead of the shipped "
+                        "kvzap's (the scoring rows stay kvzap's)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (several threads on a loaded machine "
                         "make every small op wait for a descheduled thread)")
     args = parser.parse_args()
@@ -50,6 +54,9 @@ def main() -> None:
     ids = build_prompt(tokenizer, context_text(tokenizer, args.length), "What is the special number?").context_ids
     policies = {v: KVzap(checkpoint=args.checkpoint or args.model, variant=v) for v in ("mlp", "linear")}
     shipped = KVzap(checkpoint=args.checkpoint or args.model)  # the checkpoint's default variant
+    timed = from_spec(args.policy) if args.policy else shipped
+    timed.check_model(model, args.model)  # binds the shipped surrogate of a program reading f.surrogate
+    timed_name = args.policy or f"kvzap {shipped.variant} (the default)"
     print(f"# {args.model} ({model.dtype}), {ids.shape[1]} prompt tokens, {torch.get_num_threads()} threads, "
           f"{platform.processor() or platform.machine()}, load average {os.getloadavg()[0]:.1f}")
     with kvsieve.attach(model, FullCache(window=1), ratio=0.0):
@@ -61,7 +68,7 @@ def main() -> None:
             policy.score(layer_signals(layer, idx, len(cache.layers), 0, 1))
 
     def attached():
-        with kvsieve.attach(model, shipped, ratio=args.ratio) as session:
+        with kvsieve.attach(model, timed, ratio=args.ratio) as session:
             model(input_ids=ids, use_cache=True, logits_to_keep=1)
         return session.report
 
@@ -72,7 +79,7 @@ def main() -> None:
     runs = {"plain prefill (kvsieve.attach, full cache)": plain,
             "kvzap scoring, every layer (mlp)": lambda: scoring(policies["mlp"]),
             "kvzap scoring, every layer (linear)": lambda: scoring(policies["linear"]),
-            f"prefill + kvzap {shipped.variant} (the default) @ {args.ratio} (global)": attached}
+            f"prefill + {timed_name} @ {args.ratio}": attached}
     wall: dict[str, list[float]] = {name: [] for name in runs}
     cpu: dict[str, list[float]] = {name: [] for name in runs}
     engine = []
@@ -88,7 +95,7 @@ def main() -> None:
     base_wall, base_cpu = wall[next(iter(runs))], cpu[next(iter(runs))]
     for name in runs:
         print(f"{name}: wall {percent(wall[name], base_wall)}; CPU {percent(cpu[name], base_cpu)}")
-    print(f"compression inside the engine ({shipped.variant} scoring + global selection + gather): "
+    print(f"compression inside the engine ({timed_name}: scoring + selection + gather): "
           f"{percent(engine, base_wall)} (wall)")
     for variant, policy in policies.items():
         print(f"{variant}: {policy.net.num_parameters(variant)} parameters over {policy.net.config.num_layers} layers")
