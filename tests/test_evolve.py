@@ -810,6 +810,8 @@ def test_kept_hashes_come_from_earlier_generations_and_old_databases_gain_the_co
 def test_a_dev_set_reads_its_saved_prefills_back_and_a_candidate_scores_the_same_on_them(tmp_path):
     """A resumed run does not prefill its dev set again: what it reads back is what it would compute; another
     model (same config, other weights) does not read them."""
+    import dataclasses
+
     from kvsieve.engine.cache import sieve_layers
     from kvsieve.evolve.evaluate import DevSet, evaluate_program
     from kvsieve.evolve.features import load_features
@@ -820,7 +822,7 @@ def test_a_dev_set_reads_its_saved_prefills_back_and_a_candidate_scores_the_same
                       seed=i, metric="string_match_all") for i, n in enumerate((4711, 2024))]
     model = tiny_model("llama")
 
-    def build(model) -> tuple[DevSet, int]:
+    def build(model, samples=samples) -> tuple[DevSet, int]:
         calls = []
         hook = model.register_forward_hook(lambda *args: calls.append(1))
         try:
@@ -844,6 +846,8 @@ def test_a_dev_set_reads_its_saved_prefills_back_and_a_candidate_scores_the_same
     a, b = evaluate_program(Program(source), first), evaluate_program(Program(source), second)
     assert a.status == "ok" and a.stage == 3, a.reason
     assert (a.proxy, a.score, a.cells) == (b.proxy, b.score, b.cells)
+    capped, capped_calls = build(model, [dataclasses.replace(s, max_new_tokens=3) for s in samples])
+    assert capped_calls > 0  # the full cache's answer is decoded under another cap: its score is not reused
     other, other_calls = build(tiny_model("llama", seed=1))
-    assert other_calls > 0 and len(list(tmp_path.glob("prefill-*.safetensors"))) == 4
+    assert other_calls > 0 and len(list(tmp_path.glob("prefill-*.safetensors"))) == 6
     assert other.items[0].full_logprob != first.items[0].full_logprob

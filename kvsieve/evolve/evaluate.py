@@ -89,10 +89,13 @@ class _Precomputed(Policy):
         return self.scores[signals.layer_idx]
 
 
-def _prefill_key(identity: dict, prompt: Prompt, answer: torch.Tensor) -> str:
-    """sha256 of everything a dev sample's saved prefill depends on (:meth:`DevSet._identity` and its tokens)."""
+def _prefill_key(identity: dict, sample: Sample, prompt: Prompt, answer: torch.Tensor) -> str:
+    """sha256 of everything a dev sample's saved prefill and full-cache scores depend on: :meth:`DevSet._identity`,
+    its tokens, and how its answer is decoded and scored."""
     tokens = {name: getattr(prompt, name).reshape(-1).tolist() for name in ("context_ids", "question_ids")}
-    key = json.dumps({**identity, **tokens, "answer": answer.reshape(-1).tolist()}, sort_keys=True)
+    scoring = [sample.metric, list(sample.answers), sample.max_new_tokens, list(sample.stop)]
+    key = json.dumps({**identity, **tokens, "answer": answer.reshape(-1).tolist(), "scoring": scoring},
+                     sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
@@ -133,7 +136,7 @@ class DevSet:
         for i, sample in enumerate(tqdm(samples, desc="dev prefills", unit="sample", disable=not progress)):
             prompt = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
             answer = answer_token_ids(tokenizer, sample)
-            saved = self.workdir / f"prefill-{_prefill_key(identity, prompt, answer)}.safetensors" if keep else None
+            saved = self.workdir / f"prefill-{_prefill_key(identity, sample, prompt, answer)}.safetensors" if keep else None
             if saved is not None and saved.is_file():  # prefilled by an earlier run of this dev set
                 item, sample_features = self._load_prefill(saved, sample, prompt, answer)
             else:
