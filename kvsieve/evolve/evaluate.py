@@ -136,7 +136,8 @@ class DevSet:
         for i, sample in enumerate(tqdm(samples, desc="dev prefills", unit="sample", disable=not progress)):
             prompt = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
             answer = answer_token_ids(tokenizer, sample)
-            saved = self.workdir / f"prefill-{_prefill_key(identity, sample, prompt, answer)}.safetensors" if keep else None
+            key = _prefill_key(identity, sample, prompt, answer) if keep else None
+            saved = self.workdir / f"prefill-{key}.safetensors" if keep else None
             if saved is not None and saved.is_file():  # prefilled by an earlier run of this dev set
                 item, sample_features = self._load_prefill(saved, sample, prompt, answer)
             else:
