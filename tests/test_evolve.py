@@ -851,3 +851,16 @@ def test_a_dev_set_reads_its_saved_prefills_back_and_a_candidate_scores_the_same
     other, other_calls = build(tiny_model("llama", seed=1))
     assert other_calls > 0 and len(list(tmp_path.glob("prefill-*.safetensors"))) == 6
     assert other.items[0].full_logprob != first.items[0].full_logprob
+
+
+def test_a_second_evolution_on_the_same_database_is_refused_while_the_first_runs(tmp_path):
+    import fcntl
+
+    from kvsieve.evolve.run import run_evolution
+
+    config = tiny_run_config(tmp_path, 2)
+    with open(tmp_path / "run.sqlite.lock", "a") as held:  # what a running `kvsieve evolve` holds
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(RuntimeError, match="another kvsieve evolve is running on .*run.sqlite"):
+            run_evolution(config, progress=False, model=object(), tokenizer=object())
+    assert not (tmp_path / "run.sqlite").exists()  # refused before the database was opened

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +37,27 @@ def run_evolution(config: EvolveConfig, progress: bool = True, model=None, token
 
     The sandbox's isolation is checked first (``config.sandbox == "strict"`` refuses anything below
     full isolation; the default warns), printed, and stored in the database and the report."""
+    with _only_run_on(Path(config.db)):
+        return _run(config, progress, model, tokenizer)
+
+
+@contextmanager
+def _only_run_on(db_path: Path) -> Iterator[None]:
+    """Hold ``DB.lock`` for the run: a second ``kvsieve evolve`` on the same database would fill the same
+    generations' slots twice, so it is refused while this one runs (an advisory lock the OS drops when this
+    process ends, however it ends)."""
+    lock = db_path.with_name(db_path.name + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"another kvsieve evolve is running on {db_path} (it holds {lock}): wait for it to "
+                               "finish or stop it, then rerun to resume") from None
+        yield
+
+
+def _run(config: EvolveConfig, progress: bool, model, tokenizer) -> EvolveResult:
     isolation = require_isolation(config.sandbox)
     print(f"kvsieve evolve: sandbox isolation {isolation['level']}"
           f"{' + seccomp' if isolation['seccomp'] else ' (no seccomp filter)'}, worker uid {isolation['worker_uid']}")
