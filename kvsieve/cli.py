@@ -234,6 +234,7 @@ def cmd_evolve(args) -> int:
     config = load_config(args.config, model=args.model, candidates=args.candidates, seed=args.seed,
                          strategy=args.strategy, mutator=args.llm, llm_base_url=args.llm_base_url,
                          llm_model=args.llm_model, llm_api_key_env=args.llm_api_key_env, db=args.db, out=args.out,
+                         dev_cache=args.dev_cache,
                          time_budget_s=args.time_budget, executor=args.executor, ray_address=args.ray_address,
                          workers=args.workers, sandbox=args.sandbox)
     check_length(config.model, config.length)
@@ -374,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llm-api-key-env", help="environment variable holding the API key (default OPENAI_API_KEY)")
     p.add_argument("--db", help="program database (SQLite); rerun the same command to resume")
     p.add_argument("--out", help="folder for best.py, report.md, progress.png")
+    p.add_argument("--dev-cache", help="folder of the dev set's saved prefills (default OUT/dev-cache; runs on the "
+                   "same dev set may share one)")
     p.add_argument("--sandbox", choices=("default", "strict"), help="strict: refuse to run unless the sandbox "
                    "has full isolation (docs/security.md); default: warn loudly when it is weaker")
     _add_executor_flags(p)

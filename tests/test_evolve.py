@@ -848,6 +848,8 @@ def test_a_dev_set_reads_its_saved_prefills_back_and_a_candidate_scores_the_same
     assert (a.proxy, a.score, a.cells) == (b.proxy, b.score, b.cells)
     capped, capped_calls = build(model, [dataclasses.replace(s, max_new_tokens=3) for s in samples])
     assert capped_calls > 0  # the full cache's answer is decoded under another cap: its score is not reused
+    assert second.features_path == first.features_path != capped.features_path  # one folder, two dev sets
+    assert load_features(first.features_path).keys() == saved.keys()
     other, other_calls = build(tiny_model("llama", seed=1))
     assert other_calls > 0 and len(list(tmp_path.glob("prefill-*.safetensors"))) == 6
     assert other.items[0].full_logprob != first.items[0].full_logprob

@@ -54,6 +54,9 @@ class EvolveConfig:
     plateau_generations: int = 5
     db: str = "results/evolve/run.sqlite"
     out: str = "results/evolve"
+    # the dev set's saved prefills (None: OUT/dev-cache); keyed by content, so runs on the same dev set (an
+    # evolution and its best-of-N control) can share one folder; not part of the run's identity
+    dev_cache: str | None = None
     sandbox: str = "default"  # "strict": refuse below full isolation (docs/security.md); not part of the identity
     executor: str = "local"  # "local" (this process) or "ray" (evolve/ray_executor.py); not part of the run's identity
     ray_address: str | None = None  # with executor "ray": None starts a local Ray instance; "auto" or "HOST:PORT"
@@ -91,7 +94,8 @@ class EvolveConfig:
 
     def identity(self) -> dict:
         """What makes two runs the same run (the database refuses to resume under another)."""
-        where = ("db", "out", "llm_api_key_env", "executor", "ray_address", "workers", "sandbox")  # same anywhere
+        # the same run anywhere, with any folders and executor
+        where = ("db", "out", "dev_cache", "llm_api_key_env", "executor", "ray_address", "workers", "sandbox")
         return {k: v for k, v in asdict(self).items() if k not in where}
 
 

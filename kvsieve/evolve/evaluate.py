@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -89,6 +90,13 @@ class _Precomputed(Policy):
         return self.scores[signals.layer_idx]
 
 
+def _save_whole(path: Path, features: dict[str, Features]) -> None:
+    """:func:`save_features` under a temporary name, then renamed: a reader sees the old file or the new one."""
+    partial = path.with_name(path.name + ".partial")
+    save_features(partial, features)
+    os.replace(partial, path)
+
+
 def _prefill_key(identity: dict, sample: Sample, prompt: Prompt, answer: torch.Tensor) -> str:
     """sha256 of everything a dev sample's saved prefill and full-cache scores depend on: :meth:`DevSet._identity`,
     its tokens, and how its answer is decoded and scored."""
@@ -133,24 +141,28 @@ class DevSet:
 
         keep = self._tmp is None  # a kept workdir: each prefill is saved there, and a later run reads it back
         identity = self._identity() if keep else None
+        digests = []
         for i, sample in enumerate(tqdm(samples, desc="dev prefills", unit="sample", disable=not progress)):
             prompt = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
             answer = answer_token_ids(tokenizer, sample)
-            key = _prefill_key(identity, sample, prompt, answer) if keep else None
-            saved = self.workdir / f"prefill-{key}.safetensors" if keep else None
+            digests.append(_prefill_key(identity, sample, prompt, answer) if keep else "")
+            saved = self.workdir / f"prefill-{digests[-1]}.safetensors" if keep else None
             if saved is not None and saved.is_file():  # prefilled by an earlier run of this dev set
                 item, sample_features = self._load_prefill(saved, sample, prompt, answer)
             else:
                 item, sample_features = self._prefill(sample, prompt, answer)
                 if saved is not None:  # the cache last: its file marks a complete pair
-                    save_features(saved.with_suffix(".features"), sample_features)
+                    _save_whole(saved.with_suffix(".features"), sample_features)
                     save_cache(saved, item.cache, {"full_logprob": repr(item.full_logprob),
                                                    "full_score": repr(item.full_score)})
-            features.update({f"s{i}-{key}": value for key, value in sample_features.items()})
+            features.update({f"s{i}-{name}": value for name, value in sample_features.items()})
             self.items.append(item)
         self.num_layers = len(sieve_layers(self.items[0].cache))
-        self.features_path = self.workdir / "features.safetensors"
-        save_features(self.features_path, features)
+        # named by the samples it holds: runs sharing a kept workdir (another dev set, a run starting while one
+        # reads its features) never see another's file or a half-written one
+        whole = hashlib.sha256("".join(digests).encode()).hexdigest()[:16] if keep else ""
+        self.features_path = self.workdir / (f"features-{whole}.safetensors" if keep else "features.safetensors")
+        _save_whole(self.features_path, features)
 
     def _identity(self) -> dict:
         """What a saved prefill depends on besides its tokens: the model's weights, dtype and code, the window, the
