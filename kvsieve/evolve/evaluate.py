@@ -119,7 +119,11 @@ def answer_token_ids(tokenizer, sample: Sample) -> torch.Tensor:
 
 
 class DevSet:
-    """Dev samples prefilled once on the full cache, with the features every candidate scores."""
+    """Dev samples prefilled once on the full cache, with the features every candidate scores.
+
+    With a ``workdir`` (kept, unlike the default temporary folder) each sample's prefill, features and full-cache
+    answer scores are saved there (:mod:`kvsieve.engine.cache_file`), keyed by everything they depend on
+    (:func:`_prefill_key`), and a later dev set of the same sample reads them back instead of prefilling."""
 
     def __init__(self, model, tokenizer, samples: list[Sample], ratios: list[float], window: int = 64,
                  workdir: str | Path | None = None, progress: bool = False) -> None:
