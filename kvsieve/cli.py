@@ -275,7 +275,8 @@ def cmd_train(args) -> int:
     if last is not None and "reward" in last:
         print(f"step {result.step}: reward {last['reward']:.5f} (minus KL per token), entropy {last['entropy']:.3f}")
     print(f"policy: {result.policy}\nlog: {result.log}\ncurve: {result.curve}")
-    print(f"evaluate it: kvsieve eval --model {config.model} --policies \"full,learned(checkpoint='{result.policy}')\"")
+    kind = "kvzap" if "kvzap" in (config.objective, config.network) else "learned"  # what the checkpoint is
+    print(f"evaluate it: kvsieve eval --model {config.model} --policies \"full,{kind}(checkpoint='{result.policy}')\"")
     return 0
 
 

@@ -102,6 +102,20 @@ def test_train_passes_network_and_temperature_and_refuses_kvzap_in_decode_mode(c
     assert code == 2 and "temperature must be a number > 0, got -1.0" in err
 
 
+@pytest.mark.parametrize("flags, kind", [((), "learned"), (("--network", "kvzap", "--mode", "prefill"), "kvzap"),
+                                         (("--objective", "kvzap"), "kvzap")])
+def test_train_says_how_to_evaluate_what_it_trained(capsys, tmp_path, monkeypatch, flags, kind):
+    import kvsieve.learn.train as train_module
+    from kvsieve.learn.config import TrainResult
+
+    out = tmp_path / "r"
+    monkeypatch.setattr(train_module, "train", lambda config: TrainResult(
+        out, out / "policy.safetensors", out / "checkpoint.safetensors", out / "log.csv", out / "curve.png", 0, []))
+    assert cli.main(["train", *flags, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"--policies \"full,{kind}(checkpoint='{out / 'policy.safetensors'}')\"" in printed
+
+
 def _samples(tmp_path, ids: list[str], spans: bool = True):
     samples = []
     for i, sid in enumerate(ids):
