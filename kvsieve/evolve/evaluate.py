@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from tqdm import tqdm
 
 from kvsieve.engine.attach import attach
 from kvsieve.engine.cache import clone_cache, sieve_layers, stack_caches
@@ -141,8 +142,6 @@ class DevSet:
         self.capture.needs_hidden_states = self.surrogate is not None and self.surrogate.needs_hidden_states
         self.items: list[DevSample] = []
         features: dict[str, Features] = {}
-        from tqdm import tqdm
-
         keep = self._tmp is None  # a kept workdir: each prefill is saved there, and a later run reads it back
         identity = self._identity() if keep else None
         digests = []
