@@ -327,6 +327,13 @@ def test_a_settled_row_stops_and_the_others_decode_on_unchanged():
     assert (0, 4) not in calls and (1, 12) in calls  # a settled row is not asked again
 
 
+def test_greedy_decode_refuses_positions_that_do_not_match_its_rows():
+    from kvsieve.engine.generate import greedy_decode
+
+    with pytest.raises(ValueError, match=r"one position per row \(2\), got shape \(3,\)"):
+        greedy_decode(None, _IdTokenizer(None), None, torch.zeros(2, 8), 4, positions=torch.tensor([5, 6, 7]))
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_batched_decode_drops_finished_rows_without_changing_the_others(arch, monkeypatch):
     from kvsieve.engine.generate import greedy_decode

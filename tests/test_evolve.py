@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import CharTokenizer, tiny_model
+from conftest import COMMON, CharTokenizer, tiny_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from kvsieve.evolve.config import EvolveConfig, dev_samples, load_config
@@ -866,3 +866,62 @@ def test_a_second_evolution_on_the_same_database_is_refused_while_the_first_runs
         with pytest.raises(RuntimeError, match="another kvsieve evolve is running on .*run.sqlite"):
             run_evolution(config, progress=False, model=object(), tokenizer=object())
     assert not (tmp_path / "run.sqlite").exists()  # refused before the database was opened
+
+
+def test_cells_of_several_samples_decode_as_one_batch_each_row_as_it_would_alone(tmp_path):
+    """Stage 3 decodes every (sample, ratio) cell together: rows whose prompts differ in length (other positions),
+    with their own limit, stop strings and metric, give the answers each gives decoded alone, the plain way (one
+    cache, its own limit and stop strings, positions from the cache)."""
+    from kvsieve.engine.attach import attach
+    from kvsieve.engine.generate import greedy_decode
+    from kvsieve.evolve.evaluate import DevSet
+    from kvsieve.policies import get
+    from kvsieve.tasks.metrics import score as metric_score
+    from kvsieve.tasks.metrics import settled as metric_settled
+    from kvsieve.tasks.sample import Sample
+
+    # weights and rotary base that make the answers depend on positions (the default tiny model's do not)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**{**COMMON, "rope_theta": 10.0, "initializer_range": 0.2}),
+                                             attn_implementation="sdpa").eval()
+    tokenizer = CharTokenizer()
+
+    def dev_for(stop: list[str]) -> DevSet:
+        samples = [
+            Sample(id="a", task="niah_single_1", context="the number is 4711. " * 6, question="Which number?",
+                   answer_prefix="It is", answers=["4711"], max_new_tokens=12, length=0, seed=0,
+                   metric="string_match_all"),
+            Sample(id="b", task="qa_1", context="a longer haystack of words. " * 9, question="What now?",
+                   answer_prefix="", answers=["words"], max_new_tokens=5, length=0, seed=1, metric="qa_f1"),
+            Sample(id="c", task="niah_single_1", context="short one. " * 4, question="Which?", answer_prefix="A:",
+                   answers=["\x01"], max_new_tokens=16, length=0, seed=2, metric="string_match_all", stop=stop),
+        ]
+        return DevSet(model, tokenizer, samples, ratios=[0.5, 0.75], window=4, workdir=tmp_path / str(len(stop)))
+
+    def alone(dev: DevSet, i: int, ratio: float) -> str:
+        item, policy = dev.items[i], get("tova", window=4)
+        cache, logits = dev.read_question(item, dev.compressed(i, policy, ratio))
+        sample = item.sample
+
+        def settled(row, tokens):
+            return metric_settled(sample.metric, tokenizer.decode(tokens), sample.answers)
+
+        with torch.no_grad(), attach(model, dev.capture, ratio=0.0):
+            row = greedy_decode(model, tokenizer, cache, logits, sample.max_new_tokens, tuple(sample.stop), settled)
+        return tokenizer.decode(row[0])
+
+    probe = dev_for([])
+    unstopped = alone(probe, 2, 0.5)
+    assert len(unstopped) == 16
+    dev = dev_for([unstopped[3]])  # c now stops at its 4th character (or earlier, where the character repeats)
+    assert len({item.prompt.context_ids.shape[1] + item.prompt.question_ids.shape[1] for item in dev.items}) == 3
+    policy = get("tova", window=4)
+    items = [item for item in dev.items for _ in dev.ratios]
+    caches = [dev.compressed(i, policy, r) for i in range(3) for r in dev.ratios]
+    batched = dev.answers(items, caches)
+    reference = [alone(dev, i, r) for i in range(3) for r in dev.ratios]
+    assert batched == reference
+    assert len(reference[0]) == 12 and len(reference[2]) == 5  # a and b decode to their own limits
+    assert reference[4] == unstopped[:len(reference[4])] and len(reference[4]) <= 4  # c stops at the stop string
+    scores = dev.task_scores(items, [dev.compressed(i, policy, r) for i in range(3) for r in dev.ratios])
+    assert scores == [metric_score(it.sample.metric, text, it.sample.answers) for it, text in zip(items, reference)]

@@ -32,15 +32,20 @@ def _eos_ids(model, tokenizer) -> set[int]:
 @torch.no_grad()
 def greedy_decode(
     model, tokenizer, cache, logits: torch.Tensor, max_new_tokens: int, stop: tuple[str, ...] = (),
-    settled: Callable[[int, list[int]], bool] | None = None,
+    settled: Callable[[int, list[int]], bool] | None = None, positions: torch.Tensor | None = None,
 ) -> list[list[int]]:
     """Greedy tokens for each row after ``logits`` (b, vocab); a row ends at EOS, a stop string or the limit,
     and, when ``settled(row, tokens)`` is given, as soon as it says the row's outcome is decided (a caller that
-    only needs a score that further tokens cannot change: ``tasks.metrics.settled``).
+    only needs a score that further tokens cannot change: ``tasks.metrics.settled``; or a row's own limit).
 
     Rows of a batch share the cache's batch dimension; a finished row is dropped from the cache
     (``batch_select_indices``), so a batch costs the sum of its answers' lengths, not rows x longest.
+    ``positions`` (b,): the position of each row's first new token, for rows that have read prompts of different
+    lengths (stacked caches of several requests); default: the cache's length, the same for every row.
     """
+    if positions is not None and tuple(positions.shape) != (logits.shape[0],):
+        raise ValueError(f"positions must hold one position per row ({logits.shape[0]}), got shape "
+                         f"{tuple(positions.shape)}")
     eos = _eos_ids(model, tokenizer)
     tokens: list[list[int]] = [[] for _ in range(logits.shape[0])]
     active = list(range(logits.shape[0]))  # original row of each row still in the cache
@@ -62,7 +67,9 @@ def greedy_decode(
             index = torch.tensor(keep, device=chosen.device)
             cache.batch_select_indices(index)
             chosen, active = chosen[index], [active[i] for i in keep]
-        logits = model(input_ids=chosen[:, None], cache=cache, use_cache=True).logits[:, -1]
+            positions = None if positions is None else positions[index.to(positions.device)]
+        where = {} if positions is None else {"position_ids": (positions + step)[:, None]}
+        logits = model(input_ids=chosen[:, None], cache=cache, use_cache=True, **where).logits[:, -1]
     return tokens
 
 
