@@ -863,7 +863,9 @@ def test_a_second_evolution_on_the_same_database_is_refused_while_the_first_runs
     config = tiny_run_config(tmp_path, 2)
     with open(tmp_path / "run.sqlite.lock", "a") as held:  # what a running `kvsieve evolve` holds
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        with pytest.raises(RuntimeError, match="another kvsieve evolve is running on .*run.sqlite"):
+        held.write("4242")
+        held.flush()
+        with pytest.raises(RuntimeError, match=r"another kvsieve evolve \(pid 4242\) is running on .*run.sqlite"):
             run_evolution(config, progress=False, model=object(), tokenizer=object())
     assert not (tmp_path / "run.sqlite").exists()  # refused before the database was opened
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -48,12 +49,17 @@ def _only_run_on(db_path: Path) -> Iterator[None]:
     process ends, however it ends)."""
     lock = db_path.with_name(db_path.name + ".lock")
     lock.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock, "a") as handle:
+    with open(lock, "a+") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise RuntimeError(f"another kvsieve evolve is running on {db_path} (it holds {lock}): wait for it to "
-                               "finish or stop it, then rerun to resume") from None
+            handle.seek(0)
+            holder = handle.read().strip() or "?"
+            raise RuntimeError(f"another kvsieve evolve (pid {holder}) is running on {db_path} (it holds {lock}): "
+                               "wait for it to finish or stop it, then rerun to resume") from None
+        handle.truncate(0)
+        handle.write(str(os.getpid()))
+        handle.flush()
         yield
 
 
