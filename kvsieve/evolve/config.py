@@ -92,6 +92,11 @@ class EvolveConfig:
                                          or self.workers < 1):
             raise ValueError(f"workers must be an int >= 1, got {self.workers!r}")
 
+    @property
+    def dev_cache_folder(self) -> Path:
+        """Where the dev set's prefills are saved and read back (``dev_cache``, else ``OUT/dev-cache``)."""
+        return Path(self.dev_cache) if self.dev_cache else Path(self.out) / "dev-cache"
+
     def identity(self) -> dict:
         """What makes two runs the same run (the database refuses to resume under another)."""
         # the same run anywhere, with any folders and executor

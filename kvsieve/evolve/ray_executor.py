@@ -1,7 +1,8 @@
 """Candidate evaluation on Ray: the evolve ``Executor`` interface (``executor.py``) over long-lived actors.
 
 Each actor builds the model and its own :class:`~kvsieve.evolve.evaluate.DevSet` once (the dev samples
-prefilled on the full cache, their features saved in the actor's temporary folder), then runs
+prefilled on the full cache, read from the run's dev cache folder where the driver saved them, else prefilled
+there and saved), then runs
 :func:`~kvsieve.evolve.evaluate.evaluate_program` for one candidate at a time. So a candidate's code
 still runs only inside the sandbox subprocess, started by the actor on the worker's machine: a candidate
 that crashes or hangs its sandbox costs that sandbox, not the actor. The loop, the mutator and the
@@ -36,7 +37,8 @@ class EvolveWorker:
         torch.set_num_threads(max(1, int(threads)))
         model, tokenizer = factory()
         samples = dev_samples(config, tokenizer, config.dev_seed, config.dev_samples)
-        self.dev = DevSet(model, tokenizer, samples, config.ratios, config.window)  # features in a temp folder
+        # the driver's saved prefills where this machine sees them (else computed here and saved for the next actor)
+        self.dev = DevSet(model, tokenizer, samples, config.ratios, config.window, config.dev_cache_folder)
 
     def pid(self) -> int:
         return os.getpid()

@@ -74,9 +74,8 @@ def _run(config: EvolveConfig, progress: bool, model, tokenizer) -> EvolveResult
         if model is None:
             model, tokenizer = load(config.model, dtype=config.dtype)
         db.check_dtype(dtype_name(model))  # before the dev cache, which holds its answers
-        workdir = Path(config.dev_cache or Path(config.out) / "dev-cache")
         dev = DevSet(model, tokenizer, dev_samples(config, tokenizer, config.dev_seed, config.dev_samples),
-                     config.ratios, config.window, workdir, progress=progress)
+                     config.ratios, config.window, config.dev_cache_folder, progress=progress)
         limits = SandboxLimits(timeout_s=config.sandbox_timeout_s, memory_mb=config.sandbox_memory_mb)
         if config.executor == "ray":  # actors build their own model and dev set; the database stays here
             executor = RayExecutor(config, limits, address=config.ray_address, workers=config.workers)
