@@ -50,7 +50,11 @@ def main() -> None:
     parser.add_argument("--policies", default="h2o,snapkv,tova,streaming_llm,knorm,frc")
     parser.add_argument("--ratios", default="0.5,0.75")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, every core; "
+                        "1 beside another job on a 2-core machine)")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
     model, tokenizer = load(args.model, dtype=args.dtype)
     spec = SampleSpec(model=args.model, tasks=args.tasks.split(","), lengths=[args.length], samples=args.samples,
