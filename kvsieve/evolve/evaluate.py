@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -91,13 +90,6 @@ class _Precomputed(Policy):
         return self.scores[signals.layer_idx]
 
 
-def _save_whole(path: Path, features: dict[str, Features]) -> None:
-    """:func:`save_features` under a temporary name, then renamed: a reader sees the old file or the new one."""
-    partial = path.with_name(path.name + ".partial")
-    save_features(partial, features)
-    os.replace(partial, path)
-
-
 def _prefill_key(identity: dict, sample: Sample, prompt: Prompt, answer: torch.Tensor) -> str:
     """sha256 of everything a dev sample's saved prefill and full-cache scores depend on: :meth:`DevSet._identity`,
     its tokens, and how its answer is decoded and scored."""
@@ -117,6 +109,14 @@ def answer_token_ids(tokenizer, sample: Sample) -> torch.Tensor:
     if prefix and not prefix[-1].isspace() and not answer[:1].isspace():
         answer = " " + answer
     return tokenizer(answer, add_special_tokens=False, return_tensors="pt")["input_ids"]
+
+
+def _per_row(item: DevSample | list[DevSample], caches: list) -> list[DevSample]:
+    """The dev sample of each of ``caches``: ``item`` for every row, or the list given (one per cache)."""
+    items = [item] * len(caches) if isinstance(item, DevSample) else list(item)
+    if len(items) != len(caches):
+        raise ValueError(f"{len(items)} dev samples for {len(caches)} caches: give one per cache")
+    return items
 
 
 class DevSet:
@@ -155,17 +155,16 @@ class DevSet:
             else:
                 item, sample_features = self._prefill(sample, prompt, answer)
                 if saved is not None:  # the cache last: its file marks a complete pair
-                    _save_whole(saved.with_suffix(".features"), sample_features)
+                    save_features(saved.with_suffix(".features"), sample_features)
                     save_cache(saved, item.cache, {"full_logprob": repr(item.full_logprob),
                                                    "full_score": repr(item.full_score)})
             features.update({f"s{i}-{name}": value for name, value in sample_features.items()})
             self.items.append(item)
         self.num_layers = len(sieve_layers(self.items[0].cache))
-        # named by the samples it holds: runs sharing a kept workdir (another dev set, a run starting while one
-        # reads its features) never see another's file or a half-written one
+        # named by the samples it holds: runs sharing a kept workdir never read another dev set's file
         whole = hashlib.sha256("".join(digests).encode()).hexdigest()[:16] if keep else ""
         self.features_path = self.workdir / (f"features-{whole}.safetensors" if keep else "features.safetensors")
-        _save_whole(self.features_path, features)
+        save_features(self.features_path, features)
 
     def _identity(self) -> dict:
         """What a saved prefill depends on besides its tokens: the model's weights, dtype and code, the window, the
@@ -231,9 +230,7 @@ class DevSet:
         same score). ``item``: the dev sample of every row, or one per row (rows of several samples decode together,
         each at its own positions, with its own limit, stop strings and metric). ``first_logits`` (one row per
         cache): the caches have read the question already (:meth:`read_question`)."""
-        items = [item] * len(caches) if isinstance(item, DevSample) else list(item)
-        if len(items) != len(caches):
-            raise ValueError(f"{len(items)} dev samples for {len(caches)} caches: give one per cache")
+        items = _per_row(item, caches)
         if first_logits is None:  # each row reads the question alone, as one cell of the harness does
             first_logits = torch.cat([self.read_question(it, cache)[1] for it, cache in zip(items, caches)])
         positions = torch.tensor([cache.get_seq_length() for cache in caches])
@@ -257,7 +254,7 @@ class DevSet:
                     first_logits: torch.Tensor | None = None) -> list[float]:
         """The task metric of the greedy answer on each of ``caches`` (stage 3); ``item`` and ``first_logits`` as in
         :meth:`answers`."""
-        items = [item] * len(caches) if isinstance(item, DevSample) else list(item)
+        items = _per_row(item, caches)
         return [metric_score(it.sample.metric, text, it.sample.answers)
                 for it, text in zip(items, self.answers(items, caches, first_logits))]
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import builtins
 import json
 import math
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -116,7 +117,9 @@ def synthetic_features(seed: int, batch: int = 1, kv_heads: int = 2, group: int 
 
 
 def save_features(path: str | Path, features: dict[str, Features]) -> None:
-    """Write named features to one safetensors file (tensors ``KEY.FIELD``, scalars in the metadata)."""
+    """Write named features to one safetensors file (tensors ``KEY.FIELD``, scalars in the metadata), under a
+    temporary name and then renamed: a reader (a sandbox, another run sharing the folder) sees the old file or the
+    new one, never half of one."""
     from safetensors.torch import save_file
 
     for key in features:
@@ -125,7 +128,9 @@ def save_features(path: str | Path, features: dict[str, Features]) -> None:
     tensors = {f"{key}.{name}": t.detach().to(torch.float32).contiguous()
                for key, feats in features.items() for name, t in feats.tensors().items()}
     meta = {key: feats.scalars() for key, feats in features.items()}
-    save_file(tensors, str(path), metadata={"scalars": json.dumps(meta)})
+    partial = Path(path).with_name(Path(path).name + ".partial")
+    save_file(tensors, str(partial), metadata={"scalars": json.dumps(meta)})
+    os.replace(partial, path)
 
 
 def load_features(path: str | Path) -> dict[str, Features]:
