@@ -190,6 +190,24 @@ def test_each_prompt_layout_gets_its_own_table_and_comparisons(tmp_path, rows):
     assert text.count("| tova | full | 0.5 |") == 2 and "| tova | full | 0.5 | 2 | -75.0 |" in text
 
 
+def test_partly_timed_rows_are_named_once_per_count():
+    """The note on partly timed rows groups them by count: a policy whose every ratio shares a count is named once,
+    one whose ratios differ is named with the ratios of each count."""
+    rows = []
+    for sample in ("s0", "s1", "s2"):
+        rows.append(cell("full", 0.0, sample, 100, prefill=10.0))
+        for policy in ("tova", "kvzip"):
+            for ratio in (0.5, 0.75):
+                rows.append(cell(policy, ratio, sample, 50, prefill=10.0))
+    for row in rows:
+        key = row.key
+        timed_row = key.sample_id == "s0" or (key.sample_id == "s1" and key.policy == "kvzip" and key.ratio == 0.75)
+        if timed_row and key.policy != "full":
+            row.config.update(prefill_only_seconds=9.0, compress_seconds=0.1)
+    note = format_headline(headline(rows)[0]).split("recorded it): ")[1].split("\n")[0]
+    assert note == "1 of 3: kvzip @ 0.5, tova; 2 of 3: kvzip @ 0.75"
+
+
 def test_decode_cells_pair_with_the_decode_full_cells():
     assert reference_label("tova@decode128") == "full@decode128"
     assert reference_label("learned(checkpoint='a@b')") == "full"
@@ -216,7 +234,7 @@ def test_overhead_comes_from_each_cells_own_timing_when_recorded():
     (table,) = headline(timed)
     tova = next(r for r in table.rows if r.policy == "tova")
     assert tova.overhead_pct == pytest.approx(100 * 0.2 / 10.0)  # the timed cell alone: 2.0
-    assert tova.overhead_cells == 1 and "tova @ 0.5: 1 of 2" in format_headline(table)
+    assert tova.overhead_cells == 1 and "recorded it): 1 of 2: tova\n" in format_headline(table)
     for row in timed[:2]:
         row.config.update(prefill_only_seconds=20.0, compress_seconds=0.0)
     timed[1].config.pop("compress_seconds")

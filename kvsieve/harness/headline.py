@@ -377,9 +377,8 @@ def format_headline(table: Headline, digits: int = 1) -> str:
     partly = [r for r in table.rows if 0 < r.overhead_cells < r.n]
     if partly:
         counts = {(r.overhead_cells, r.n) for r in partly}
-        which = (f"every row, {partly[0].overhead_cells} of {partly[0].n}" if len(partly) == len(table.rows)
-                 and len(counts) == 1 else "; ".join(f"{r.policy} @ {r.ratio:g}: {r.overhead_cells} of {r.n}"
-                                                    for r in partly))
+        which = (f"every row, {partly[0].overhead_cells} of {partly[0].n}"
+                 if len(partly) == len(table.rows) and len(counts) == 1 else _timed_groups(table.rows, partly))
         notes.append("overhead from the cells that timed their own compression and prefill (the others ran before "
                      f"grids recorded it): {which}")
     if any(r.overhead_pct < 0 for r in table.rows):
@@ -387,6 +386,23 @@ def format_headline(table: Headline, digits: int = 1) -> str:
                      "(a resumed or extended grid): there the figure is run-to-run prefill noise, not the "
                      "compression's cost")
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+
+
+def _timed_groups(rows: Sequence[HeadlineRow], partly: Sequence[HeadlineRow]) -> str:
+    """``partly`` grouped by how many of their cells were timed: "63 of 104: full, kvzip; 12 of 19: tova @ 0.875"
+    (a policy all of whose rows share a count is named once, without its ratios)."""
+    ratios_of = defaultdict(list)
+    for r in rows:
+        ratios_of[r.policy].append(r.ratio)
+    groups: dict[tuple[int, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in partly:
+        groups[(r.overhead_cells, r.n)][r.policy].append(r.ratio)
+    parts = []
+    for (cells, n), policies in groups.items():
+        names = [p if len(rs) == len(ratios_of[p]) else f"{p} @ {', '.join(f'{x:g}' for x in rs)}"
+                 for p, rs in policies.items()]
+        parts.append(f"{cells} of {n}: " + ", ".join(names))
+    return "; ".join(parts)
 
 
 def format_comparisons(comparisons: Sequence[Comparison], digits: int = 1) -> str:
