@@ -300,6 +300,8 @@ def test_headline_report_from_a_store(tmp_path, rows):
     assert "### m at 1024 tokens: 4 requests" in text and "### m2 at 1024 tokens: 1 requests" in text
     assert "| kvzip | tova | 0.5 | 3 | +66.7 |" in text
     assert "| tova | full | 0.5 | 4 | -25.0 |" in text
+    # m2 holds only the full cache: its table notes the pairs it lacks in one short line each
+    assert "kvzip vs tova: not in this table (policy 'kvzip' has no rows for model m2)\n" in text
     only = headline_report(path, model="m2")
     assert "### m2" in only and "### m " not in only
     with pytest.raises(ValueError, match="no rows for model nope.*models held: m, m2"):

@@ -446,8 +446,8 @@ def headline_report(store_path: str | Path, model: str | None = None,
         for a, b in compare_pairs:
             try:
                 la, lb = _resolve(cells, a, table.model), _resolve(cells, b, table.model)
-            except ValueError as err:  # a pair one model lacks is noted; one no model has is an error below
-                notes.append(f"{a} vs {b}: {err}")
+            except ValueError as err:  # a pair one table lacks is noted; one no table has is an error below
+                notes.append(f"{a} vs {b}: not in this table ({str(err).split('; available')[0]})")
                 problems[(a, b)].append(str(err))
                 continue
             ratios = _pair_ratios(cells, la, lb)
