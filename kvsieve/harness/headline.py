@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -391,15 +391,13 @@ def format_headline(table: Headline, digits: int = 1) -> str:
 def _timed_groups(rows: Sequence[HeadlineRow], partly: Sequence[HeadlineRow]) -> str:
     """``partly`` grouped by how many of their cells were timed: "63 of 104: full, kvzip; 12 of 19: tova @ 0.875"
     (a policy all of whose rows share a count is named once, without its ratios)."""
-    ratios_of = defaultdict(list)
-    for r in rows:
-        ratios_of[r.policy].append(r.ratio)
+    rows_of = Counter(r.policy for r in rows)
     groups: dict[tuple[int, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in partly:
         groups[(r.overhead_cells, r.n)][r.policy].append(r.ratio)
     parts = []
     for (cells, n), policies in groups.items():
-        names = [p if len(rs) == len(ratios_of[p]) else f"{p} @ {', '.join(f'{x:g}' for x in rs)}"
+        names = [p if len(rs) == rows_of[p] else f"{p} @ {', '.join(f'{x:g}' for x in rs)}"
                  for p, rs in policies.items()]
         parts.append(f"{cells} of {n}: " + ", ".join(names))
     return "; ".join(parts)
