@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from kvsieve.bundled import ALIASES, BUNDLED, BundledModel, bundled, canonical_name
+from kvsieve.files import written_whole
 
 __all__ = ["BUNDLED", "ALIASES", "BundledModel", "load", "bundled", "canonical_name", "cache_dir", "resolve_gguf",
            "context_length", "check_length", "auto_dtype", "resolve_dtype", "dtype_name", "cpu_flags", "DTYPES",
@@ -70,13 +71,11 @@ def resolve_gguf(model: BundledModel, folder: Path | None = None) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / f"{model.folder_name}.gguf"
     if not target.is_file():
-        fd, tmp_name = tempfile.mkstemp(prefix=target.name + ".", suffix=".partial", dir=folder)
-        with os.fdopen(fd, "wb") as out:
+        with written_whole(target) as tmp, open(tmp, "wb") as out:
             for part in parts:
                 with open(part, "rb") as f:
                     while block := f.read(1 << 24):
                         out.write(block)
-        os.replace(tmp_name, target)
     if model.sha256 is not None:
         actual = _sha256(target)
         if actual != model.sha256:

@@ -13,15 +13,14 @@ renamed, so an interrupted write leaves nothing a later load would read.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from transformers.cache_utils import DynamicCache
 
 from kvsieve.engine.cache import SieveLayer, install
+from kvsieve.files import save_safetensors
 
 __all__ = ["save_cache", "load_cache", "FORMAT_VERSION"]
 
@@ -56,11 +55,7 @@ def save_cache(path: str | Path, cache: DynamicCache, metadata: dict[str, str] |
                        "scaling": getattr(layer, "scaling", None), "stored": stored,
                        "rope_attention_scaling": None if layer.rope is None else float(layer.rope[1])})
     header = {"format": str(FORMAT_VERSION), "layers": json.dumps(layers), **(metadata or {})}
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    save_file(tensors, str(partial), metadata=header)
-    os.replace(partial, path)
+    save_safetensors(tensors, path, metadata=header)
 
 
 def load_cache(path: str | Path, config) -> tuple[DynamicCache, dict[str, str]]:

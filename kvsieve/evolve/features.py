@@ -14,13 +14,13 @@ from __future__ import annotations
 import builtins
 import json
 import math
-import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from kvsieve.files import save_safetensors
 from kvsieve.signals import Signals
 
 __all__ = ["Features", "TENSOR_FIELDS", "SCALAR_FIELDS", "TORCH_FUNCTIONS", "TENSOR_METHODS", "HELPERS",
@@ -120,17 +120,13 @@ def save_features(path: str | Path, features: dict[str, Features]) -> None:
     """Write named features to one safetensors file (tensors ``KEY.FIELD``, scalars in the metadata), under a
     temporary name and then renamed: a reader (a sandbox, another run sharing the folder) sees the old file or the
     new one, never half of one."""
-    from safetensors.torch import save_file
-
     for key in features:
         if not key or "." in key:
             raise ValueError(f"feature key {key!r} must be non-empty and contain no '.'")
     tensors = {f"{key}.{name}": t.detach().to(torch.float32).contiguous()
                for key, feats in features.items() for name, t in feats.tensors().items()}
     meta = {key: feats.scalars() for key, feats in features.items()}
-    partial = Path(path).with_name(Path(path).name + ".partial")
-    save_file(tensors, str(partial), metadata={"scalars": json.dumps(meta)})
-    os.replace(partial, path)
+    save_safetensors(tensors, path, metadata={"scalars": json.dumps(meta)})
 
 
 def load_features(path: str | Path) -> dict[str, Features]:

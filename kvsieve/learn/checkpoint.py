@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from kvsieve.files import save_safetensors
 from kvsieve.learn.features import FEATURES
 
 __all__ = ["FORMAT", "METADATA_KEY", "Checkpoint", "save_checkpoint", "load_checkpoint"]
@@ -50,16 +50,10 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
 
 def save_checkpoint(path: str | Path, meta: dict, tensors: dict[str, torch.Tensor]) -> Path:
     """Write ``tensors`` and ``meta`` (plus format, features and checksum) atomically to ``path``."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     meta = dict(meta, format=FORMAT, features=list(FEATURES), sha256=_digest(tensors))
-    partial = path.with_name(path.name + ".partial")
-    save_file(tensors, str(partial), metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
-    os.replace(partial, path)  # an interrupted write never leaves a half-written checkpoint behind
-    return path
+    # an interrupted write never leaves a half-written checkpoint behind
+    return save_safetensors(tensors, path, metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
 
 
 def load_checkpoint(path: str | Path) -> Checkpoint:

@@ -31,12 +31,12 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from kvsieve.engine.cache import sieve_layers
 from kvsieve.engine.compress import layer_signals
 from kvsieve.engine.reconstruct import ReconstructionPrompt, reconstruction_scores
+from kvsieve.files import save_safetensors
 from kvsieve.learn.checkpoint import load_checkpoint, save_checkpoint
 from kvsieve.learn.config import TrainResult, derived_seed, episode_index
 from kvsieve.learn.features import FEATURES, extract
@@ -116,10 +116,8 @@ def _collect_all(config, model, tokenizer, episodes: list[Episode], out: Path, p
     seconds = time.perf_counter() - start
     tensors = {f"{e}.{i}.{name}": tensor.contiguous() for e, layers in enumerate(data)
                for i, triple in enumerate(layers) for name, tensor in zip(("features", "targets", "mask"), triple)}
-    partial = path.with_name(path.name + ".partial")
-    save_file(tensors, str(partial), metadata={"key": key, "episodes": str(len(data)),
-                                               "layers": str(len(data[0])), "seconds": repr(seconds)})
-    partial.replace(path)
+    save_safetensors(tensors, path, metadata={"key": key, "episodes": str(len(data)),
+                                              "layers": str(len(data[0])), "seconds": repr(seconds)})
     return data, seconds
 
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -50,6 +49,7 @@ import torch
 from torch import nn
 
 from kvsieve.bundled import canonical_name
+from kvsieve.files import save_safetensors
 from kvsieve.learn.policy import ModelShape
 from kvsieve.policy import Policy
 from kvsieve.selection import ALLOCATIONS, Selection
@@ -210,19 +210,12 @@ def save_kvzap(path: str | Path, net: KVzapNet, meta: dict) -> Path:
 
     ``meta`` must hold ``model`` (a :meth:`ModelShape.to_dict`), ``header``, ``rope`` ({"inv_freq": per
     layer list or None, "attention_scaling": per layer}) and ``variant`` (the default one)."""
-    from safetensors.torch import save_file
-
     for key in ("model", "header", "rope", "variant"):
         if key not in meta:
             raise ValueError(f"kvzap checkpoint metadata needs {key!r}")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to(torch.float16).contiguous().cpu() for k, v in net.state_dict().items()}
     meta = dict(meta, format=FORMAT, net=net.config.to_dict(), sha256=_digest(tensors))
-    partial = path.with_name(path.name + ".partial")
-    save_file(tensors, str(partial), metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
-    os.replace(partial, path)
-    return path
+    return save_safetensors(tensors, path, metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
 
 
 def load_kvzap(path: str | Path) -> tuple[KVzapNet, dict]:

@@ -42,6 +42,7 @@ from kvsieve.engine.cache import sieve_layers
 from kvsieve.engine.compress import layer_signals
 from kvsieve.engine.query_stats import rope_of
 from kvsieve.engine.reconstruct import ReconstructionPrompt
+from kvsieve.files import save_safetensors
 from kvsieve.learn.imitate import kvzip_reconstruction
 from kvsieve.learn.kvzap import INPUTS, KVzapNet, KVzapNetConfig, kvzap_inputs, save_kvzap
 from kvsieve.learn.policy import ModelShape
@@ -218,7 +219,6 @@ def collect_rows(config: KVzapTrainConfig, model, tokenizer, progress: bool = Tr
                  episodes: list[tuple[str, Episode]] | None = None) -> tuple[list[dict], list[dict]]:
     """Every sequence's rows, read from ``out/kvzap-data`` where a sequence with the same key was saved."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
     from tqdm import tqdm
 
     folder = Path(config.out) / "kvzap-data"
@@ -240,9 +240,7 @@ def collect_rows(config: KVzapTrainConfig, model, tokenizer, progress: bool = Tr
             rows = collect_sequence(model, tokenizer, episode, rope, config.positions, _hash(config.seed, "pos", i),
                                     config.inputs)
             rows["wall"] = torch.tensor(time.perf_counter() - start)
-            partial = path.with_name(path.name + ".partial")
-            save_file({k: v.contiguous() for k, v in rows.items()}, str(partial), metadata={"key": key})
-            partial.replace(path)
+            save_safetensors({k: v.contiguous() for k, v in rows.items()}, path, metadata={"key": key})
         data.append(rows)
         info.append({"kind": kind, "name": episode.name, "tokens": int(rows["tokens"]),
                      "wall": float(rows["wall"])})

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvsieve.files import written_whole
 from kvsieve.harness.store import ResultsStore
 from kvsieve.policies import parse_spec
 from kvsieve.risk.certify import Certification, Contract, InsufficientCalibrationError, certify
@@ -46,16 +47,13 @@ class ContractFile:
     length_quantity: str = "context_tokens"  # see the module docstring; "nominal" in contracts that predate it
 
     def write(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         data = {"kvsieve_contract": CONTRACT_VERSION, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "contract": asdict(self.contract), "model": self.model, "by": self.by,
                 "length_edges": self.length_edges, "length_quantity": self.length_quantity, "source": self.source,
                 "buckets": {name: cert.to_dict() for name, cert in self.buckets.items()}}
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
-        tmp.replace(path)  # never leave a half-written contract
-        return path
+        with written_whole(path) as tmp:  # never leave a half-written contract
+            tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+        return Path(path)
 
     @classmethod
     def read(cls, path: str | Path) -> ContractFile:
