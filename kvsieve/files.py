@@ -9,7 +9,7 @@ was and removes its temporary file.
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,8 +26,8 @@ def written_whole(path: str | Path) -> Iterator[Path]:
     the block ends, removed if it raises."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    os.close(fd)
+    # named, not created: the block's own open() gives the file the permissions any other file it writes gets
+    name = str(path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.partial")
     try:
         yield Path(name)
         os.replace(name, path)

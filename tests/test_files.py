@@ -30,3 +30,12 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
             raise RuntimeError("interrupted")
     assert torch.equal(load_file(target)["w"], torch.arange(3.0))
     assert [p.name for p in target.parent.iterdir()] == ["checkpoint.safetensors"]
+
+
+def test_the_file_gets_the_permissions_a_plain_write_gives(tmp_path):
+    # a contract or an assembled model file is read by other users like any file the writer creates
+    plain = tmp_path / "plain"
+    plain.write_bytes(b"x")
+    with written_whole(tmp_path / "contract.json") as tmp:
+        tmp.write_text("{}")
+    assert (tmp_path / "contract.json").stat().st_mode == plain.stat().st_mode
