@@ -319,7 +319,7 @@ def test_resume_is_exact_across_migrations(tmp_path):
     of the uninterrupted run; the run crosses several migrations."""
     from kvsieve.evolve.search import evolve
 
-    config = tiny_run_config(tmp_path, 20, islands=3, per_island=2, migration_interval=1)
+    config = tiny_run_config(tmp_path, 26, islands=3, per_island=2, migration_interval=1)
     straight = tmp_path / "straight.sqlite"
     db = ProgramDatabase(straight)
     evolve(config, _FakeExecutor(), StructuralMutator(), db, progress=False)
@@ -327,6 +327,7 @@ def test_resume_is_exact_across_migrations(tmp_path):
     expected = _whole_rows(straight)
     assert sum(1 for r in expected if r[6] == "migration") >= 2  # migrations happened (the mutator column)
     assert any(r[12].startswith("as #") for r in expected)  # and children took earlier results by kept entries
+    assert any("+" in r[7] for r in expected)  # and repeats took further edits (the operation column)
     for stop in range(1, len(expected)):
         path = tmp_path / f"stopped-{stop}.sqlite"
         dying = _DyingDatabase(path, stop)
@@ -927,3 +928,33 @@ def test_cells_of_several_samples_decode_as_one_batch_each_row_as_it_would_alone
     assert reference[4] == unstopped[:len(reference[4])] and len(reference[4]) <= 4  # c stops at the stop string
     scores = dev.task_scores(items, [dev.compressed(i, policy, r) for i in range(3) for r in dev.ratios])
     assert scores == [metric_score(it.sample.metric, text, it.sample.answers) for it, text in zip(items, reference)]
+
+
+class _OneOfTwoEdits:
+    """A mutator with a two-program neighbourhood: it adds 0.5 or 0.25 to the parent's score expression."""
+
+    name = "two_edits"
+
+    def propose(self, parent, inspirations, rng):
+        weight = rng.choice(["0.5", "0.25"])
+        self.last_operation = f"add{weight}"
+        head, _, expression = parent.source.rpartition("return ")
+        return Program(f"{head}return {expression.strip()} + {weight}\n")
+
+
+def test_best_of_n_walks_past_an_exhausted_neighbourhood_instead_of_stalling(tmp_path):
+    # best-of-N with the structural mutator on Qwen stopped after 88 programs: every further one-edit child of the
+    # seed was a duplicate. A repeat now takes more random edits, so the control reaches its budget.
+    from kvsieve.evolve.search import evolve
+
+    config = tiny_run_config(tmp_path, 12, strategy="best_of_n", islands=1, per_island=4, seed_programs=["tova"])
+    db = ProgramDatabase(tmp_path / "b.sqlite")
+    evolve(config, _FakeExecutor(), _OneOfTwoEdits(), db, progress=False)
+    records = db.records("generation > 0")
+    evaluated = [r for r in records if r.status == "ok"]
+    # (siblings of one generation may share code: duplicates are looked up in earlier generations only)
+    assert db.evaluated_count() == 12 and len({r.code_hash for r in evaluated}) > 2
+    walked = [r for r in evaluated if r.operation.count("+") >= 1]
+    assert walked and all(r.source.count("+ 0.") == r.operation.count("+") + 1 for r in walked)
+    assert all(r.parent_id == db.records("generation = 0")[0].id for r in records)  # every child is the seed's
+    db.close()

@@ -5,7 +5,8 @@ Generation 0 evaluates the seed programs in every island. Each later generation 
 children do not depend on which sibling finished first), evaluates them through the executor and
 stores each row as it finishes. Every choice is drawn from ``random.Random(f"{seed}:{generation}:
 {island}:{slot}")``: a killed run resumes with the same children and the same results.
-``strategy="best_of_n"`` is the control: every child is a mutation of the first seed program.
+``strategy="best_of_n"`` is the control: every child is a mutation of the first seed program. In both, a child that
+repeats an earlier program's code takes further random edits (``EXTRA_EDITS``) before it counts as a duplicate.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ from kvsieve.evolve.static import StaticCheckError, check_source
 __all__ = ["evolve", "export_best", "max_gap", "generation_summary"]
 
 STALL_GENERATIONS = 25
+# A proposal that repeats an earlier program is edited again, up to this many times, before it is stored as a
+# duplicate: a small neighbourhood (best-of-N's one edit of the seed, which the structural mutator exhausts after
+# ~90 programs on Qwen) widens into random walks of several edits, still without reading any score.
+EXTRA_EDITS = 4
 
 
 def _seed_sources(config: EvolveConfig) -> list[str]:
@@ -148,7 +153,8 @@ def _run_generation(config, executor, mutator, db, generation, threshold, bar) -
                 parent = best if (rng.random() < config.exploit or not elites) else rng.choice(elites)
                 pool = [r for r in elites + [o for o in others if o is not None] if r.code_hash != parent.code_hash]
             chosen = rng.sample(pool, min(config.inspirations, len(pool)))
-            child = mutator.propose(Program(parent.source), [Program(r.source) for r in chosen], rng)
+            inspirations = [Program(r.source) for r in chosen]
+            child = mutator.propose(Program(parent.source), inspirations, rng)
             operation = getattr(mutator, "last_operation", "") or mutator.name
             insp = [r.id for r in chosen]
             if child is None:
@@ -157,6 +163,13 @@ def _run_generation(config, executor, mutator, db, generation, threshold, bar) -
                             reason="the mutator returned no usable program"))
                 continue
             known = db.by_hash(child.code_hash, before_generation=generation)
+            for _ in range(EXTRA_EDITS):  # a repeat takes another random edit (no score is read)
+                further = mutator.propose(child, inspirations, rng) if known is not None else None
+                if further is None:
+                    break
+                child = further
+                operation += "+" + (getattr(mutator, "last_operation", "") or mutator.name)
+                known = db.by_hash(child.code_hash, before_generation=generation)
             if known is not None:
                 db.add(_copy_row(known, generation, island, slot, "duplicate", parent.id, mutator.name, operation))
                 continue
