@@ -164,7 +164,9 @@ def _run_generation(config, executor, mutator, db, generation, threshold, bar) -
                 continue
             known = db.by_hash(child.code_hash, before_generation=generation)
             for _ in range(EXTRA_EDITS):  # a repeat takes another random edit (no score is read)
-                further = mutator.propose(child, inspirations, rng) if known is not None else None
+                if known is None:
+                    break
+                further = mutator.propose(child, inspirations, rng)
                 if further is None:
                     break
                 child = further
