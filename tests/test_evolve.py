@@ -371,6 +371,25 @@ def test_proxy_better_task_worse_fires_for_a_low_seed(tmp_path):
     assert [(s["id"], s["kind"]) for s in suspects] == [(child, "proxy better, task no better")]
 
 
+def test_held_out_scores_go_to_the_programs_ranked_as_the_best_is_chosen(tmp_path):
+    """Programs tied on the dev score are ranked by the smaller proxy gap, as the exported best is: the best
+    is held out even when earlier rows share its score (the v2 run's #325 at 93.8 came after three others)."""
+    from kvsieve.evolve.run import heldout_programs
+
+    db = ProgramDatabase(tmp_path / "h.sqlite")
+    seed = db.add(dict(generation=0, island=0, slot=0, mutator="seed", status="ok", stage=3, score=5.0, proxy=0.5,
+                       source="s", code_hash="s"))
+    ids = {}
+    for slot, (score, proxy) in enumerate([(9.0, 0.5), (9.0, 0.3), (8.0, 0.1), (9.0, 0.4), (9.0, 0.2)]):
+        ids[proxy] = db.add(dict(generation=1, island=0, slot=slot, mutator="m", status="ok", stage=3, score=score,
+                                 proxy=proxy, source=str(slot), code_hash=str(slot)))
+    chosen = [r.id for r in heldout_programs(db, top=2)]
+    best = db.best().id
+    db.close()
+    assert best == ids[0.2]
+    assert chosen == [seed, ids[0.2], ids[0.3]]
+
+
 def test_stage2_threshold_counts_rejected_candidates(tmp_path):
     from kvsieve.evolve.search import max_gap
 

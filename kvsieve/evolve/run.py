@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvsieve.evolve.config import EvolveConfig, dev_samples
-from kvsieve.evolve.database import ProgramDatabase, ProgramRecord
+from kvsieve.evolve.database import ProgramDatabase, ProgramRecord, rank_key
 from kvsieve.evolve.evaluate import DevSet, evaluate_program
 from kvsieve.evolve.executor import LocalExecutor
 from kvsieve.evolve.mutators import make_mutator
@@ -22,7 +22,7 @@ from kvsieve.evolve.sandbox import SandboxLimits, require_isolation
 from kvsieve.evolve.search import evolve, export_best
 from kvsieve.models import dtype_name, load
 
-__all__ = ["EvolveResult", "run_evolution"]
+__all__ = ["EvolveResult", "heldout_programs", "run_evolution"]
 
 
 @dataclass
@@ -104,20 +104,27 @@ def _run(config: EvolveConfig, progress: bool, model, tokenizer) -> EvolveResult
         db.close()
 
 
+def heldout_programs(db: ProgramDatabase, top: int) -> list[ProgramRecord]:
+    """The seeds, then the ``top`` best distinct programs in the order that picks the run's best
+    (``rank_key``: score, then the smaller proxy gap), so the exported best always gets a held-out score."""
+    wanted = list(db.records("generation = 0 AND island = 0"))
+    seen = {r.code_hash for r in wanted}
+    limit = len(wanted) + top
+    for record in sorted(db.scored(), key=rank_key, reverse=True):
+        if len(wanted) >= limit:
+            break
+        if record.code_hash not in seen:
+            wanted.append(record)
+            seen.add(record.code_hash)
+    return wanted
+
+
 def _heldout_scores(db: ProgramDatabase, config: EvolveConfig, model, tokenizer, limits, progress: bool,
                     top: int = 3) -> dict[int, float]:
     """Task scores on held-out seeds of the seed programs and the ``top`` best programs (cached in the db)."""
     row = db.conn.execute("SELECT value FROM meta WHERE key = 'heldout'").fetchone()
     cached = {int(k): v for k, v in json.loads(row[0]).items()} if row else {}
-    wanted = [r for r in db.records("generation = 0 AND island = 0")]
-    seen = {r.code_hash for r in wanted}
-    for record in sorted(db.scored(), key=lambda r: -r.score):
-        if len(wanted) >= top + len(config.seed_programs):
-            break
-        if record.code_hash not in seen:
-            wanted.append(record)
-            seen.add(record.code_hash)
-    todo = [r for r in wanted if r.id not in cached and r.source]
+    todo = [r for r in heldout_programs(db, top) if r.id not in cached and r.source]
     if todo:
         held = DevSet(model, tokenizer, dev_samples(config, tokenizer, config.heldout_seed, config.heldout_samples),
                       config.ratios, config.window, Path(config.out) / "heldout-cache", progress=progress)
