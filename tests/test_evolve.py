@@ -373,7 +373,7 @@ def test_proxy_better_task_worse_fires_for_a_low_seed(tmp_path):
 
 def test_held_out_scores_go_to_the_programs_ranked_as_the_best_is_chosen(tmp_path):
     """Programs tied on the dev score are ranked by the smaller proxy gap, as the exported best is: the best
-    is held out even when earlier rows share its score (the v2 run's #325 at 93.8 came after three others)."""
+    is held out even when earlier rows share its score (the v2 run's #325 at 93.8 came after seven others)."""
     from kvsieve.evolve.run import heldout_programs
 
     db = ProgramDatabase(tmp_path / "h.sqlite")
