@@ -160,6 +160,8 @@ def _compressing_forward(model, forward, session: Session):
         install(cache, window=session.policy.window, track_attention=session.policy.needs_accumulated_attention)
         session.cache = cache
         layers = sieve_layers(cache)
+        for _, layer in layers:  # decode mode: a segment grows by at most evict_every between evictions
+            layer.spare = session.evict_every if session.mode == "decode" else None
         fresh = all(layer.seen == 0 for _, layer in layers)
         q_len = inputs.shape[1]
         if fresh:

@@ -9,10 +9,11 @@ queries of each layer and, on request, the attention every entry receives.
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 
 import torch
 from transformers import AttentionInterface
@@ -20,8 +21,13 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvsieve.engine.cache import SieveLayer
 
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # torch < 2.10 has no varlen attention: the padded path serves every device
+    varlen_attn = None
+
 __all__ = ["ATTENTION_NAME", "sieve_attention", "bottom_right_causal_mask", "blocked_causal_attention",
-           "use_blocked_prefill", "ragged_attention"]
+           "use_blocked_prefill", "stored_attention"]
 
 ATTENTION_NAME = "kvsieve_sdpa"
 _QUERY_BLOCK = 512  # queries per block when accumulating attention, bounds the (q, k) buffer
@@ -153,11 +159,11 @@ def blocked_causal_attention(query, key, value, scaling: float | None = None, va
 def sieve_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     session = getattr(module, "_kvsieve_session", None)
     layer = session.layer(module.layer_idx) if session is not None else None
-    if isinstance(layer, SieveLayer) and layer.is_ragged:
+    if isinstance(layer, SieveLayer) and layer.store is not None:
         layer.scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
         layer.remember_queries(query)
         session.observe(layer.physical_length)
-        return ragged_attention(query, layer, layer.scaling), None
+        return stored_attention(query, layer, layer.scaling), None
     q_len, k_len = query.shape[2], key.shape[2]
     sliding = getattr(module, "sliding_window", None)
     valid = layer.valid if isinstance(layer, SieveLayer) else None
@@ -181,39 +187,95 @@ def sieve_attention(module, query, key, value, attention_mask, dropout: float = 
     return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
-def ragged_attention(query: torch.Tensor, layer: SieveLayer, scaling: float) -> torch.Tensor:
-    """Attention of ``query`` (b, hq, q, d) over a ragged layer: each KV head against exactly its own entries.
+# varlen_attn and whether it takes seqused_k (torch >= 2.13; the lent GPU's torch 2.11 does not)
+_VARLEN = None if varlen_attn is None else (varlen_attn, "seqused_k" in inspect.signature(varlen_attn).parameters)
+_varlen_failed: list[str] = []  # the first error of the varlen path on this process (then the padded path)
 
-    The layer already holds the new tokens (``update`` appended them to every head), so the causal mask
-    is bottom-right per head; a head's batch padding is masked. One sdpa call per KV head, its ``hq / h``
-    query heads sharing the head's keys (no repeat). With attention tracking on, the softmax is computed
-    explicitly and its column sums added to the head's ``attention``. Returns (b, q, hq, d).
+
+def stored_attention(query: torch.Tensor, layer: SieveLayer, scaling: float) -> torch.Tensor:
+    """Attention of ``query`` (b, hq, q, d) over a stored layer: each (row, KV head) against exactly its own entries.
+
+    One attention call per layer, whatever the number of heads. The layer already holds the new tokens
+    (``update`` appended them), so the causal mask is bottom-right per segment. Three ways, by what the
+    store and device allow: on CUDA, ``varlen_attn`` with every segment a sequence of its own (its
+    ``hq / h`` query heads its heads); where every segment has one length, sdpa over a view of the buffer;
+    else sdpa over the segments gathered to the longest, the padding masked. The ``hq / h`` query heads of a
+    KV head are stacked as rows of one query matrix, so keys are never repeated. With attention tracking on,
+    the softmax is computed explicitly and its column sums added to the entries' ``attention``.
+    Returns (b, q, hq, d).
     """
+    store = layer.store
     b, hq, q_len, d = query.shape
-    heads = layer.heads
-    groups = hq // len(heads)
-    outs, tracked = [], []
-    for i, head in enumerate(heads):
-        q = query[:, i * groups:(i + 1) * groups]
-        n = head.length
-        mask = bottom_right_causal_mask(q_len, n, query.device)[None, None] if q_len > 1 else None
-        if head.valid is not None:
-            visible = head.valid[:, None, None, :]
-            mask = visible if mask is None else mask & visible
-        keys, values = head.keys[:, None], head.values[:, None]
-        if layer.track_attention:
-            logits = torch.matmul(q * scaling, keys.transpose(-1, -2)).float()
-            if mask is not None:
-                logits = logits.masked_fill(~mask, float("-inf"))
-            probs = torch.softmax(logits, dim=-1)
-            tracked.append(head.attention + probs.sum(dim=(1, 2)) if head.attention is not None else None)
-            outs.append(torch.matmul(probs.to(values.dtype), values))
-        else:
-            outs.append(torch.nn.functional.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True))
+    h = store.heads
+    groups = hq // h
+    if (query.is_cuda and _VARLEN is not None and not layer.track_attention and not _varlen_failed
+            and query.dtype in (torch.float16, torch.bfloat16)):
+        try:
+            return _varlen_attention(query, store, scaling)
+        except RuntimeError as err:  # an old kernel, an unsupported head dim: the padded path still answers
+            _varlen_failed.append(str(err))
+            warnings.warn(f"kvsieve: varlen attention failed ({err}); using padded sdpa", stacklevel=2)
+    view = store.dense_view()
+    width = store.width
+    if view is not None:
+        keys, values, index = view[0], view[1], None
+        valid = None
+    else:
+        index, valid = store.padded_index(width)
+        keys, values = store.keys[index], store.values[index]
+    rows = query.view(b, h, groups, q_len, d).reshape(b, h, groups * q_len, d)
+    mask = None if valid is None else valid[:, :, None, None, :]  # (b, h, 1, 1, w)
+    if q_len > 1:
+        lengths = store.device_lengths.view(b, h, 1, 1)
+        key_at = torch.arange(width, device=query.device)
+        query_at = torch.arange(q_len, device=query.device)[:, None]
+        # entry j of a segment is seen by query t iff j <= length - q + t (left padding shifts entries right)
+        causal = (key_at - (width - lengths)[..., None]) <= (lengths[..., None] - q_len + query_at)  # (b,h,1,q,w)
+        mask = causal if mask is None else mask & causal
+    if mask is not None:
+        mask = mask.expand(b, h, groups, q_len, width).reshape(b, h, groups * q_len, width)
     if layer.track_attention:
-        layer.heads = [replace(h, attention=a) for h, a in zip(heads, tracked)]
-    return torch.cat(outs, dim=1).transpose(1, 2).contiguous()
+        logits = torch.matmul(rows * scaling, keys.transpose(-1, -2)).float()
+        if mask is not None:
+            logits = logits.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        layer.accumulate_attention(index, probs.sum(dim=2))
+        out = torch.matmul(probs.to(values.dtype), values)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=scaling)
+    out = out.view(b, h, groups, q_len, -1).reshape(b, hq, q_len, -1)
+    return out.transpose(1, 2).contiguous()
+
+
+def _varlen_attention(query: torch.Tensor, store, scaling: float) -> torch.Tensor:
+    """``varlen_attn`` over the store's segments; each segment is a sequence whose ``hq / h`` query heads share
+    its one KV head. Without ``seqused_k`` (torch < 2.13) each segment's spare capacity is passed as a
+    sequence of its own with no queries."""
+    varlen_attn, has_seqused = _VARLEN
+    b, hq, q_len, d = query.shape
+    h = store.heads
+    groups, segments = hq // h, b * h
+    device = query.device
+    packed = query.view(b, h, groups, q_len, d).permute(0, 1, 3, 2, 4).reshape(segments * q_len, groups, d)
+    keys, values = store.keys[:, None], store.values[:, None]
+    lengths = store.device_lengths
+    window = (-1, 0) if q_len > 1 else (-1, -1)
+    max_k = store.width
+    if has_seqused:
+        cu_k = torch.cat([store.device_starts, store.device_starts.new_tensor([store.keys.shape[0]])]).int()
+        cu_q = (torch.arange(segments + 1, device=device) * q_len).int()
+        out = varlen_attn(packed, keys, values, cu_q, cu_k, q_len, max_k, scale=scaling, window_size=window,
+                          seqused_k=lengths.int())
+    else:
+        spare = store.capacity.to(device) - lengths
+        sizes = torch.stack([lengths, spare], 1).reshape(-1)  # entries, then spare, of every segment
+        cu_k = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)]).int()
+        per_q = torch.tensor([q_len, 0], device=device).repeat(segments)
+        cu_q = torch.cat([per_q.new_zeros(1), per_q.cumsum(0)]).int()
+        max_k = max(max_k, int(store.capacity.max() - store.lengths.min()))
+        out = varlen_attn(packed, keys, values, cu_q, cu_k, q_len, max_k, scale=scaling, window_size=window)
+    out = out.view(b, h, q_len, groups, -1).permute(0, 2, 1, 3, 4)
+    return out.reshape(b, q_len, hq, -1)
 
 
 def _accumulate_attention(layer: SieveLayer, query, key, mask, scaling: float) -> None:

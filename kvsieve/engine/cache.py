@@ -7,17 +7,20 @@ after entries are evicted, while the tensors it holds only contain the kept entr
 Two storage states:
 
 * **dense**: ``keys``/``values`` (b, h, n, d), every KV head at the same length ``n``; ``valid``
-  (b, h, n) masks entries that are padding (rows of a decode batch that hold fewer entries).
-* **ragged** (:attr:`SieveLayer.heads`): one :class:`HeadEntries` per KV head, each at its own
-  length; a head is padded only to the longest batch row *of that head*, with its valid entries
-  first. A layer becomes ragged when a prune leaves its heads at different lengths (AdaKV's and
-  KVzip's budgets), so every dropped entry is freed and :meth:`SieveLayer.nbytes` is what is stored.
-  Attention reads the heads directly (``kvsieve.engine.attention``), so a ragged layer is only
-  usable inside ``kvsieve.attach`` (``update`` refuses otherwise).
+  (b, h, n) masks entries that are padding. The prompt's forward fills a layer in this state, and
+  policies score it in this state.
+* **stored** (:attr:`SieveLayer.store`, a :class:`~kvsieve.engine.ragged.RaggedStore`): one segment per
+  (batch row, KV head) in one buffer, each at its own length with spare capacity after it. A prune that
+  leaves heads (or rows) at different lengths (AdaKV's and KVzip's budgets) stores the layer this way, so
+  every dropped entry is freed and :meth:`SieveLayer.nbytes` is what is allocated; the first append under
+  ``kvsieve.attach`` after the prompt moves any layer here, so later tokens are written in place instead of
+  concatenating the whole layer. Attention reads the store directly (``kvsieve.engine.attention``), so a
+  stored layer is only usable inside ``kvsieve.attach`` (``update`` refuses otherwise).
 
-For code written against the dense layout, ``keys``, ``values``, ``positions``, ``valid`` and
-``attention_received`` and ``entry_scores`` of a ragged layer read as a padded copy (each head left-padded to
-the widest, the padding masked in ``valid``); assigning any of them turns the layer dense.
+For code written against the dense layout, ``keys``, ``values``, ``positions``, ``valid``,
+``attention_received`` and ``entry_scores`` of a stored layer read as a view (every segment at one length)
+or a padded copy (each segment left-padded to the widest, the padding masked in ``valid``); assigning any of
+them turns the layer dense.
 
 ``entry_scores`` remembers, in decode mode, the scores of a policy whose score of an entry depends on that
 entry alone (``Policy.intrinsic_scores``, e.g. kvzap): kept with the entries through every prune, NaN for
@@ -30,10 +33,12 @@ import contextlib
 import copy
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from kvsieve.engine.ragged import RaggedStore, spare_for
 
 __all__ = ["HeadEntries", "SieveLayer", "clone_cache", "install", "sieve_layers", "cache_bytes", "full_cache_bytes",
            "stack_caches", "attached"]
@@ -53,10 +58,10 @@ def attached() -> Iterator[None]:
 
 @dataclass(frozen=True)
 class HeadEntries:
-    """The entries one KV head of a ragged layer holds (immutable: shallow cache copies share them).
+    """A copy of the entries one KV head of a ragged layer holds (:attr:`SieveLayer.heads`).
 
     keys, values: (b, n, d); positions: (b, n) original positions; valid: (b, n) bool, ``None`` when
-    every row holds all ``n`` (a row's padding sits after its entries of the last prune); attention: (b, n) float32
+    every row holds all ``n`` (a row's padding sits after its entries); attention: (b, n) float32
     accumulated attention, when tracked; scores: (b, n) float32 remembered scores (NaN: not scored yet), when kept.
     """
 
@@ -71,35 +76,6 @@ class HeadEntries:
     def length(self) -> int:
         return self.keys.shape[1]
 
-    def rows(self, indices: torch.Tensor) -> HeadEntries:
-        """Only the batch rows ``indices``, the padding no row needs any more dropped."""
-        head = HeadEntries(*(None if t is None else t[indices] for t in
-                             (self.keys, self.values, self.positions, self.valid, self.attention, self.scores)))
-        return head if head.valid is None else head.trim()
-
-    def trim(self) -> HeadEntries:
-        """Each row's valid entries first (in order), then cut to the row holding the most."""
-        n = self.valid.shape[1]
-        width = int(self.valid.sum(-1).max()) if self.valid.numel() else 0
-        order = ((~self.valid).long() * n + torch.arange(n, device=self.valid.device)).argsort(dim=-1)[:, :width]
-
-        def take(t):
-            if t is None:
-                return None
-            return t.gather(1, order[..., None].expand(-1, -1, t.shape[-1]) if t.dim() == 3 else order)
-
-        cut = HeadEntries(*(take(t) for t in
-                            (self.keys, self.values, self.positions, self.valid, self.attention, self.scores)))
-        return replace(cut, valid=None) if bool(cut.valid.all()) else cut
-
-
-def _pad(x: torch.Tensor, at: int, count: int, value=0) -> torch.Tensor:
-    """Insert ``count`` entries of ``value`` before entry ``at`` (dim 1 of a (b, n, ...) tensor)."""
-    if count == 0:
-        return x
-    filler = torch.full((x.shape[0], count, *x.shape[2:]), value, dtype=x.dtype, device=x.device)
-    return torch.cat([x[:, :at], filler, x[:, at:]], dim=1)
-
 
 class SieveLayer(DynamicLayer):
     """DynamicLayer + original positions, per-head (ragged) storage and attention statistics.
@@ -108,7 +84,13 @@ class SieveLayer(DynamicLayer):
         seen: tokens this layer has processed (logical length).
         positions: (b, h, n) original position of each cached entry.
         valid: (b, h, n) bool, ``None`` unless some entries are padding.
-        heads: ``None`` (dense) or one :class:`HeadEntries` per KV head (ragged).
+        store: ``None`` (dense) or the layer's :class:`~kvsieve.engine.ragged.RaggedStore` (segments that grow
+            in place; ragged when they differ in length).
+        spare: entries of spare room a segment gets when it must grow (``None``: an eighth of its length, at
+            least 64); decode-time eviction sets it to ``evict_every``, the most it grows between evictions.
+        grow_in_place: whether an update of a dense layer that already holds entries moves it into a store
+            (kvsieve's attention reads stores); KVzip's reconstruction turns it off on its throwaway copies,
+            whose attention function wants every key returned by ``update``.
         recent_queries: (b, hq, <=w, d) the last queries the layer computed (the observation window).
         attention_received: (b, h, n) float32 accumulated attention, when tracking is on.
         entry_scores: (b, h, n) float32 a policy's remembered scores (NaN: appended since), decode mode only.
@@ -121,25 +103,30 @@ class SieveLayer(DynamicLayer):
     """
 
     def __init__(self, window: int = 64, track_attention: bool = False) -> None:
-        self.heads: list[HeadEntries] | None = None
+        self.store: RaggedStore | None = None
         self._positions = self._valid = self._attention = self._scores = None
         super().__init__()
         self.window = window
         self.track_attention = track_attention
+        self.grow_in_place = True
+        self.spare: int | None = None
         self.seen = 0
         self.recent_queries: torch.Tensor | None = None
         self.query_stats = None  # kvsieve.engine.query_stats fills it (pre-RoPE query statistics)
         self.rope: tuple[torch.Tensor, float] | None = None
         self.hidden_states: torch.Tensor | None = None
 
-    # -- the dense view (a padded copy while ragged; assigning makes the layer dense) --------------
+    # -- the dense view (a view or padded copy of a store; assigning makes the layer dense) -------
     def _field(self, name: str):
-        if self.heads is None:
+        if self.store is None:
             return self.__dict__.get("_" + name)
+        view = self.store.dense_view()
+        if view is not None and name in ("keys", "values"):
+            return view[0] if name == "keys" else view[1]
         return self.padded()[name]
 
     def _set(self, name: str, value) -> None:
-        if self.heads is not None:
+        if self.store is not None:
             self.densify()
         self.__dict__["_" + name] = value
 
@@ -152,113 +139,93 @@ class SieveLayer(DynamicLayer):
 
     @property
     def is_ragged(self) -> bool:
-        return self.heads is not None
+        """Whether the layer's heads (or rows) hold different numbers of entries, each stored at its own length."""
+        return self.store is not None and not self.store.uniform
+
+    @property
+    def heads(self) -> list[HeadEntries] | None:
+        """Per KV head, a copy of its entries (each row's entries first, then its padding); ``None`` unless ragged."""
+        if not self.is_ragged:
+            return None
+        store = self.store
+        out = []
+        for i, width in enumerate(store.head_lengths()):
+            index, valid = store.padded_index(width, pad_at=width)
+            index, valid = index[:, i], valid[:, i]
+            out.append(HeadEntries(store.keys[index], store.values[index], store.positions[index],
+                                   None if bool(valid.all()) else valid,
+                                   None if store.attention is None else store.attention[index],
+                                   None if store.scores is None else store.scores[index]))
+        return out
 
     @property
     def head_lengths(self) -> list[int]:
-        """Entries stored per KV head (padding of batch rows included)."""
-        if self.heads is not None:
-            return [head.length for head in self.heads]
+        """Entries stored per KV head (its longest row)."""
+        if self.store is not None:
+            return self.store.head_lengths()
         return [self.physical_length] * (0 if self._keys is None or self._keys.dim() < 4 else self._keys.shape[1])
 
     def padded(self, pad_at: int = 0) -> dict[str, torch.Tensor | None]:
-        """Dense (b, h, w, ...) copies of a ragged layer: each head padded to the widest, before entry
-        ``pad_at`` (0: on the left, so the most recent entries of every head line up at the end; the
-        sink count: the first ``pad_at`` and the last entries of every head line up)."""
-        width = max(head.length for head in self.heads)
-        out: dict[str, list] = {name: [] for name in ("keys", "values", "positions", "valid", "attention", "scores")}
-        for head in self.heads:
-            at, count = min(pad_at, head.length), width - head.length
-            valid = head.valid if head.valid is not None else torch.ones_like(head.positions, dtype=torch.bool)
-            out["keys"].append(_pad(head.keys, at, count))
-            out["values"].append(_pad(head.values, at, count))
-            out["positions"].append(_pad(head.positions, at, count))
-            out["valid"].append(_pad(valid, at, count, False))
-            if head.attention is not None:
-                out["attention"].append(_pad(head.attention, at, count))
-            if head.scores is not None:  # padding reads as scored (it is masked): NaN marks only appended entries
-                out["scores"].append(_pad(head.scores, at, count))
-        dense = {name: torch.stack(parts, 1) if parts else None for name, parts in out.items()}
-        if bool(dense["valid"].all()):
-            dense["valid"] = None
-        return dense
+        """Dense (b, h, w, ...) copies of a stored layer: every (row, head) padded to the widest, before entry
+        ``pad_at`` (0: on the left, so the most recent entries line up at the end; the sink count: the first
+        ``pad_at`` and the last entries line up)."""
+        return self.store.padded(pad_at)
 
     def densify(self, pad_at: int = 0) -> None:
-        """Turn a ragged layer dense (see :meth:`padded`); a no-op on a dense layer."""
-        if self.heads is None:
+        """Turn a stored layer dense (see :meth:`padded`); a no-op on a dense layer."""
+        if self.store is None:
             return
         dense = self.padded(pad_at)
-        self.heads = None
+        self.store = None
         for name, value in dense.items():
             self.__dict__["_" + name] = value
 
-    def _compact(self) -> None:
-        """After a prune: drop masked entries; heads left at different lengths make the layer ragged."""
-        valid = self._valid
-        if valid is None:
-            return
-        counts = valid.sum(-1)  # (b, h)
-        widths = counts.amax(0).tolist()
-        n = valid.shape[-1]
-        # valid entries first, in their order: a stable sort on "is padding"
-        order = ((~valid).long() * n + torch.arange(n, device=valid.device)).argsort(dim=-1)
-        fields = {"keys": self._keys, "values": self._values, "positions": self._positions,
-                  "valid": valid, "attention": self._attention, "scores": self._scores}
-        heads = []
-        for i, width in enumerate(widths):
-            index = order[:, i, :width]
-            parts = {}
-            for name, tensor in fields.items():
-                if tensor is None:
-                    parts[name] = None
-                elif tensor.dim() == 4:
-                    parts[name] = tensor[:, i].gather(1, index[..., None].expand(-1, -1, tensor.shape[-1]))
-                else:
-                    parts[name] = tensor[:, i].gather(1, index)
-            if bool(parts["valid"].all()):
-                parts["valid"] = None
-            heads.append(HeadEntries(parts["keys"].contiguous(), parts["values"].contiguous(), parts["positions"],
-                                     parts["valid"], parts["attention"], parts["scores"]))
-        if len(set(widths)) == 1:  # every head at one length: stay dense (padding only between rows)
-            self.__dict__.update(_keys=torch.stack([h.keys for h in heads], 1),
-                                 _values=torch.stack([h.values for h in heads], 1),
-                                 _positions=torch.stack([h.positions for h in heads], 1),
-                                 _attention=None if self._attention is None else torch.stack(
-                                     [h.attention for h in heads], 1),
-                                 _scores=None if self._scores is None else torch.stack([h.scores for h in heads], 1))
-            masks = [h.valid if h.valid is not None else torch.ones_like(h.positions, dtype=torch.bool)
-                     for h in heads]
-            stacked = torch.stack(masks, 1)
-            self._valid = None if bool(stacked.all()) else stacked
-            return
-        self.heads = heads
+    def _to_store(self, spare: int | None = None) -> None:
+        """Move the dense tensors into a store (masked entries dropped); the dense fields are cleared."""
+        self.store = RaggedStore.from_dense(self._keys, self._values, self._positions, self._valid,
+                                            self._attention, self._scores, spare)
         for name in ("keys", "values", "positions", "valid", "attention", "scores"):
             self.__dict__["_" + name] = None
+
+    def _compact(self) -> None:
+        """After a prune: masked entries dropped; heads (or rows) left at different lengths are stored ragged,
+        one segment per (row, head) at its own length. A layer whose every head and row holds the same
+        entries count stays dense."""
+        if self._valid is None:
+            return
+        counts = self._valid.sum(-1)
+        if bool((counts == counts.flatten()[0]).all()):
+            keep = self._valid
+            n = int(counts.flatten()[0])
+            order = ((~keep).long() * keep.shape[-1] + torch.arange(keep.shape[-1], device=keep.device)).argsort(-1)
+            order = order[..., :n]
+
+            def take(t):
+                if t is None:
+                    return None
+                return t.gather(2, order[..., None].expand(-1, -1, -1, t.shape[-1])) if t.dim() == 4 \
+                    else t.gather(2, order)
+
+            for name in ("keys", "values", "positions", "attention", "scores"):
+                self.__dict__["_" + name] = take(self.__dict__["_" + name])
+            self._valid = None
+            return
+        self._to_store()
 
     # -- the cache protocol ---------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         b, h, q, _ = key_states.shape
         new_positions = torch.arange(self.seen, self.seen + q, device=key_states.device).expand(b, h, q)
-        if self.heads is not None:
+        if self.store is None and self.grow_in_place and _attached[0] and self.physical_length > 0:
+            room = spare_for(self.physical_length + q) if self.spare is None else self.spare
+            self._to_store(spare=q + room)  # grows in place from now on
+        if self.store is not None:
             if not _attached[0]:
-                raise RuntimeError("this kvsieve cache holds its heads at different lengths (ragged): run the "
-                                   "model on it inside kvsieve.attach(), whose attention function reads them")
-            heads = []
-            for i, head in enumerate(self.heads):
-                ones = torch.ones(b, q, dtype=torch.bool, device=key_states.device)
-                heads.append(HeadEntries(
-                    torch.cat([head.keys, key_states[:, i]], 1),
-                    torch.cat([head.values, value_states[:, i]], 1),
-                    torch.cat([head.positions, new_positions[:, i]], 1),
-                    None if head.valid is None else torch.cat([head.valid, ones], 1),
-                    None if head.attention is None else torch.cat(
-                        [head.attention, torch.zeros(b, q, dtype=torch.float32, device=key_states.device)], 1),
-                    None if head.scores is None else torch.cat(
-                        [head.scores, torch.full((b, q), math.nan, device=key_states.device)], 1),
-                ))
-            self.heads = heads
+                raise RuntimeError("this kvsieve cache keeps its entries in per-head segments: run the model on it "
+                                   "inside kvsieve.attach(), whose attention function reads them")
+            self.store = self.store.append(key_states, value_states, new_positions, self.spare)
             self.seen += q
-            return key_states, value_states  # the attention function reads self.heads
+            return key_states, value_states  # the attention function reads self.store
         keys, values = super().update(key_states, value_states, *args, **kwargs)
         self._positions = new_positions if self._positions is None else torch.cat([self._positions, new_positions], -1)
         if self._valid is not None:
@@ -279,9 +246,9 @@ class SieveLayer(DynamicLayer):
 
     @property
     def physical_length(self) -> int:
-        """Entries per head held (the widest head of a ragged layer)."""
-        if self.heads is not None:
-            return max(head.length for head in self.heads)
+        """Entries per head held (the widest head and row of a stored layer)."""
+        if self.store is not None:
+            return self.store.width
         return 0 if not self.is_initialized or self._keys is None or self._keys.numel() == 0 else self._keys.shape[-2]
 
     def remember_queries(self, queries: torch.Tensor) -> None:
@@ -294,8 +261,8 @@ class SieveLayer(DynamicLayer):
     def prune(self, indices: torch.Tensor, valid: torch.Tensor | None = None, pad_at: int = 0) -> None:
         """Keep only ``indices`` (b, h, k) of each head (``valid`` (b, h, k): which of them are real).
 
-        New tensors, so the old memory is freed. On a ragged layer the indices refer to
-        :meth:`padded` with the same ``pad_at``. Heads left at different lengths are stored ragged.
+        New tensors, so the old memory is freed. On a stored layer the indices refer to :meth:`padded` with
+        the same ``pad_at``. Heads left at different lengths are stored ragged.
         """
         self.densify(pad_at)
         self.hidden_states = None  # one row per position no longer: the heads keep different entries
@@ -312,10 +279,21 @@ class SieveLayer(DynamicLayer):
         self._valid = None if valid is None or bool(valid.all()) else valid
         self._compact()
 
+    def accumulate_attention(self, index: torch.Tensor | None, received: torch.Tensor) -> None:
+        """Add (b, h, w) attention received to the stored entries read at ``index`` (b, h, w) (``None``: the
+        uniform view's first w entries of each segment)."""
+        store = self.store.writable()
+        self.store = store
+        if index is None:
+            cap = int(store.capacity[0])
+            store.attention.view(store.rows, store.heads, cap)[:, :, :received.shape[-1]] += received
+        else:
+            store.attention.index_add_(0, index.reshape(-1), received.reshape(-1))
+
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep only the batch rows ``indices`` (a decode batch dropping its finished rows)."""
-        if self.heads is not None:
-            self.heads = [head.rows(indices) for head in self.heads]
+        if self.store is not None:
+            self.store = self.store.select_rows(indices)
         else:
             super().batch_select_indices(indices)
             for name in ("_positions", "_valid", "_attention", "_scores"):
@@ -331,33 +309,32 @@ class SieveLayer(DynamicLayer):
         raise NotImplementedError("a pruned kvsieve cache cannot be cropped")
 
     def reset(self) -> None:
-        self.heads = None
+        self.store = None
         super().reset()
         self.seen = 0
         self._positions = self._valid = self._attention = self._scores = self.recent_queries = None
         self.query_stats = self.rope = self.hidden_states = None
 
     def nbytes(self) -> int:
-        """Bytes of the keys and values stored (every head's own length; batch padding included)."""
-        if self.heads is not None:
-            return sum(h.keys.numel() * h.keys.element_size() + h.values.numel() * h.values.element_size()
-                       for h in self.heads)
+        """Bytes of the keys and values stored (every segment's own capacity; batch padding included)."""
+        if self.store is not None:
+            return self.store.nbytes()
         if self.physical_length == 0:
             return 0
         return self._keys.numel() * self._keys.element_size() + self._values.numel() * self._values.element_size()
 
     def entry_bytes(self) -> int:
         """Bytes of one key and one value of one head and batch row."""
-        if self.heads is not None:
-            k = self.heads[0].keys
-            return 2 * k.shape[-1] * k.element_size()
+        if self.store is not None:
+            k, v = self.store.keys, self.store.values
+            return k.shape[-1] * k.element_size() + v.shape[-1] * v.element_size()
         return 0 if self._keys is None or self._keys.dim() < 4 else 2 * self._keys.shape[-1] * self._keys.element_size()
 
     def batch_size(self) -> int:
-        return self.heads[0].keys.shape[0] if self.heads is not None else self._keys.shape[0]
+        return self.store.rows if self.store is not None else self._keys.shape[0]
 
     def num_heads(self) -> int:
-        return len(self.heads) if self.heads is not None else self._keys.shape[1]
+        return self.store.heads if self.store is not None else self._keys.shape[1]
 
 
 def install(cache: DynamicCache, window: int, track_attention: bool) -> DynamicCache:
@@ -401,20 +378,18 @@ def full_cache_bytes(cache: DynamicCache) -> int:
     return total
 
 
-def _as_heads(layer: SieveLayer) -> list[HeadEntries]:
-    if layer.heads is not None:
-        return layer.heads
-    valid = layer.valid
-    return [HeadEntries(layer.keys[:, i], layer.values[:, i], layer.positions[:, i],
-                        None if valid is None else valid[:, i]) for i in range(layer.num_heads())]
+def _as_store(layer: SieveLayer) -> RaggedStore:
+    if layer.store is not None:
+        return layer.store
+    return RaggedStore.from_dense(layer.keys, layer.values, layer.positions, layer.valid)
 
 
 def stack_caches(caches: list[DynamicCache]) -> DynamicCache:
     """Concatenate pruned caches along the batch dimension, for decoding (no further compression).
 
-    Each KV head is padded only to the longest row *of that head* (the padding masked), so a batch
-    of ragged caches stays ragged; every row decodes as it would alone. Window queries, query
-    statistics, attention tracking and remembered scores are dropped.
+    Every (row, KV head) keeps its own length (a segment of the layer's store), so a batch of ragged
+    caches stays ragged and every row decodes as it would alone. Window queries, query statistics,
+    attention tracking and remembered scores are dropped.
     """
     stacked = copy.copy(caches[0])
     stacked.layers = [copy.copy(layer) for layer in caches[0].layers]
@@ -424,34 +399,10 @@ def stack_caches(caches: list[DynamicCache]) -> DynamicCache:
             layer.keys = torch.cat([p.keys for p in parts])
             layer.values = torch.cat([p.values for p in parts])
             continue
-        per_row = [_as_heads(p) for p in parts]
-        heads = []
-        for h in range(len(per_row[0])):
-            row_heads = [r[h] for r in per_row]
-            width = max(x.length for x in row_heads)
-            pads = [width - x.length for x in row_heads]
-
-            def cat(name: str, value=0, rows=row_heads, pads=pads):
-                return torch.cat([torch.nn.functional.pad(getattr(x, name), (0, 0, 0, p) if name in ("keys", "values")
-                                                          else (0, p), value=value) for x, p in zip(rows, pads)])
-
-            valid = torch.cat([torch.nn.functional.pad(
-                x.valid if x.valid is not None else torch.ones_like(x.positions, dtype=torch.bool), (0, p),
-                value=False) for x, p in zip(row_heads, pads)])
-            heads.append(HeadEntries(cat("keys"), cat("values"), cat("positions"),
-                                     None if bool(valid.all()) else valid))
-        layer.heads = None
+        store = RaggedStore.concat([_as_store(p) for p in parts])
+        store.attention = store.scores = None
         layer.__dict__.update(_keys=None, _values=None, _positions=None, _valid=None, _attention=None, _scores=None)
-        if len({x.length for x in heads}) == 1:
-            layer.__dict__.update(_keys=torch.stack([x.keys for x in heads], 1),
-                                  _values=torch.stack([x.values for x in heads], 1),
-                                  _positions=torch.stack([x.positions for x in heads], 1))
-            masks = [x.valid if x.valid is not None else torch.ones_like(x.positions, dtype=torch.bool)
-                     for x in heads]
-            mask = torch.stack(masks, 1)
-            layer.__dict__["_valid"] = None if bool(mask.all()) else mask
-        else:
-            layer.heads = heads
+        layer.store = store
         layer.recent_queries = layer.query_stats = layer.hidden_states = None
         layer.track_attention = False
     return stacked
@@ -460,17 +411,17 @@ def stack_caches(caches: list[DynamicCache]) -> DynamicCache:
 def clone_cache(cache: DynamicCache) -> DynamicCache:
     """A cache that can be pruned or extended without touching ``cache``.
 
-    Pruning and appending make new tensors, so the layers' tensors are shared (a ragged layer's
-    :class:`HeadEntries` are immutable); only the attention accumulator, which the attention function
-    adds to in place, is copied, and a ragged layer stays ragged.
+    Pruning and a dense layer's appends make new tensors, so those are shared; a stored layer's buffer is
+    shared until either cache writes to it (then that one copies it first); the attention accumulator of a
+    dense layer, which the attention function adds to in place, is copied.
     """
     clone = copy.copy(cache)
     clone.layers = [copy.copy(layer) for layer in cache.layers]
-    for layer in clone.layers:
+    for original, layer in zip(cache.layers, clone.layers):
         if not isinstance(layer, SieveLayer):
             continue
-        if layer.heads is not None:
-            layer.heads = [h if h.attention is None else replace(h, attention=h.attention.clone()) for h in layer.heads]
+        if layer.store is not None:
+            layer.store = original.store.clone_shared()
         elif layer.__dict__.get("_attention") is not None:
             layer.__dict__["_attention"] = layer.__dict__["_attention"].clone()
     return clone

@@ -37,8 +37,9 @@ def save_cache(path: str | Path, cache: DynamicCache, metadata: dict[str, str] |
         if not isinstance(layer, SieveLayer):
             raise ValueError(f"layer {i} is a {type(layer).__name__}, not a kvsieve layer: only caches made under "
                              "kvsieve.attach() whose every layer is kvsieve's can be saved")
-        if layer.is_ragged:
-            raise ValueError(f"layer {i} holds its heads at different lengths (ragged): save the cache before pruning")
+        if layer.store is not None:
+            raise ValueError(f"layer {i} keeps its entries in per-head segments (pruned or decoding): save the cache "
+                             "right after the prompt's forward")
         if layer.query_stats is not None:
             raise ValueError(f"layer {i} holds query statistics, which save_cache does not store")
         if layer.physical_length == 0:

@@ -103,11 +103,8 @@ def _checked_scores(policy: Policy, signals: Signals) -> torch.Tensor:
 
 def layer_occupancy(layer: SieveLayer) -> float:
     """Entries per head attention can see: the physical length, or the mean valid count under masks."""
-    if layer.is_ragged:
-        heads = layer.heads
-        rows = heads[0].keys.shape[0]
-        total = sum(float(h.valid.sum()) if h.valid is not None else h.length * rows for h in heads)
-        return total / (rows * len(heads))
+    if layer.store is not None:
+        return float(layer.store.lengths.float().mean())
     if layer.valid is None:
         return float(layer.physical_length)
     return float(layer.valid.float().sum(-1).mean())

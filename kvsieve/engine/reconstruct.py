@@ -197,6 +197,7 @@ def _shallow_copy(cache: DynamicCache) -> DynamicCache:
     for layer in clone.layers:
         if isinstance(layer, SieveLayer):
             layer.track_attention, layer.attention_received = False, None
+            layer.grow_in_place = False  # kvzip_attention wants every key back from update()
     return clone
 
 

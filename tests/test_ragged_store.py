@@ -1,0 +1,109 @@
+"""The segment store: one attention call per layer whatever the heads, appends in place, copies never shared."""
+
+import pytest
+import torch
+from conftest import COMMON
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import kvsieve
+from kvsieve.engine.cache import clone_cache, sieve_layers
+from kvsieve.engine.ragged import RaggedStore
+from kvsieve.policies import FullCache, get
+from kvsieve.selection import Selection
+
+
+def model_with(kv_heads: int, heads: int = 8):
+    torch.manual_seed(0)
+    config = LlamaConfig(**dict(COMMON, num_attention_heads=heads, num_key_value_heads=kv_heads))
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+def ragged_cache(model, ids):
+    policy = get("snapkv", window=8, selection=Selection(recent=8, allocation="global", normalization="zscore"))
+    with kvsieve.attach(model, policy, ratio=0.5):
+        return model(input_ids=ids, use_cache=True).cache
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4, 8])
+@torch.no_grad()
+def test_a_ragged_decode_step_makes_one_attention_call_per_layer_whatever_the_heads(kv_heads, monkeypatch):
+    model = model_with(kv_heads)
+    ids = torch.randint(1, 128, (1, 96), generator=torch.Generator().manual_seed(1))
+    cache = ragged_cache(model, ids)
+    layers = sieve_layers(cache)
+    if kv_heads > 1:
+        assert all(layer.is_ragged for _, layer in layers)
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(1) or sdpa(*a, **k))
+    with kvsieve.attach(model, FullCache(window=4), ratio=0.0):
+        for token in ([5], [9], [17]):
+            calls.clear()
+            model(input_ids=torch.tensor([token]), cache=cache, use_cache=True)
+            assert len(calls) == len(layers)
+
+
+@torch.no_grad()
+def test_appends_write_in_place_until_the_spare_room_is_used():
+    model = model_with(2, 4)
+    ids = torch.randint(1, 128, (1, 96), generator=torch.Generator().manual_seed(2))
+    cache = ragged_cache(model, ids)
+    layer = sieve_layers(cache)[0][1]
+    before = layer.store.lengths.clone()
+    with kvsieve.attach(model, FullCache(window=4), ratio=0.0):
+        model(input_ids=torch.tensor([[3]]), cache=cache, use_cache=True)  # the first append grows once
+        buffer = layer.store.keys.data_ptr()
+        spare = int((layer.store.capacity - layer.store.lengths).min())
+        assert spare >= 64  # documented: at least 64 entries of room
+        for step in range(spare):
+            model(input_ids=torch.tensor([[4 + step % 50]]), cache=cache, use_cache=True)
+            assert layer.store.keys.data_ptr() == buffer  # no copy of the layer
+        assert layer.store.lengths.tolist() == (before + 1 + spare).tolist()
+        model(input_ids=torch.tensor([[7]]), cache=cache, use_cache=True)
+        assert layer.store.keys.data_ptr() != buffer  # room used up: it grew (a copy)
+
+
+@torch.no_grad()
+def test_a_clone_decoding_never_changes_the_cache_it_was_cloned_from():
+    model = model_with(2, 4)
+    ids = torch.randint(1, 128, (1, 96), generator=torch.Generator().manual_seed(3))
+    cache = ragged_cache(model, ids)
+    untouched = clone_cache(cache)
+    with kvsieve.attach(model, FullCache(window=4), ratio=0.0):
+        copy = clone_cache(cache)
+        for token in (11, 12, 13):
+            model(input_ids=torch.tensor([[token]]), cache=copy, use_cache=True)
+        a = model(input_ids=torch.tensor([[21]]), cache=cache, use_cache=True).logits
+        b = model(input_ids=torch.tensor([[21]]), cache=untouched, use_cache=True).logits
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_store_segments_round_trip_against_a_plain_list_of_kept_entries():
+    g = torch.Generator().manual_seed(4)
+    b, h, n, d = 2, 3, 10, 4
+    keys = torch.randn(b, h, n, d, generator=g)
+    positions = torch.arange(n).expand(b, h, n).clone()
+    valid = torch.rand(b, h, n, generator=g) > 0.4
+    valid[..., 0] = True
+    store = RaggedStore.from_dense(keys, keys * 2, positions, valid)
+    assert store.lengths.tolist() == valid.sum(-1).reshape(-1).tolist()
+    assert store.nbytes() == int(valid.sum()) * 2 * d * 4  # exactly the kept entries
+    dense = store.padded(pad_at=0)
+    for r in range(b):
+        for i in range(h):
+            kept = [j for j in range(n) if valid[r, i, j]]
+            row_valid = dense["valid"][r, i] if dense["valid"] is not None else torch.ones(store.width, dtype=bool)
+            assert dense["positions"][r, i][row_valid].tolist() == kept
+            assert torch.equal(dense["keys"][r, i][row_valid], keys[r, i, kept])
+            assert not bool(row_valid[: store.width - len(kept)].any())  # left padding
+    new = torch.randn(b, h, 2, d, generator=g)
+    grown = store.append(new, new * 2, torch.full((b, h, 2), n))
+    dense = grown.padded(pad_at=0)
+    assert torch.equal(dense["keys"][:, :, -2:], new)  # every segment's newest entries at its end
+    alone = grown.select_rows(torch.tensor([1])).padded(pad_at=0)
+    for i in range(h):
+        kept = [j for j in range(n) if valid[1, i, j]] + [n, n]
+        width = alone["keys"].shape[2]
+        row_valid = alone["valid"][0, i] if alone["valid"] is not None else torch.ones(width, dtype=bool)
+        assert alone["positions"][0, i][row_valid].tolist() == kept
