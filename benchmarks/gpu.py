@@ -1,26 +1,28 @@
-"""GPU readiness: prefill, compression overhead, decode tokens/s and peak memory on a Llama-3.1-8B-shaped model.
+"""Does compression pay? Prefill, compression overhead, decode tokens/s beside the bandwidth limit, memory.
 
-Run (one GPU):  python benchmarks/gpu.py                      # 8k and 32k, bf16, cuda
-     (any CPU): python benchmarks/gpu.py --tiny               # a tiny model, short contexts, float32, cpu
+Run (one GPU):  python benchmarks/gpu.py                                   # Llama-3.1-8B-shaped, bf16, cuda
+     (CPU):     python benchmarks/gpu.py --shape smollm2 --device cpu --dtype float32 --lengths 4096
+     (smoke):   python benchmarks/gpu.py --shape tiny --device cpu --lengths 512 --tokens 4
 
-A model of Llama-3.1-8B's shape (32 layers, 32 query / 8 KV heads of 128, hidden 4096, MLP 14336,
-vocab 128256; random weights, so no download) in bf16 on ``--device``. For each context length and cache:
+A random-weight model of a real shape (no download; cost, not quality). For each context length, batch size
+and cache, in one run so the ratios sit side by side:
 
-* full: the whole cache (``ratio=0``);
+* full: the whole cache;
 * uniform: snapkv, every KV head keeping ``length * (1 - ratio)`` entries;
-* ragged-global: snapkv under ``Selection(allocation="global", normalization="zscore")``: the model's
-  entries shared by every layer and head, stored ragged (each head at its own length);
+* global: snapkv's scores standardised per head and ranked across all layers and heads
+  (``allocation="global"``): each head at its own length, stored ragged.
 
-at ratios --ratios (default 0.5 and 0.875). Printed per row: prefill seconds (the prompt's forward,
-compression included), compression ms (scores, selection, gather) and its share of the prefill, decode
-tokens/s over --tokens greedy steps (batch 1), the cache's bytes, and ``torch.cuda.max_memory_allocated``
-over the row (reset before it; on the CPU: n/a). Random weights attend much like real ones for timing
-purposes, not for quality: this measures cost only.
+Printed per row: prefill seconds (CUDA-synchronised; compression included), compression ms and its share of
+the prefill, decode tokens/s (all rows of the batch) over ``--tokens`` greedy steps, the bandwidth limit of one
+step (weights + cache read once, at the copy bandwidth measured at start-up), the cache MiB after the prompt,
+and the device's peak allocated memory over the row (CUDA only).
 """
 
 from __future__ import annotations
 
 import argparse
+import platform
+import subprocess
 import time
 
 import torch
@@ -28,13 +30,18 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import kvsieve
 from kvsieve.engine.cache import cache_bytes
+from kvsieve.models import auto_dtype, resolve_dtype
 from kvsieve.policies import FullCache, get
 from kvsieve.selection import Selection
 
-LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072)
-TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
-            num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096)
+SHAPES = {
+    "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                    num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072),
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True),
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096),
+}
 
 
 def sync(device: torch.device) -> None:
@@ -42,12 +49,27 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def copy_bandwidth(device: torch.device, dtype: torch.dtype) -> float:
+    """Bytes per second of a large device copy (read + write), the best of five."""
+    n = (512 if device.type == "cuda" else 128) * 2**20 // torch.tensor([], dtype=dtype).element_size()
+    a = torch.empty(n, dtype=dtype, device=device).fill_(1)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        start = time.perf_counter()
+        b.copy_(a)
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * a.numel() * a.element_size() / best
+
+
 def caches(ratios: list[float]):
     yield "full", FullCache(window=64), 0.0
     for ratio in ratios:
         yield "uniform", get("snapkv"), ratio
-        yield "ragged-global", get("snapkv", selection=Selection(recent=64, allocation="global",
-                                                                  normalization="zscore")), ratio
+        spread = Selection(recent=64, allocation="global", normalization="zscore")
+        yield "global", get("snapkv", selection=spread), ratio
 
 
 @torch.no_grad()
@@ -62,6 +84,7 @@ def row(model, ids: torch.Tensor, policy, ratio: float, tokens: int, device: tor
         sync(device)
         prefill_s = time.perf_counter() - start
         cache, token = out.cache, out.logits[:, -1:].argmax(-1)
+        held = cache_bytes(cache)
         del out
         token = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)  # warm-up
         sync(device)
@@ -72,44 +95,75 @@ def row(model, ids: torch.Tensor, policy, ratio: float, tokens: int, device: tor
         decode_s = time.perf_counter() - start
         compress_s = session.report.seconds if session.report is not None else 0.0
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return dict(prefill_s=prefill_s, compress_ms=1000 * compress_s, tokens_per_s=tokens / decode_s,
-                cache_mib=cache_bytes(cache) / 2**20, peak_gib=None if peak is None else peak / 2**30)
+    return dict(prefill_s=prefill_s, compress_s=compress_s, tokens_per_s=ids.shape[0] * tokens / decode_s,
+                cache_bytes=held, peak_bytes=peak)
+
+
+def machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, {torch.get_num_threads()} threads"
+
+
+def revision() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU in float32 (a smoke run)")
-    parser.add_argument("--device", default=None, help="default: cuda, or cpu with --tiny")
-    parser.add_argument("--lengths", default=None, help="context lengths (default 8192,32768; --tiny 1024)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama8b")
+    parser.add_argument("--device", default=None, help="cuda (default when present) or cpu")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 where the device computes it), bfloat16, float32")
+    parser.add_argument("--lengths", default="8192,32768,131072", help="context lengths, comma-separated")
     parser.add_argument("--ratios", default="0.5,0.875")
-    parser.add_argument("--tokens", type=int, default=None, help="decode steps (default 64; --tiny 8)")
+    parser.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
+    parser.add_argument("--tokens", type=int, default=32, help="decode steps per row")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     args = parser.parse_args()
-    device = torch.device(args.device or ("cpu" if args.tiny else "cuda"))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device here: run with --tiny (CPU smoke run) or on a machine with a GPU")
-    dtype = torch.float32 if args.tiny else torch.bfloat16
-    lengths = [int(x) for x in (args.lengths or ("1024" if args.tiny else "8192,32768")).split(",")]
-    ratios = [float(x) for x in args.ratios.split(",")]
-    tokens = args.tokens or (8 if args.tiny else 64)
+        raise SystemExit("no CUDA device here: run with --device cpu")
+    dtype = auto_dtype(device)[0] if args.dtype == "auto" else resolve_dtype(args.dtype)
+    torch.set_flush_denormal(True)
+    config = LlamaConfig(**SHAPES[args.shape])
     torch.manual_seed(0)
-    config = LlamaConfig(**(TINY if args.tiny else LLAMA_8B))
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", torch_dtype=dtype).eval()
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"device: {name}, torch {torch.__version__}, dtype {dtype}, "
-          f"{'tiny' if args.tiny else 'Llama-3.1-8B'}-shaped random model, {tokens} decode tokens, batch 1\n")
-    print("| context | cache | ratio | prefill s | compress ms | compress % of prefill | decode tokens/s | "
-          "cache MiB | max allocated GiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for length in lengths:
-        ids = torch.randint(1, config.vocab_size, (1, length), generator=torch.Generator().manual_seed(length))
-        ids = ids.to(device)
-        for label, policy, ratio in caches(ratios):
-            r = row(model, ids, policy, ratio, tokens, device)
-            share = 100 * r["compress_ms"] / 1000 / r["prefill_s"]
-            peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
-            print(f"| {length} | {label} | {ratio} | {r['prefill_s']:.2f} | {r['compress_ms']:.1f} | {share:.1f} | "
-                  f"{r['tokens_per_s']:.1f} | {r['cache_mib']:.1f} | {peak} |", flush=True)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).eval()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    bandwidth = copy_bandwidth(device, dtype)
+    print(f"machine: {machine(device)}; torch {torch.__version__}; dtype {str(dtype).removeprefix('torch.')}; "
+          f"{args.shape}-shaped random model ({weights / 2**30:.2f} GiB of weights); kvsieve {revision()}; "
+          f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; {args.tokens} decode tokens per row\n")
+    print("| context | batch | cache | ratio | prefill s | compress ms | compress % of prefill | decode tokens/s | "
+          "bandwidth limit tokens/s | % of limit | cache MiB | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for length in (int(x) for x in args.lengths.split(",")):
+        for batch in (int(x) for x in args.batches.split(",")):
+            ids = torch.randint(1, config.vocab_size, (batch, length),
+                                generator=torch.Generator().manual_seed(length)).to(device)
+            for label, policy, ratio in caches([float(x) for x in args.ratios.split(",")]):
+                try:
+                    r = row(model, ids, policy, ratio, args.tokens, device)
+                except torch.OutOfMemoryError:
+                    print(f"| {length} | {batch} | {label} | {ratio} | out of memory |||||||", flush=True)
+                    continue
+                limit = batch * bandwidth / (weights + r["cache_bytes"])  # one step reads weights + cache
+                peak = "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f}"
+                print(f"| {length} | {batch} | {label} | {ratio} | {r['prefill_s']:.2f} | {1000 * r['compress_s']:.1f} "
+                      f"| {100 * r['compress_s'] / r['prefill_s']:.1f} | {r['tokens_per_s']:.1f} | {limit:.0f} | "
+                      f"{100 * r['tokens_per_s'] / limit:.0f} | {r['cache_bytes'] / 2**20:.1f} | {peak} |", flush=True)
 
 
 if __name__ == "__main__":

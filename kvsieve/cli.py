@@ -315,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvsieve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, help="CPU threads for torch (default: one per core); OpenMP waits "
                         "passively unless OMP_WAIT_POLICY is set")
+    parser.add_argument("--device", help="where models run: cpu (default) or cuda / cuda:N, for every verb (sets "
+                        "KVSIEVE_DEVICE, which Ray workers inherit); dtype auto then picks bf16 on a GPU that has it")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("eval", help="run an evaluation grid into the results store")
     _add_grid_flags(p)
@@ -428,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         _set_threads(args.threads)
+        if args.device is not None:
+            os.environ["KVSIEVE_DEVICE"] = args.device
         if args.threads is not None:
             import torch
 

@@ -28,8 +28,8 @@ from kvsieve.bundled import ALIASES, BUNDLED, BundledModel, bundled, canonical_n
 from kvsieve.files import written_whole
 
 __all__ = ["BUNDLED", "ALIASES", "BundledModel", "load", "bundled", "canonical_name", "cache_dir", "resolve_gguf",
-           "context_length", "check_length", "auto_dtype", "resolve_dtype", "dtype_name", "cpu_flags", "DTYPES",
-           "weights_digest"]
+           "context_length", "check_length", "auto_dtype", "resolve_dtype", "resolve_device", "dtype_name", "cpu_flags",
+           "DTYPES", "weights_digest"]
 
 
 def cache_dir() -> Path:
@@ -176,7 +176,7 @@ def auto_dtype(device: str | torch.device = "cpu", flags=None) -> tuple[torch.dt
     A CUDA GPU runs bf16 natively from compute capability 8 (Ampere) on; a CPU does when its flags
     include ``amx_bf16`` or ``avx512_bf16`` (``flags`` overrides :func:`cpu_flags`, for tests).
     Elsewhere bf16 matmuls are emulated and slower than float32. :func:`load` keeps models on the
-    CPU, so that is the default device.
+    CPU unless told otherwise, so that is the default device.
     """
     device = torch.device(device)
     if device.type == "cuda":
@@ -194,8 +194,28 @@ def auto_dtype(device: str | torch.device = "cpu", flags=None) -> tuple[torch.dt
     return torch.float32, f"CPU has neither {' nor '.join(_BF16_CPU_FLAGS)}"
 
 
-def resolve_dtype(dtype: torch.dtype | str = "auto") -> torch.dtype:
-    """A torch dtype from a dtype, one of :data:`DTYPES`' names, or ``"auto"`` (see :func:`auto_dtype`).
+DEVICE_ENV = "KVSIEVE_DEVICE"  # set by ``kvsieve --device``; read by every load (Ray workers and sandboxes inherit it)
+
+
+def resolve_device(device: str | torch.device | None = None) -> torch.device:
+    """The device models load onto: ``device``, else ``$KVSIEVE_DEVICE``, else the CPU.
+
+    Refuses a name torch does not know and a CUDA device this machine does not have."""
+    name = device if device is not None else os.environ.get(DEVICE_ENV, "cpu")
+    try:
+        chosen = torch.device(name)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device {name!r} is not a torch device; use cpu or cuda (cuda:N)") from err
+    if chosen.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {name!r} is not supported; use cpu or cuda (cuda:N)")
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: this machine has no CUDA GPU that torch can use (use cpu)")
+    return chosen
+
+
+def resolve_dtype(dtype: torch.dtype | str = "auto", device: str | torch.device | None = None) -> torch.dtype:
+    """A torch dtype from a dtype, one of :data:`DTYPES`' names, or ``"auto"`` (see :func:`auto_dtype`, on
+    ``device``, default :func:`resolve_device`'s).
 
     The first ``"auto"`` of a process prints its choice to stderr.
     """
@@ -203,7 +223,7 @@ def resolve_dtype(dtype: torch.dtype | str = "auto") -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        chosen, reason = auto_dtype()
+        chosen, reason = auto_dtype(resolve_device(device))
         if not _announced:
             print(f"kvsieve: dtype {str(chosen).removeprefix('torch.')} ({reason})", file=sys.stderr, flush=True)
             _announced = True
@@ -232,17 +252,20 @@ def weights_digest(module: torch.nn.Module, values: int = 256) -> str:
     return digest.hexdigest()[:16]
 
 
-def load(name_or_path: str, dtype: torch.dtype | str = "auto", attn_implementation: str = "sdpa"):
-    """Return ``(model, tokenizer)`` in eval mode.
+def load(name_or_path: str, dtype: torch.dtype | str = "auto", attn_implementation: str = "sdpa",
+         device: str | torch.device | None = None):
+    """Return ``(model, tokenizer)`` in eval mode, on ``device`` (default :func:`resolve_device`: the CPU unless
+    ``kvsieve --device`` or ``$KVSIEVE_DEVICE`` says otherwise).
 
     ``name_or_path`` is a bundled name (``qwen2.5-coder-0.5b-instruct``, ``smollm2-135m-instruct``, or
     their aliases ``qwen2.5-0.5b``, ``smollm2-135m``), a local HF folder, or a hub id (needs a
-    reachable hub). ``dtype="auto"`` picks bf16 where the CPU computes it natively, else float32
+    reachable hub). ``dtype="auto"`` picks bf16 where the device computes it natively, else float32
     (:func:`auto_dtype`); denormals are flushed so fp32 stays fast on CPU.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dtype = resolve_dtype(dtype)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
     torch.set_flush_denormal(True)
     entry = bundled(name_or_path)
     if entry is not None:
@@ -260,7 +283,7 @@ def load(name_or_path: str, dtype: torch.dtype | str = "auto", attn_implementati
         )
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation)
-    model.eval()
+    model.to(device).eval()
     return model, tokenizer
 
 

@@ -146,6 +146,16 @@ def _compressing_forward(model, forward, session: Session):
         inputs = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
         if inputs is None:
             raise ValueError("attach() needs input_ids or inputs_embeds")
+        device = model.device
+        if input_ids is not None and input_ids.device != device:  # prompts are built on the CPU
+            input_ids = input_ids.to(device)
+            if "input_ids" in kwargs:
+                kwargs["input_ids"] = input_ids
+            else:
+                args = (input_ids, *args[1:])
+            inputs = input_ids
+        if kwargs.get("position_ids") is not None:
+            kwargs["position_ids"] = kwargs["position_ids"].to(device)
         mask = kwargs.get("attention_mask")
         if mask is not None and mask.dim() == 2 and not bool(mask.all()):
             raise ValueError(

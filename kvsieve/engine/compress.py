@@ -153,8 +153,9 @@ def compress_cache(
         raise ValueError("give exactly one of budget (prefill mode) or layer_budgets (decode mode)")
     check_allocation(policy, policy.selection)
     report = report if report is not None else CompressionReport()
-    start = time.perf_counter()
     layers = sieve_layers(cache)
+    _synchronize(layers)  # on a GPU the prefill's kernels may still be queued: they are not compression
+    start = time.perf_counter()
     num_layers = len(cache.layers)
     prefill = budget is not None
     if prefill and layers:
@@ -184,6 +185,13 @@ def compress_cache(
     for idx, layer in layers:
         n, nbytes = before[idx]
         report.layers.append(LayerReport(idx, n, layer.physical_length, nbytes, layer.nbytes(), layer_occupancy(layer)))
+    _synchronize(layers)
     report.seconds += time.perf_counter() - start
     report.events += 1
     return report
+
+
+def _synchronize(layers: list[tuple[int, SieveLayer]]) -> None:
+    """Wait for the device of the cache's tensors (CUDA runs kernels asynchronously; a timer must not)."""
+    if layers and layers[0][1].physical_length and layers[0][1].device.type == "cuda":
+        torch.cuda.synchronize(layers[0][1].device)
