@@ -77,10 +77,10 @@ def running(state, drain: float = 10.0):
         assert not thread.is_alive()
 
 
-def make_state(model, points: PointSource | None = None, max_queue: int = 4):
+def make_state(model, points: PointSource | None = None, max_queue: int = 4, kv_budget: int = 64 << 20, **extra):
     points = points or PointSource(CertifiedPolicy(length_contract(), NAME))
     return build_state(model, ChatTokenizer(), NAME, points, max_queue, context=model.config.max_position_embeddings,
-                       max_tokens_limit=300, default_max_tokens=16)
+                       max_tokens_limit=300, default_max_tokens=16, kv_budget=kv_budget, **extra)
 
 
 def client(url: str) -> openai.OpenAI:
@@ -125,7 +125,8 @@ def test_completions_and_models(model):
     kv = done.usage.kv_cache
     assert kv["context_tokens"] == len(DOC) + 1 and kv["status"] == "certified"
     assert done.usage.prompt_tokens == len(DOC) + 1 + len("next:")
-    assert health == {"status": "ok", "model": NAME, "points": "contract", "waiting": 0, "running": 0}
+    assert health == {"status": "ok", "model": NAME, "points": "contract", "waiting": 0, "running": 0,
+                      "kv_budget_bytes": 64 << 20, "kv_admitted_bytes": 0}
 
 
 def test_streaming_reassembles_to_the_non_streamed_text(model):
@@ -165,7 +166,8 @@ def test_each_bucket_gets_its_point_and_full_kv_fallbacks_are_reported(model):
         with pytest.raises(openai.BadRequestError, match=r"knorm@0.75 is looser .* allowed: full KV, or knorm at a "
                                                          r"ratio <= 0.5"):
             kv(DOC, extra_body={"kvsieve": {"ratio": 0.75}})
-        with pytest.raises(openai.BadRequestError, match="snapkv@0.5 is looser"):
+        with pytest.raises(openai.BadRequestError, match=r"kvsieve.policy 'snapkv' is not a point this server runs; "
+                                                         r"allowed: knorm \(ratio <= 0.5\), or kvsieve.full_kv"):
             kv(DOC, extra_body={"kvsieve": {"policy": "snapkv"}})
         with pytest.raises(openai.BadRequestError, match="full KV only"):
             kv("x" * 40, extra_body={"kvsieve": {"ratio": 0.1, "policy": "knorm"}})
@@ -291,14 +293,15 @@ def test_an_exception_inside_one_request_answers_500_and_the_server_keeps_servin
     assert 'kvsieve_requests_total{endpoint="chat",kv_cache="certified",status="200"} 1' in metrics
 
 
-def test_a_full_queue_answers_429_with_retry_after(model):
+def test_a_full_budget_answers_429_with_retry_after(model):
     gate = threading.Event()
 
     def hold(_m, _a, kwargs):
         if _has(kwargs, "#"):
             assert gate.wait(30)
 
-    state = make_state(model, max_queue=1)
+    # room for one request of ~165 tokens (prompt + max_tokens), not two: the second waits, the third is refused
+    state = make_state(model, max_queue=1, kv_budget=BYTES_PER_TOKEN * 200)
     results: dict[str, object] = {}
     with hook(model, hold), running(state) as url:
         c = client(url)
@@ -318,9 +321,13 @@ def test_a_full_queue_answers_429_with_retry_after(model):
         gate.set()
         first.join(30)
         second.join(30)
+        metrics = httpx.get(url + "/metrics").text
     assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
-    assert refused.json()["error"]["code"] == "queue_full" and "queue is full (1 waiting)" in refused.text
+    assert refused.json()["error"]["code"] == "kv_budget_full" and "the KV budget is full" in refused.text
+    assert "1 waiting" in refused.text and f"of {BYTES_PER_TOKEN * 200} bytes admitted" in refused.text
     assert results["first"].usage.completion_tokens == 2 and results["second"].usage.completion_tokens == 2
+    assert 'kvsieve_requests_total{endpoint="chat",kv_cache="none",status="429"} 1' in metrics
+    assert state.scheduler.peak_charged <= BYTES_PER_TOKEN * 200 and state.scheduler.charged == 0
 
 
 def _wait(condition, timeout: float = 30.0) -> None:

@@ -9,6 +9,11 @@ Length buckets are defined on one quantity at both ends: the request's *context 
 compressed part, ``build_prompt(...).context_ids``), which every results row records in its config and which
 the runtime counts on the request. A contract bucketed on the generator's nominal length (written before
 that, or without the token counts) says so in ``length_quantity`` and the runtime warns when it routes one.
+
+A contract certifies bytes, not names: ``points`` records, for every chosen point's policy spec, its parsed
+family and parameters and the sha256 of the files that define it (a program, a checkpoint, the surrogate a
+program reads; :class:`kvsieve.policies.registry.PolicySpec`). The runtime refuses a point whose file has
+changed or gone since certification (:meth:`ContractFile.check_points`).
 """
 
 from __future__ import annotations
@@ -24,9 +29,9 @@ import numpy as np
 
 from kvsieve.files import written_whole
 from kvsieve.harness.store import ResultsStore
-from kvsieve.policies import parse_spec
+from kvsieve.policies import PolicySpec, parse, parse_spec
 from kvsieve.risk.certify import Certification, Contract, InsufficientCalibrationError, certify
-from kvsieve.risk.losses import BUCKETINGS, Candidate, LossTable, Request, length_bucket
+from kvsieve.risk.losses import BUCKETINGS, Candidate, LossTable, Request, length_bucket, split_label
 
 __all__ = ["CONTRACT_VERSION", "LENGTH_QUANTITIES", "ContractFile", "certify_buckets", "request_context_tokens"]
 
@@ -45,11 +50,47 @@ class ContractFile:
     buckets: dict[str, Certification] = field(default_factory=dict)
     source: dict = field(default_factory=dict)  # store path, policies, ratios: how to reproduce
     length_quantity: str = "context_tokens"  # see the module docstring; "nominal" in contracts that predate it
+    # spec text of each chosen point -> {"family", "params", "digest"} as certified (see the module docstring);
+    # empty in contracts that predate it, and filled from the files as they are now for one made in code
+    points: dict[str, dict] = field(default_factory=dict)
+    recorded: bool = True  # False: read from a file without ``points`` (nothing ties it to the files' bytes)
+
+    def __post_init__(self) -> None:
+        if self.recorded and not self.points:
+            self.points = record_points(self.chosen_specs())
+
+    def chosen_specs(self) -> list[str]:
+        """The policy spec of every bucket's chosen point (a decode-time label without its ``@decodeN``)."""
+        specs = {split_label(c.chosen.policy)[0] for c in self.buckets.values() if c.chosen is not None}
+        return sorted(specs)
+
+    def check_points(self, where: str = "the contract") -> dict[str, PolicySpec]:
+        """Every chosen point's spec parsed now, refusing a file that is missing or not the certified bytes."""
+        out: dict[str, PolicySpec] = {}
+        for text in self.chosen_specs():
+            try:
+                spec = parse(text)
+            except ValueError as err:
+                raise ValueError(f"{where} certifies policy {text!r}, which cannot be loaded here: {err} (relative "
+                                 f"paths resolve against the working directory, {Path.cwd()})") from None
+            record = self.points.get(text)
+            if spec.digest is not None:
+                if record is None or record.get("digest") is None:
+                    raise ValueError(f"{where} certifies policy {text!r}, defined by a file, but records no digest "
+                                     "of that file (written before contracts recorded them): recertify it with "
+                                     "kvsieve certify")
+                if record["digest"] != spec.digest:
+                    raise ValueError(f"{where} certifies policy {text!r} with file sha256 {record['digest'][:12]}, "
+                                     f"but the file now has sha256 {spec.digest[:12]}: it changed after "
+                                     "certification; recertify it (kvsieve certify) or restore the certified file")
+            out[text] = spec
+        return out
 
     def write(self, path: str | Path) -> Path:
         data = {"kvsieve_contract": CONTRACT_VERSION, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "contract": asdict(self.contract), "model": self.model, "by": self.by,
                 "length_edges": self.length_edges, "length_quantity": self.length_quantity, "source": self.source,
+                "points": self.points,
                 "buckets": {name: cert.to_dict() for name, cert in self.buckets.items()}}
         with written_whole(path) as tmp:  # never leave a half-written contract
             tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
@@ -73,7 +114,8 @@ class ContractFile:
         try:
             out = cls(Contract(**data["contract"]), data["model"], data["by"], list(data["length_edges"]),
                       {name: Certification.from_dict(c) for name, c in data["buckets"].items()}, data.get("source", {}),
-                      data.get("length_quantity", "nominal"))  # files without it bucketed on the nominal length
+                      data.get("length_quantity", "nominal"),  # files without it bucketed on the nominal length
+                      dict(data.get("points") or {}), "points" in data)
         except (TypeError, ValueError) as err:
             raise ValueError(f"contract file {path} is malformed: {err}") from err
         try:
@@ -97,12 +139,23 @@ class ContractFile:
             raise ValueError("a contract bucketed by length needs length_edges")
         if not self.buckets:
             raise ValueError("the contract has no buckets")
+        if not isinstance(self.points, dict) or any(not isinstance(r, dict) for r in self.points.values()):
+            raise ValueError(f"points must map a policy spec to its family, params and digest, got {self.points!r}")
         for name, cert in self.buckets.items():
             points = [(f"candidate {c.candidate}", c.candidate) for c in cert.candidates]
             if cert.chosen is not None:
                 points.insert(0, ("chosen point", cert.chosen))
             for what, cand in points:
                 _check_candidate(cand, f"bucket {name!r}: {what}")
+
+
+def record_points(specs: list[str]) -> dict[str, dict]:
+    """Each spec's parsed family, parameters and file digest, as certified."""
+    out = {}
+    for text in specs:
+        spec = parse(text)
+        out[text] = {"family": spec.family, "params": spec.params, "digest": spec.digest}
+    return out
 
 
 def _check_candidate(cand: Candidate, where: str) -> None:
@@ -167,4 +220,5 @@ def certify_buckets(table: LossTable, contract: Contract, model: str, by: str = 
                 raise
             out.buckets[name] = Certification(share.alpha, share.delta, share.epsilon, share.loss, share.correction,
                                               len(rows), [], None, f"too few requests: {err}")
+    out.points = record_points(out.chosen_specs())  # the bytes certified: a later edit of a file is refused
     return out

@@ -5,17 +5,17 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvsieve.engine.attach import Session, attach
 from kvsieve.engine.generate import Generation, generate
 from kvsieve.models import bundled
-from kvsieve.policies import Policy, from_spec
+from kvsieve.policies import Policy, PolicySpec
 from kvsieve.policy import FullCache
 from kvsieve.prompt import build_prompt
 from kvsieve.risk.contract import ContractFile
-from kvsieve.risk.losses import length_bucket
+from kvsieve.risk.losses import length_bucket, split_label
 from kvsieve.tasks import task_family
 
 __all__ = ["OperatingPoint", "CertifiedPolicy", "CertifiedSession", "canonical_model"]
@@ -29,18 +29,40 @@ def canonical_model(name: str) -> str:
 
 @dataclass(frozen=True)
 class OperatingPoint:
-    """What to run for one request. ``ratio == 0`` and ``fell_back`` mean full KV."""
+    """What to run for one request: a built policy (model-checked once, shared by every request of the point)
+    at a ratio. ``spec is None`` (and ``fell_back``, or ratio 0) means full KV."""
 
-    policy_spec: str
+    spec: PolicySpec | None
+    policy: Policy
     ratio: float
     question_aware: bool
     bucket: str
     fell_back: bool
     reason: str = ""
+    chunk_size: int = 0  # decode-time eviction's chunk (a ``SPEC@decodeN`` point); 0: prefill compression
+
+    @classmethod
+    def full(cls, bucket: str, reason: str, fell_back: bool = True) -> OperatingPoint:
+        return cls(None, FullCache(), 0.0, False, bucket, fell_back, reason)
 
     @property
-    def policy(self) -> Policy:
-        return from_spec(self.policy_spec) if not self.fell_back else FullCache()
+    def policy_spec(self) -> str:
+        """The spec text of what runs: ``full`` for full KV."""
+        return "full" if self.spec is None or self.fell_back else self.spec.text
+
+    @property
+    def compresses(self) -> bool:
+        return self.spec is not None and not self.fell_back and self.ratio > 0
+
+    def at_ratio(self, ratio: float, reason: str) -> OperatingPoint:
+        """The same built policy at another ratio (a client's stricter choice)."""
+        return replace(self, ratio=float(ratio), reason=reason)
+
+    def __str__(self) -> str:
+        if not self.compresses:
+            return f"full KV (bucket {self.bucket}{': ' + self.reason if self.reason else ''})"
+        qa = ", question-aware" if self.question_aware else ""
+        return f"{self.policy_spec}@{self.ratio:g} (bucket {self.bucket}{qa})"
 
     def protected_tail(self, question_tokens: int) -> int:
         """Tokens kept on top of the budget: the question, when the point was certified question-aware."""
@@ -53,7 +75,9 @@ class OperatingPoint:
         """``kvsieve.attach`` at this point. A question-aware point compresses the first forward (context and
         question together) keeping its last ``question_tokens``; a query-agnostic one compresses the context
         alone (feed the question in a second forward)."""
-        with attach(model, self.policy, ratio=self.ratio, protected_tail=self.protected_tail(question_tokens)) as s:
+        mode = dict(mode="decode", chunk_size=self.chunk_size) if self.chunk_size and self.compresses else {}
+        with attach(model, self.policy, ratio=self.ratio if self.compresses else 0.0,
+                    protected_tail=self.protected_tail(question_tokens), **mode) as s:
             yield s
 
 
@@ -80,14 +104,30 @@ class CertifiedPolicy:
     says nothing about another model, so that is an error.
     """
 
-    def __init__(self, contract: ContractFile, model: str | None = None) -> None:
+    def __init__(self, contract: ContractFile, model: str | None = None, where: str = "the contract") -> None:
         self.contract = contract
         if model is not None:
             self.check_model(model)
+        # every chosen point parsed, digest-checked and built once: a request only selects among them
+        self.specs = contract.check_points(where)
+        self.policies: dict[str, Policy] = {text: spec.build() for text, spec in self.specs.items()}
+        self._bound: int | None = None  # id() of the live model the policies were checked against
 
     @classmethod
     def from_contract(cls, path: str | Path, model: str | None = None) -> CertifiedPolicy:
-        return cls(ContractFile.read(path), model)
+        return cls(ContractFile.read(path), model, where=f"contract {path}")
+
+    def bind(self, model, name: str | None = None) -> None:
+        """``check_model`` every built policy against the live ``model`` once (a learned checkpoint refuses
+        another model; a program reading ``f.surrogate`` binds the model's shipped surrogate)."""
+        if self._bound == id(model):
+            return
+        for text, policy in self.policies.items():
+            try:
+                policy.check_model(model, name or self.contract.model)
+            except ValueError as err:
+                raise ValueError(f"the contract's policy {text!r} cannot run on this model: {err}") from None
+        self._bound = id(model)
 
     def check_model(self, model: str) -> None:
         if canonical_model(model) != canonical_model(self.contract.model):
@@ -118,11 +158,13 @@ class CertifiedPolicy:
         bucket = self.bucket_for(task, context_tokens)
         cert = self.contract.buckets.get(bucket)
         if cert is None:
-            return OperatingPoint("full", 0.0, False, bucket, True, f"bucket {bucket!r} was not calibrated")
+            return OperatingPoint.full(bucket, f"bucket {bucket!r} was not calibrated")
         if cert.chosen is None:
-            return OperatingPoint("full", 0.0, False, bucket, True, cert.reason)
+            return OperatingPoint.full(bucket, cert.reason)
         chosen = cert.chosen
-        return OperatingPoint(chosen.policy, chosen.ratio, chosen.question_aware, bucket, False)
+        text, chunk = split_label(chosen.policy)
+        return OperatingPoint(self.specs[text], self.policies[text], chosen.ratio, chosen.question_aware, bucket,
+                              False, chunk_size=chunk)
 
     @contextlib.contextmanager
     def attach(self, model, question_tokens: int, task: str | None = None,
@@ -138,9 +180,15 @@ class CertifiedPolicy:
             yield CertifiedSession(point, session)
 
     def generate(self, model, tokenizer, context: str, question: str, task: str | None = None,
-                 **options) -> Generation:
-        """``kvsieve.engine.generate.generate`` at the request's certified point, question-awareness included."""
+                 model_name: str | None = None, **options) -> Generation:
+        """``kvsieve.engine.generate.generate`` at the request's certified point, question-awareness included.
+
+        The point's policy is the one built when the contract was read, checked against ``model`` on the first
+        call (``model_name``: the name it was loaded under; default the contract's)."""
+        self.bind(model, model_name)
         context_tokens = build_prompt(tokenizer, context, question, options.get("answer_prefix", "")).context_ids
         point = self.operating_point(task, int(context_tokens.shape[1]))
+        if point.chunk_size and point.compresses:
+            options = dict(options, mode="decode", chunk_size=point.chunk_size)
         return generate(model, tokenizer, context, question, point.policy, ratio=point.ratio,
                         question_aware=point.question_aware and not point.fell_back, **options)

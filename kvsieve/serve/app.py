@@ -16,15 +16,16 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvsieve.prompt import Prompt
 from kvsieve.risk.runtime import OperatingPoint, canonical_model
 from kvsieve.serve.errors import APIError, error_body
-from kvsieve.serve.generation import CacheInfo, Completion, generate_completion
+from kvsieve.serve.generation import CacheInfo, Cancelled, Completion
 from kvsieve.serve.points import ChosenPoint
 from kvsieve.serve.prompt import chat_prompt, completion_prompt
-from kvsieve.serve.scheduler import QueueFull
+from kvsieve.serve.scheduler import Job, QueueFull, TooLarge
 from kvsieve.serve.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 from kvsieve.serve.state import ServerState
 
@@ -47,10 +48,11 @@ def _feasible(chosen: ChosenPoint, prompt: Prompt) -> ChosenPoint:
         reason = f"the context ({n} tokens) is too short to compress"
     if not reason:
         return chosen
-    return ChosenPoint(OperatingPoint("full", 0.0, False, point.bucket, True, reason), "fallback")
+    return ChosenPoint(OperatingPoint.full(point.bucket, reason), "fallback")
 
 
 def kv_cache_usage(state: ServerState, chosen: ChosenPoint, info: CacheInfo) -> dict:
+    chosen = info.chosen or chosen  # the point that ran: full KV when the request's policy failed
     point = chosen.point
     contract = state.points.certified.contract.contract if state.points.certified else None
     return {
@@ -102,35 +104,36 @@ class _Call:
             self.loop.call_soon_threadsafe(self.events.put_nowait, item)
 
     def submit(self) -> None:
-        stream = self.req.stream
         state = self.state
-
-        def run(job) -> Completion:
-            return generate_completion(state.model, state.tokenizer, self.prompt, self.chosen.point, self.max_tokens,
-                                       self.stops, job.cancelled, on_prefilled=lambda i: self._put(("prefilled", i)),
-                                       on_text=(lambda d: self._put(("text", d))) if stream else None)
-
+        job = Job(self.prompt, self.chosen, self.max_tokens, self.stops,
+                  on_prefilled=lambda i: self._put(("prefilled", i)),
+                  on_text=(lambda d: self._put(("text", d))) if self.req.stream else None)
         try:
-            self.job = state.scheduler.submit(run)
+            self.job = state.scheduler.submit(job)
+        except TooLarge as big:
+            raise APIError(400, str(big), "max_tokens", "kv_budget_exceeded") from big
         except QueueFull as full:
-            raise APIError(429, f"the server's queue is full ({state.scheduler.max_queue} waiting); retry after "
-                                f"{full.retry_after} s", code="queue_full", kind="rate_limit_error",
-                           headers={"Retry-After": str(full.retry_after)}) from full
+            raise APIError(429, f"{full}; retry after {full.retry_after} s", code="kv_budget_full",
+                           kind="rate_limit_error", headers={"Retry-After": str(full.retry_after)}) from full
         self.job.future.add_done_callback(lambda f: self._put(("done", f)))
 
     def failure(self, err: BaseException) -> APIError:
         if isinstance(err, APIError):
             return err
+        if isinstance(err, Cancelled):
+            return APIError(499, "the request was cancelled", code="cancelled")
         return APIError(500, f"the request failed while generating: {type(err).__name__}: {err}",
                         code="generation_failed")
 
     def record(self, status: int, completion: Completion | None) -> None:
         m = self.state.metrics
-        kv_status = self.chosen.status
-        m.inc("kvsieve_requests_total", endpoint=self.kind, status=str(status), kv_cache=kv_status)
+        ran = completion.cache.chosen if completion is not None and completion.cache.chosen else self.chosen
+        m.inc("kvsieve_requests_total", endpoint=self.kind, status=str(status), kv_cache=ran.status)
         m.observe("kvsieve_request_seconds", time.perf_counter() - self.arrived)
         if completion is None:
             return
+        if ran.status == "fallback" and ran is not self.chosen:
+            m.inc("kvsieve_policy_failures_total")
         info = completion.cache
         m.inc("kvsieve_prompt_tokens_total", info.prompt_tokens)
         m.inc("kvsieve_completion_tokens_total", len(completion.token_ids))
@@ -140,6 +143,7 @@ class _Call:
         if completion.first_token_seconds is not None and self.job is not None and self.job.started_at:
             queued = self.job.started_at - self.arrived
             m.observe("kvsieve_time_to_first_token_seconds", max(0.0, queued) + completion.first_token_seconds)
+            m.observe("kvsieve_queue_seconds", max(0.0, queued))
 
     def usage(self, completion: Completion) -> dict:
         info = completion.cache
@@ -177,13 +181,16 @@ class _Call:
     async def answer(self) -> Response:
         try:
             _, future = await self.until("done")
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the client went away: its bytes return to the budget
             self.job.cancel()
+            self.state.metrics.inc("kvsieve_requests_total", endpoint=self.kind, status="499",
+                                   kv_cache=self.chosen.status)
             raise
         err = future.exception()
         if err is not None:
             failure = self.failure(err)
             self.record(failure.status, None)
+            failure.recorded = True
             raise failure
         completion = future.result()
         body = self.body(completion)
@@ -195,11 +202,14 @@ class _Call:
             kind, value = await self.until("prefilled", "done")
         except asyncio.CancelledError:
             self.job.cancel()
+            self.state.metrics.inc("kvsieve_requests_total", endpoint=self.kind, status="499",
+                                   kv_cache=self.chosen.status)
             raise
         if kind == "done":  # failed (or finished) before the first event: a plain error answer
             err = value.exception()
             failure = self.failure(err) if err is not None else APIError(500, "the request ended before its prefill")
             self.record(failure.status, None)
+            failure.recorded = True
             raise failure
         kv = kv_cache_usage(self.state, self.chosen, value)
         return StreamingResponse(self._events(), media_type="text/event-stream", headers=_headers(kv))
@@ -233,7 +243,7 @@ class _Call:
                     self.record(200, completion)
                     return
         finally:
-            if not finished:  # the client went away mid-stream: stop decoding, free the slot and the cache
+            if not finished:  # the client went away mid-stream: stop decoding, return its bytes to the budget
                 self.job.cancel()
                 self.state.metrics.inc("kvsieve_requests_total", endpoint=self.kind, status="499",
                                        kv_cache=self.chosen.status)
@@ -273,6 +283,10 @@ def _prepare(state: ServerState, req, prompt: Prompt, kind: str) -> _Call:
     return _Call(state, kind, req, prompt, chosen, max_tokens)
 
 
+def _endpoint(path: str) -> str:
+    return {"/v1/chat/completions": "chat", "/v1/completions": "completion"}.get(path, "other")
+
+
 def create_app(state: ServerState) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -280,36 +294,55 @@ def create_app(state: ServerState) -> FastAPI:
         state.draining = True  # uvicorn has finished the in-flight requests by now
         await asyncio.to_thread(state.scheduler.close, 60.0)
 
-    app = FastAPI(title="kvsieve serve", lifespan=lifespan)
+    # FastAPI's own body limit (413) covers bodies sent without a length; a declared length is refused below
+    # with a message naming the limit
+    app = FastAPI(title="kvsieve serve", lifespan=lifespan, max_body_size=state.max_body_bytes)
     app.state.kvsieve = state
 
+    def count(request: Request, status: int) -> None:
+        state.metrics.inc("kvsieve_requests_total", endpoint=_endpoint(request.url.path), status=str(status),
+                          kv_cache="none")
+
     @app.exception_handler(APIError)
-    async def api_error(_request: Request, err: APIError) -> JSONResponse:
+    async def api_error(request: Request, err: APIError) -> JSONResponse:
+        if not getattr(err, "recorded", False):
+            count(request, err.status)
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request: Request, err: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        count(request, err.status_code)
         return JSONResponse(error_body(str(err.detail), "invalid_request_error"), status_code=err.status_code)
 
     @app.exception_handler(Exception)
-    async def unexpected(_request: Request, err: Exception) -> JSONResponse:
+    async def unexpected(request: Request, err: Exception) -> JSONResponse:
+        count(request, 500)
         return JSONResponse(error_body(f"internal error: {type(err).__name__}: {err}", "server_error"), status_code=500)
+
+    async def read_body(request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > state.max_body_bytes:
+            raise APIError(413, f"the request body is {int(declared)} bytes; this server accepts at most "
+                                f"{state.max_body_bytes} (--max-body-mb)", code="body_too_large")
+        return await request.body()
 
     async def serve(request: Request, kind: str) -> Response:
         if state.draining:
             raise APIError(503, "the server is shutting down", code="draining", kind="server_error")
         schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
-        req = parse_body(await request.body(), schema)
+        raw = await read_body(request)
+        # parsing and tokenizing a large body take time: off the event loop, so /health and streams go on
+        req = await run_in_threadpool(parse_body, raw, schema)
         _check_model(state, req.model)
         if kind == "chat":
             if req.logprobs:
                 raise APIError(400, "logprobs is not supported (omit it or pass false)", "logprobs")
-            prompt = chat_prompt(state.tokenizer, req.messages)
+            prompt = await run_in_threadpool(chat_prompt, state.tokenizer, req.messages)
         else:
             if req.echo or req.logprobs:
                 name = "echo" if req.echo else "logprobs"
                 raise APIError(400, f"{name} is not supported for completions (omit it)", name)
-            prompt = completion_prompt(state.tokenizer, req.text())
+            prompt = await run_in_threadpool(completion_prompt, state.tokenizer, req.text())
         call = _prepare(state, req, prompt, kind)
         call.submit()
         return await (call.stream() if req.stream else call.answer())
@@ -329,16 +362,20 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        scheduler = state.scheduler
         body = {"status": "draining" if state.draining else "ok", "model": state.model_name,
-                "points": state.points.kind, "waiting": state.scheduler.waiting, "running": state.scheduler.running}
+                "points": state.points.kind, "waiting": scheduler.waiting, "running": scheduler.running,
+                "kv_budget_bytes": scheduler.budget, "kv_admitted_bytes": scheduler.charged}
         return JSONResponse(body, status_code=503 if state.draining else 200)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        state.metrics.gauges["kvsieve_queue_waiting"] = state.scheduler.waiting
-        state.metrics.gauges["kvsieve_requests_running"] = state.scheduler.running
+        scheduler, gauges = state.scheduler, state.metrics.gauges
+        gauges["kvsieve_queue_waiting"] = scheduler.waiting
+        gauges["kvsieve_requests_running"] = scheduler.running
+        gauges["kvsieve_kv_budget_bytes"] = scheduler.budget
+        gauges["kvsieve_kv_admitted_bytes"] = scheduler.charged
+        gauges["kvsieve_kv_admitted_peak_bytes"] = scheduler.peak_charged
         return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app
-
-

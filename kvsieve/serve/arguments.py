@@ -18,8 +18,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="let clients ask for looser points than the contract's (kvsieve.policy / kvsieve.ratio)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--kv-budget", default="50%",
+                        help="KV-cache bytes requests are admitted against: GiB (4, 4GiB), MiB (512MiB) or a share of "
+                             "free memory after the model loads (default 50%%)")
     parser.add_argument("--max-queue", type=int, default=16,
-                        help="requests waiting for the model before new ones get 429 (default 16)")
+                        help="requests waiting for room in the KV budget before new ones get 429 (default 16)")
+    parser.add_argument("--max-body-mb", type=float, default=4.0,
+                        help="largest request body accepted, in MiB (default 4); larger ones get 413")
     parser.add_argument("--max-tokens-limit", type=int, default=2048, help="most tokens one request may generate")
     parser.add_argument("--default-max-tokens", type=int, default=256, help="when a request names no max_tokens")
     parser.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32")

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
+from pathlib import Path
 
+import torch
 import uvicorn
 
 from kvsieve.models import bundled, context_length, load
@@ -17,7 +20,7 @@ from kvsieve.serve.points import PointSource
 from kvsieve.serve.scheduler import Scheduler
 from kvsieve.serve.state import ServerState
 
-__all__ = ["add_arguments", "run", "point_source", "build_state", "serve"]
+__all__ = ["add_arguments", "run", "point_source", "build_state", "parse_budget", "free_memory", "serve"]
 
 
 def point_source(model: str, contract: str | None = None, policy: str | None = None, ratio: float | None = None,
@@ -30,7 +33,8 @@ def point_source(model: str, contract: str | None = None, policy: str | None = N
     if policy is not None and ratio is None:
         raise ValueError("--policy needs --ratio (the fraction of the cache removed, in [0, 1))")
     if contract:
-        certified = CertifiedPolicy(ContractFile.read(contract), model)  # refuses a contract for another model
+        # refuses a contract for another model, and a point whose file is missing or changed since certification
+        certified = CertifiedPolicy(ContractFile.read(contract), model, where=f"contract {contract}")
         file = certified.contract
         if file.by == "length" and file.length_quantity != "context_tokens":
             raise ValueError(f"contract {contract} buckets lengths on the nominal length, but requests are routed on "
@@ -39,11 +43,58 @@ def point_source(model: str, contract: str | None = None, policy: str | None = N
     return PointSource(None, policy, ratio or 0.0, question_aware, allow_override)
 
 
+def free_memory(model) -> int:
+    """Bytes free where the model's cache lives: the GPU's free memory, or the host's available memory."""
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+_UNITS = {"gib": 1 << 30, "g": 1 << 30, "mib": 1 << 20, "m": 1 << 20, "kib": 1 << 10, "b": 1}
+
+
+def parse_budget(text: str | int, model=None) -> int:
+    """``--kv-budget``: bytes (an int), ``N`` or ``NGiB`` / ``NMiB`` / ``NKiB``, or ``P%`` of free memory."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        raw = str(text).strip().lower().replace(" ", "")
+        try:
+            if raw.endswith("%"):
+                share = float(raw[:-1]) / 100
+                if not 0 < share <= 1:
+                    raise ValueError
+                if model is None:
+                    raise ValueError("a share of free memory needs the model")
+                value = int(share * free_memory(model))
+            else:
+                unit = next((u for u in _UNITS if raw.endswith(u) and raw[: -len(u)]), "gib")
+                number = raw[: -len(unit)] if raw.endswith(unit) else raw
+                value = int(float(number) * _UNITS[unit])
+        except ValueError:
+            raise ValueError(f"--kv-budget {text!r} is not a budget: give GiB (4, 4GiB), MiB (512MiB) or a share of "
+                             "free memory (50%)") from None
+    if value < 1:
+        raise ValueError(f"--kv-budget {text!r} is not a positive number of bytes")
+    return value
+
+
 def build_state(model, tokenizer, model_name: str, points: PointSource, max_queue: int = 16,
-                context: int | None = None, max_tokens_limit: int = 2048, default_max_tokens: int = 256) -> ServerState:
+                context: int | None = None, max_tokens_limit: int = 2048, default_max_tokens: int = 256,
+                kv_budget: str | int = "50%", max_body_bytes: int = 4 << 20) -> ServerState:
+    """The server's state: points model-checked, a scheduler admitting requests against ``kv_budget``."""
     context = context or context_length(model_name) or int(getattr(model.config, "max_position_embeddings", 2048))
-    return ServerState(model, tokenizer, model_name, points, Scheduler(max_queue), context, max_tokens_limit,
-                       default_max_tokens)
+    points.bind(model, model_name)  # every point model-checked once (a program's surrogate bound), before serving
+    scheduler = Scheduler(model, tokenizer, parse_budget(kv_budget, model), max_queue)
+    return ServerState(model, tokenizer, model_name, points, scheduler, context, max_tokens_limit,
+                       default_max_tokens, max_body_bytes=max_body_bytes)
 
 
 def serve(state: ServerState, host: str = "127.0.0.1", port: int = 8000, sock: socket.socket | None = None,
@@ -71,7 +122,7 @@ def run(args) -> int:
     print(f"kvsieve serve: {name}, points: {points.kind}"
           + (f" ({args.contract})" if args.contract else f" ({args.policy}@{args.ratio:g}, uncertified)"
              if args.policy else " (full KV)")
-          + f", http://{args.host}:{args.port}/v1", flush=True)
+          + f", KV budget {state.scheduler.budget / (1 << 30):.2f} GiB, http://{args.host}:{args.port}/v1", flush=True)
     server.run()
     return 0
 

@@ -1,26 +1,27 @@
-"""One request on the model: the engine's compressed prefill and its greedy decoding loop.
+"""One request's prefill at its own point, and what it costs in KV bytes.
 
-The decoding loop is the engine's ``greedy_decode``; tokens are observed as they are fed back into the
-model (a forward pre-hook), which is also where a cancelled request (the client went away) is stopped: the
-hook raises, the ``attach`` block exits and the request's cache is dropped with it.
+The prefill runs under the request's own ``kvsieve.attach`` (prefill mode): the prompt's cache is compressed
+at the request's point, then the question is read (query-agnostic points) and the cache is handed to the
+scheduler's running decode batch. A policy that fails while compressing (a program stopped by the
+interpreter's limits, a checkpoint that raises) does not fail the request: it is prefilled again at full KV
+and answered with ``status: "fallback"`` and the reason.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from transformers.cache_utils import DynamicCache
 
 from kvsieve.engine.cache import cache_bytes, full_cache_bytes
-from kvsieve.engine.generate import greedy_decode, prefill_prompt
+from kvsieve.engine.generate import prefill_prompt
 from kvsieve.prompt import Prompt
 from kvsieve.risk.runtime import OperatingPoint
-from kvsieve.serve.text_stream import IncrementalText, cut_at_stop
+from kvsieve.serve.points import ChosenPoint
 
-__all__ = ["Cancelled", "CacheInfo", "Completion", "generate_completion"]
+__all__ = ["Cancelled", "CacheInfo", "Completion", "Prefilled", "bytes_per_token", "eos_ids", "prefill"]
 
 
 class Cancelled(Exception):
@@ -37,6 +38,7 @@ class CacheInfo:
     bytes_kept: int
     kept_tokens: list[int]
     prefill_seconds: float
+    chosen: ChosenPoint | None = None  # the point that ran: the request's, or full KV after a policy failure
 
 
 @dataclass
@@ -50,58 +52,62 @@ class Completion:
     extra: dict = field(default_factory=dict)
 
 
-@torch.no_grad()
-def generate_completion(model, tokenizer, prompt: Prompt, point: OperatingPoint, max_tokens: int,
-                        stops: tuple[str, ...] = (), cancelled: threading.Event | None = None,
-                        on_prefilled: Callable[[CacheInfo], None] | None = None,
-                        on_text: Callable[[str], None] | None = None) -> Completion:
-    """Prefill ``prompt`` at ``point`` (question-aware points prefill context + question together), then decode.
+@dataclass
+class Prefilled:
+    cache: DynamicCache
+    logits: torch.Tensor  # (vocab,) the next-token logits after the prompt
+    info: CacheInfo
 
-    ``on_text`` receives text deltas that concatenate to ``Completion.text``; raises :class:`Cancelled` once
-    ``cancelled`` is set (checked before every forward)."""
-    cancelled = cancelled or threading.Event()
-    stream = IncrementalText(tokenizer, stops)
-    tokens: list[int] = []
-    state = {"decoding": False, "first": None}
-    start = time.perf_counter()
 
-    def observe(_module, _args, kwargs):
-        if cancelled.is_set():
-            raise Cancelled()
-        if state["decoding"]:
-            if state["first"] is None:
-                state["first"] = time.perf_counter() - start
-            tokens.append(int(kwargs["input_ids"][0, -1]))
-            if on_text is not None:
-                delta = stream.push(tokens)
-                if delta:
-                    on_text(delta)
+def eos_ids(model, tokenizer) -> set[int]:
+    """Token ids that end an answer: the generation config's, the model config's and the tokenizer's."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
 
+
+def bytes_per_token(model) -> int:
+    """KV bytes one token costs in every layer (keys and values of every KV head), at the model's dtype.
+
+    Counts every layer as full attention: an upper bound for models with sliding-window layers."""
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    size = next(model.parameters()).element_size()
+    return int(config.num_hidden_layers * 2 * heads * head_dim * size)
+
+
+def _run(model, prompt: Prompt, point: OperatingPoint) -> tuple[DynamicCache, torch.Tensor, CacheInfo]:
     n, m = prompt.context_ids.shape[1], prompt.question_ids.shape[1]
-    question_aware = point.question_aware and not point.fell_back
-    hook = model.register_forward_pre_hook(observe, with_kwargs=True)
+    question_aware = point.question_aware and point.compresses
+    start = time.perf_counter()
+    with point.attach(model, m) as session:
+        out = prefill_prompt(model, prompt, question_aware)
+        cache = out.cache
+        info = CacheInfo(n, n + m, full_cache_bytes(cache), cache_bytes(cache), list(session.kept_tokens), 0.0)
+        if not question_aware:
+            out = model(input_ids=prompt.question_ids, cache=cache, use_cache=True, logits_to_keep=1)
+    info.prefill_seconds = time.perf_counter() - start
+    return cache, out.logits[0, -1], info
+
+
+@torch.no_grad()
+def prefill(model, prompt: Prompt, chosen: ChosenPoint) -> Prefilled:
+    """The prompt's cache at ``chosen``'s point (question-aware points prefill context + question together),
+    and the logits of the first answer token; full KV, with the reason, when the policy fails."""
     try:
-        with point.attach(model, m) as session:
-            out = prefill_prompt(model, prompt, question_aware)
-            cache = out.cache
-            info = CacheInfo(n, n + m, full_cache_bytes(cache), cache_bytes(cache), list(session.kept_tokens), 0.0)
-            if not question_aware:
-                out = model(input_ids=prompt.question_ids, cache=cache, use_cache=True, logits_to_keep=1)
-            info.prefill_seconds = time.perf_counter() - start
-            if on_prefilled is not None:
-                on_prefilled(info)
-            decode_start = time.perf_counter()
-            state["decoding"] = True
-            ids = greedy_decode(model, tokenizer, cache, out.logits[:, -1], max_tokens, stops)[0]
-            decode_seconds = time.perf_counter() - decode_start
-    finally:
-        hook.remove()
-    if state["first"] is None and ids:  # one token only: it was never fed back
-        state["first"] = time.perf_counter() - start
-    text, stopped = cut_at_stop(tokenizer.decode(ids, skip_special_tokens=True), stops)
-    if on_text is not None:
-        rest = stream.finish(text)
-        if rest:
-            on_text(rest)
-    finish = "stop" if stopped or len(ids) < max_tokens else "length"
-    return Completion(text, ids, finish, info, decode_seconds, state["first"])
+        cache, logits, info = _run(model, prompt, chosen.point)
+    except Exception as err:  # noqa: BLE001 - any failure of the policy is answered at full KV, not 500
+        if not chosen.compresses:
+            raise  # full KV failed: the model's fault, not a policy's
+        reason = (f"policy {chosen.point.policy_spec}@{chosen.point.ratio:g} failed while compressing "
+                  f"({type(err).__name__}: {err}); answered at full KV")
+        chosen = ChosenPoint(OperatingPoint.full(chosen.point.bucket, reason[:500]), "fallback")
+        cache, logits, info = _run(model, prompt, chosen.point)
+    info.chosen = chosen
+    return Prefilled(cache, logits, info)

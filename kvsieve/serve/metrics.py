@@ -18,6 +18,13 @@ def _labels(labels: dict[str, str]) -> str:
     return "{" + ",".join(escaped) + "}"
 
 
+def _number(value: int | float) -> str:
+    """Integers exactly (byte counters pass 1e6, where ``:g`` would round them); floats at full precision."""
+    if isinstance(value, int) or float(value).is_integer():
+        return str(int(value))
+    return repr(float(value))
+
+
 class _Histogram:
     def __init__(self, buckets: tuple[float, ...]) -> None:
         self.buckets = buckets
@@ -43,28 +50,33 @@ class Metrics:
         "kvsieve_kv_bytes_saved_total": ("counter", "KV-cache bytes compression freed."),
         "kvsieve_request_seconds": ("histogram", "Time from arrival to the last byte of the answer."),
         "kvsieve_time_to_first_token_seconds": ("histogram", "Time from arrival to the first generated token."),
-        "kvsieve_queue_waiting": ("gauge", "Requests waiting for the model."),
-        "kvsieve_requests_running": ("gauge", "Requests on the model."),
+        "kvsieve_queue_seconds": ("histogram", "Time from arrival to admission (the KV budget had room)."),
+        "kvsieve_policy_failures_total": ("counter", "Requests whose policy failed and were answered at full KV."),
+        "kvsieve_queue_waiting": ("gauge", "Requests waiting for room in the KV budget."),
+        "kvsieve_requests_running": ("gauge", "Requests admitted (prefilling or in the decode batch)."),
+        "kvsieve_kv_budget_bytes": ("gauge", "The KV-cache byte budget requests are admitted against."),
+        "kvsieve_kv_admitted_bytes": ("gauge", "KV bytes charged to admitted requests now."),
+        "kvsieve_kv_admitted_peak_bytes": ("gauge", "The most KV bytes ever charged at once."),
     }
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counters: dict[tuple[str, tuple], float] = {}
+        self._counters: dict[tuple[str, tuple], int | float] = {}
         self._histograms: dict[str, _Histogram] = {name: _Histogram(LATENCY_BUCKETS) for name, (kind, _) in
                                                    self.HELP.items() if kind == "histogram"}
-        self.gauges: dict[str, float] = {}
+        self.gauges: dict[str, int | float] = {}
 
-    def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
+    def inc(self, name: str, value: int | float = 1, **labels: str) -> None:
         key = (name, tuple(sorted(labels.items())))
         with self._lock:
-            self._counters[key] = self._counters.get(key, 0.0) + value
+            self._counters[key] = self._counters.get(key, 0) + value
 
     def observe(self, name: str, seconds: float) -> None:
         with self._lock:
             self._histograms[name].observe(seconds)
 
     def value(self, name: str, **labels: str) -> float:
-        return self._counters.get((name, tuple(sorted(labels.items()))), 0.0)
+        return self._counters.get((name, tuple(sorted(labels.items()))), 0)
 
     def render(self) -> str:
         lines: list[str] = []
@@ -74,14 +86,14 @@ class Metrics:
                 if kind == "counter":
                     for (metric, labels), value in sorted(self._counters.items()):
                         if metric == name:
-                            lines.append(f"{name}{_labels(dict(labels))} {value:g}")
+                            lines.append(f"{name}{_labels(dict(labels))} {_number(value)}")
                 elif kind == "gauge":
-                    lines.append(f"{name} {self.gauges.get(name, 0):g}")
+                    lines.append(f"{name} {_number(self.gauges.get(name, 0))}")
                 else:
                     hist, running = self._histograms[name], 0
                     for edge, count in zip(hist.buckets, hist.counts):
                         running += count
                         lines.append(f'{name}_bucket{{le="{edge:g}"}} {running}')
-                    lines += [f'{name}_bucket{{le="+Inf"}} {hist.n}', f"{name}_sum {hist.total:g}",
+                    lines += [f'{name}_bucket{{le="+Inf"}} {hist.n}', f"{name}_sum {_number(hist.total)}",
                               f"{name}_count {hist.n}"]
         return "\n".join(lines) + "\n"

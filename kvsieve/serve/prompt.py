@@ -9,6 +9,8 @@ is the question).
 
 from __future__ import annotations
 
+import secrets
+
 import torch
 
 from kvsieve.prompt import Prompt
@@ -17,7 +19,15 @@ from kvsieve.serve.schemas import ChatMessage
 
 __all__ = ["chat_prompt", "completion_prompt"]
 
-_MARK = "\x00kvsieve-question\x00"  # where the question starts, found again after the template ran
+
+
+def _marker(texts: list[str]) -> str:
+    """Where the question starts, found again after the template ran: fresh per request and absent from every
+    message, so no client text can pose as it (a fixed marker sent in a message split the prompt wrongly)."""
+    while True:
+        mark = f"\x00kvsieve-question-{secrets.token_hex(8)}\x00"
+        if not any(mark in t for t in texts):
+            return mark
 
 
 def _ids(tokenizer, text: str) -> torch.Tensor:
@@ -43,15 +53,16 @@ def chat_prompt(tokenizer, messages: list[ChatMessage]) -> Prompt:
     start = _question_start(messages, last)
     rows = [{"role": m.role, "content": m.text} for m in messages]
     text = messages[last].text
-    rows[last] = {"role": "user", "content": text[:start] + _MARK + text[start:]}
+    mark = _marker([r["content"] for r in rows])
+    rows[last] = {"role": "user", "content": text[:start] + mark + text[start:]}
     if getattr(tokenizer, "chat_template", None):
         full = tokenizer.apply_chat_template(rows, tokenize=False, add_generation_prompt=True)
     else:
         full = "\n".join(r["content"] for r in rows) + "\n"
-    if full.count(_MARK) != 1:
+    if full.count(mark) != 1:
         raise APIError(500, "the chat template dropped or repeated the question marker; cannot split the prompt")
-    split = full.index(_MARK)
-    context_text, question_text = full[:split], full[split + len(_MARK):]
+    split = full.index(mark)
+    context_text, question_text = full[:split], full[split + len(mark):]
     context, question = _ids(tokenizer, context_text), _ids(tokenizer, question_text)
     if context.shape[1] == 0 or question.shape[1] == 0:
         raise APIError(400, "the prompt has no context before the last user turn, or an empty question", "messages")

@@ -1,113 +1,295 @@
-"""A bounded queue in front of one worker thread: one request on the model at a time.
+"""Continuous batching by KV bytes: one thread owns the model; requests are admitted against a byte budget.
 
-``kvsieve.attach`` installs one policy on the model for the duration of a request, so two requests with
-different operating points cannot share the model at once; on a CPU one forward at a time is also what the
-cores can do. Requests wait in a queue of at most ``max_queue``; a full queue is refused at once (the app
-answers 429 with ``Retry-After``) instead of growing latency without bound.
+Each admitted request is prefilled and compressed at its own point, under its own ``kvsieve.attach``
+(prefill mode); its cache then joins the running decode batch (``stack_caches``, at admission only). Every
+decode step is one batched forward of all running rows under ``attach(model, FullCache())`` (nothing is
+compressed then; kvsieve's attention reads the ragged rows), each row at its own position. A finished or
+cancelled row leaves the batch (``batch_select_indices``) and its bytes return to the budget.
+
+What a request is charged (exact bytes, at the model's dtype; ``b`` is one token's KV bytes in every layer):
+
+* while it is prefilled: ``b x prompt tokens`` (twice that for a policy that rebuilds the context, KVzip)
+  plus the reserve below, so both of its phases fit before it starts;
+* once it decodes: the bytes its compressed cache holds (``cache_bytes``) plus ``b x max_tokens``, the most
+  its cache can grow while it decodes.
+
+A request is admitted (first come, first served) only when the charges of the running requests plus its own
+fit the budget; the sum of charges never exceeds it. A request arriving when the budget (counting those
+already waiting) cannot hold it waits, at most ``max_queue`` of them; beyond that it is refused at once with
+a Retry-After (the app answers 429). The budget counts each request's own bytes; the padding that stacking
+rows of different lengths adds to the batch is not charged.
 """
 
 from __future__ import annotations
 
+import collections
 import math
-import queue
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 
-__all__ = ["Job", "QueueFull", "Scheduler"]
+import torch
+
+from kvsieve.engine.attach import attach
+from kvsieve.engine.cache import cache_bytes, stack_caches
+from kvsieve.policy import FullCache
+from kvsieve.prompt import Prompt
+from kvsieve.serve.generation import CacheInfo, Cancelled, Completion, bytes_per_token, eos_ids, prefill
+from kvsieve.serve.points import ChosenPoint
+from kvsieve.serve.text_stream import IncrementalText, cut_at_stop
+
+__all__ = ["Job", "QueueFull", "TooLarge", "Scheduler"]
 
 
 class QueueFull(Exception):
-    def __init__(self, retry_after: int) -> None:
-        super().__init__(f"the queue is full; retry after {retry_after} s")
+    def __init__(self, retry_after: int, message: str = "") -> None:
+        super().__init__(message or f"the KV budget is full; retry after {retry_after} s")
         self.retry_after = retry_after
 
 
-class Job:
-    """One queued request: ``run(job)`` executes on the worker thread; ``cancel()`` asks it to stop."""
+class TooLarge(Exception):
+    """A request whose bytes alone exceed the whole budget: it could never be admitted."""
 
-    def __init__(self, run: Callable[[Job], object]) -> None:
-        self.run = run
-        self.future: Future = Future()
-        self.cancelled = threading.Event()
-        self.enqueued_at = time.perf_counter()
-        self.started_at: float | None = None
+
+@dataclass(eq=False)
+class Job:
+    """One request: its prompt at its point, callbacks to the app, and its place in the batch."""
+
+    prompt: Prompt
+    chosen: ChosenPoint
+    max_tokens: int
+    stops: tuple[str, ...] = ()
+    on_prefilled: Callable[[CacheInfo], None] | None = None
+    on_text: Callable[[str], None] | None = None
+    future: Future = field(default_factory=Future)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    need: int = 0  # bytes charged while it is prefilled (set by the scheduler)
+    reserve: int = 0  # bytes its cache may grow by while decoding
+    charge: int = 0  # bytes charged now
+    enqueued_at: float = field(default_factory=time.perf_counter)
+    started_at: float | None = None
+    # decoding state
+    tokens: list[int] = field(default_factory=list)
+    position: int = 0
+    info: CacheInfo | None = None
+    first_token_seconds: float | None = None
+    decode_started: float = 0.0
+    stream: IncrementalText | None = None
 
     def cancel(self) -> None:
         self.cancelled.set()
 
 
-_STOP = object()
-
-
 class Scheduler:
-    def __init__(self, max_queue: int = 16) -> None:
+    """Admits jobs against ``budget`` bytes and decodes every admitted job in one batch (see the module doc)."""
+
+    def __init__(self, model, tokenizer, budget: int, max_queue: int = 16) -> None:
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an int >= 0, got {max_queue!r}")
-        self.max_queue = max_queue
-        self._queue: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
-        self._waiting = 0
-        self._running: Job | None = None
-        self._seconds: list[float] = []  # recent service times, for Retry-After
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"the KV budget must be a positive number of bytes, got {budget!r}")
+        self.model, self.tokenizer = model, tokenizer
+        self.budget, self.max_queue = budget, max_queue
+        self.token_bytes = bytes_per_token(model)
+        self.eos = eos_ids(model, tokenizer)
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._rows: list[Job] = []  # the running batch, in cache row order
+        self._prefilling: Job | None = None
+        self._cache = None
+        self._logits: torch.Tensor | None = None
+        self.charged = 0  # bytes charged to admitted jobs now
+        self.peak_charged = 0  # the most ever charged at once (never above the budget)
+        self._seconds: collections.deque[float] = collections.deque(maxlen=50)  # recent service times
         self._accepting = True
-        self._thread = threading.Thread(target=self._work, name="kvsieve-serve-worker", daemon=True)
+        self._thread = threading.Thread(target=self._work, name="kvsieve-serve-scheduler", daemon=True)
         self._thread.start()
 
+    # -- what the app reads ---------------------------------------------------------------------------
     @property
     def waiting(self) -> int:
-        return self._waiting
+        return len(self._waiting)
 
     @property
     def running(self) -> int:
-        return 0 if self._running is None else 1
+        return len(self._rows) + (self._prefilling is not None)
 
     def retry_after(self) -> int:
-        """Seconds until a slot is likely free: the mean recent service time times the requests ahead."""
-        recent = self._seconds[-20:]
-        mean = sum(recent) / len(recent) if recent else 1.0
-        return max(1, math.ceil(mean * (self._waiting + self.running)))
+        """Seconds until the budget likely has room: recent service time, shared by the running rows, times the
+        requests ahead."""
+        mean = sum(self._seconds) / len(self._seconds) if self._seconds else 1.0
+        return max(1, math.ceil(mean * (len(self._waiting) + 1) / max(1, self.running)))
 
-    def submit(self, run: Callable[[Job], object]) -> Job:
-        with self._lock:
+    def need_of(self, prompt: Prompt, chosen: ChosenPoint, max_tokens: int) -> tuple[int, int]:
+        """(bytes charged while prefilled, decode reserve) of a request (see the module docstring)."""
+        tokens = prompt.context_ids.shape[1] + prompt.question_ids.shape[1]
+        prefill_bytes = self.token_bytes * tokens
+        if chosen.compresses and chosen.point.policy.needs_reconstruction:
+            prefill_bytes *= 2  # KVzip repeats the context over a copy of the cache
+        reserve = self.token_bytes * max_tokens
+        return prefill_bytes + reserve, reserve
+
+    def submit(self, job: Job) -> Job:
+        job.need, job.reserve = self.need_of(job.prompt, job.chosen, job.max_tokens)
+        if job.need > self.budget:
+            raise TooLarge(f"this request needs {job.need} bytes of KV cache ({job.need - job.reserve} for its "
+                           f"prompt, {job.reserve} for max_tokens={job.max_tokens}); the server's --kv-budget is "
+                           f"{self.budget} bytes: shorten the prompt or max_tokens")
+        with self._cond:
             if not self._accepting:
-                raise QueueFull(self.retry_after())
-            # the worker takes a job off the queue as soon as it is idle, so waiting counts the jobs behind it
-            if self._waiting >= self.max_queue and (self._running is not None or self._waiting > 0):
-                raise QueueFull(self.retry_after())
-            job = Job(run)
-            self._waiting += 1
-            self._queue.put(job)
+                raise QueueFull(self.retry_after(), "the server is shutting down")
+            ahead = self.charged + sum(j.need for j in self._waiting)
+            if ahead + job.need > self.budget and len(self._waiting) >= self.max_queue:
+                raise QueueFull(self.retry_after(), f"the KV budget is full ({self.charged} of {self.budget} bytes "
+                                                    f"admitted, {len(self._waiting)} waiting)")
+            self._waiting.append(job)
+            self._cond.notify()
         return job
+
+    # -- the model thread -------------------------------------------------------------------------------
+    def _fits(self, job: Job) -> bool:
+        return self.charged + job.need <= self.budget
+
+    def _charge(self, delta: int) -> None:
+        with self._cond:
+            self.charged += delta
+            self.peak_charged = max(self.peak_charged, self.charged)
+
+    def _next(self) -> Job | None:
+        """The next job to admit, or None; blocks while there is nothing to do. Raises StopIteration at close."""
+        with self._cond:
+            while True:
+                for job in [j for j in self._waiting if j.cancelled.is_set()]:
+                    self._waiting.remove(job)
+                    job.future.set_exception(Cancelled())
+                if self._waiting and self._fits(self._waiting[0]):
+                    job = self._waiting.popleft()
+                    self._prefilling = job
+                    self.charged += job.need
+                    self.peak_charged = max(self.peak_charged, self.charged)
+                    return job
+                if self._rows:
+                    return None
+                if not self._accepting and not self._waiting:
+                    raise StopIteration
+                self._cond.wait(0.5)
 
     def _work(self) -> None:
         while True:
-            job = self._queue.get()
-            if job is _STOP:
-                return
-            with self._lock:
-                self._waiting -= 1
-                self._running = job
-            job.started_at = time.perf_counter()
             try:
-                if not job.future.set_running_or_notify_cancel():
-                    continue
-                if job.cancelled.is_set():
-                    raise RuntimeError("cancelled while queued")
-                job.future.set_result(job.run(job))
-            except BaseException as err:  # the request's failure, never the worker's
-                job.future.set_exception(err)
-            finally:
+                job = self._next()
+            except StopIteration:
+                return
+            if job is not None:
+                self._admit(job)
+                continue  # admit every job that fits before the next decode step
+            try:
+                self._step()
+            except BaseException as err:  # noqa: BLE001 - a failed batched forward fails its rows, not the server
+                rows, self._rows, self._cache, self._logits = self._rows, [], None, None
+                for row in rows:
+                    self._release(row)
+                    row.future.set_exception(err)
+
+    def _release(self, job: Job) -> None:
+        with self._cond:
+            self.charged -= job.charge
+            job.charge = 0
+            if job.started_at is not None:
                 self._seconds.append(time.perf_counter() - job.started_at)
-                del self._seconds[:-100]
-                with self._lock:
-                    self._running = None
+            self._cond.notify_all()
+
+    def _admit(self, job: Job) -> None:
+        job.started_at = time.perf_counter()
+        job.charge = job.need
+        try:
+            if not job.future.set_running_or_notify_cancel() or job.cancelled.is_set():
+                raise Cancelled()
+            done = prefill(self.model, job.prompt, job.chosen)
+        except BaseException as err:  # noqa: BLE001 - the request's failure, never the scheduler's
+            self._prefilling = None
+            self._release(job)
+            if not job.future.done():
+                job.future.set_exception(err)
+            return
+        job.info = done.info
+        job.position = done.info.prompt_tokens
+        job.stream = IncrementalText(self.tokenizer, job.stops)
+        # from the prefill charge down to what it holds, plus room to grow by max_tokens
+        self._charge(cache_bytes(done.cache) + job.reserve - job.need)
+        job.charge = cache_bytes(done.cache) + job.reserve
+        if job.on_prefilled is not None:
+            job.on_prefilled(done.info)
+        job.decode_started = time.perf_counter()
+        # window queries, query statistics and hidden states are dropped: decoding compresses nothing
+        self._cache = stack_caches([done.cache] if self._cache is None else [self._cache, done.cache])
+        logits = done.logits[None].to(torch.float32)
+        self._logits = logits if self._logits is None else torch.cat([self._logits, logits])
+        self._rows.append(job)
+        self._prefilling = None
+
+    def _finish(self, job: Job, stopped: bool) -> None:
+        self._release(job)
+        text, cut = cut_at_stop(self.tokenizer.decode(job.tokens, skip_special_tokens=True), job.stops)
+        if job.on_text is not None:
+            rest = job.stream.finish(text)
+            if rest:
+                job.on_text(rest)
+        finish = "stop" if stopped or cut or len(job.tokens) < job.max_tokens else "length"
+        if job.first_token_seconds is None and job.tokens:
+            job.first_token_seconds = time.perf_counter() - job.started_at
+        job.future.set_result(Completion(text, job.tokens, finish, job.info,
+                                         time.perf_counter() - job.decode_started, job.first_token_seconds))
+
+    @torch.no_grad()
+    def _step(self) -> None:
+        """Pick every row's next token; drop finished rows; one batched forward of the rest."""
+        chosen = self._logits.argmax(dim=-1)
+        keep: list[int] = []
+        for i, job in enumerate(self._rows):
+            if job.cancelled.is_set():
+                self._release(job)
+                job.future.set_exception(Cancelled())
+                continue
+            token = int(chosen[i])
+            if token in self.eos:
+                self._finish(job, stopped=True)
+                continue
+            job.tokens.append(token)
+            if job.first_token_seconds is None:
+                job.first_token_seconds = time.perf_counter() - job.started_at
+            text = self.tokenizer.decode(job.tokens, skip_special_tokens=True) if job.stops else ""
+            if job.stops and any(s in text for s in job.stops):
+                self._finish(job, stopped=True)
+                continue
+            if len(job.tokens) >= job.max_tokens:
+                self._finish(job, stopped=False)
+                continue
+            if job.on_text is not None:
+                delta = job.stream.push(job.tokens)
+                if delta:
+                    job.on_text(delta)
+            keep.append(i)
+        if not keep:
+            self._rows, self._cache, self._logits = [], None, None
+            return
+        if len(keep) < len(self._rows):
+            index = torch.tensor(keep, device=chosen.device)
+            self._cache.batch_select_indices(index)
+            chosen, self._rows = chosen[index], [self._rows[i] for i in keep]
+        positions = torch.tensor([[job.position] for job in self._rows], device=chosen.device)
+        with attach(self.model, FullCache()):
+            out = self.model(input_ids=chosen[:, None], cache=self._cache, use_cache=True, position_ids=positions)
+        self._logits = out.logits[:, -1].to(torch.float32)
+        for job in self._rows:
+            job.position += 1
 
     def close(self, timeout: float | None = None) -> bool:
-        """Refuse new jobs, finish the queued and running ones, stop the worker; False if it did not stop."""
-        with self._lock:
+        """Refuse new jobs, finish the waiting and running ones, stop the thread; False if it did not stop."""
+        with self._cond:
             self._accepting = False
-        self._queue.put(_STOP)
+            self._cond.notify_all()
         self._thread.join(timeout)
         return not self._thread.is_alive()

@@ -8,14 +8,16 @@ or the server (``max_tokens``, the context length) are checked later, in ``app``
 from __future__ import annotations
 
 import json
+import re
 from typing import Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvsieve.serve.errors import APIError
 
 __all__ = ["KvsieveOptions", "TextPart", "ChatMessage", "StreamOptions", "ChatCompletionRequest",
-           "CompletionRequest", "parse_body"]
+           "CompletionRequest", "MAX_JSON_DEPTH", "json_depth", "parse_body"]
 
 
 class _Strict(BaseModel):
@@ -123,8 +125,29 @@ def _describe(error: dict, schema: type[BaseModel]) -> tuple[str, str]:
     return where, f"{where}: {error['msg']} (got {json.dumps(error.get('input'), default=str)[:80]})"
 
 
+MAX_JSON_DEPTH = 16  # the deepest a valid body nests is 5 (body, messages, message, content, part)
+_STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
+
+
+def json_depth(raw: bytes) -> int:
+    """How deep ``raw``'s arrays and objects nest (brackets inside strings do not count), without parsing it:
+    the parser recurses once per level, so a deep body must be refused before it is parsed."""
+    brackets = _STRINGS.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    steps = np.where(np.frombuffer(brackets, dtype=np.uint8) <= ord("["), 1, -1)
+    steps[np.frombuffer(brackets, dtype=np.uint8) == ord("{")] = 1
+    return int(np.cumsum(steps).max())
+
+
 def parse_body(raw: bytes, schema: type[_Common]) -> _Common:
-    """The validated request, or an APIError: 400 for a body that is not a JSON object, 422 for bad fields."""
+    """The validated request, or an APIError: 400 for a body that is not a JSON object (or nests deeper than
+    :data:`MAX_JSON_DEPTH`), 422 for bad fields."""
+    depth = json_depth(raw)
+    if depth > MAX_JSON_DEPTH:
+        raise APIError(400, f"the request body nests {depth} levels of arrays and objects; at most {MAX_JSON_DEPTH} "
+                            "are allowed")
     try:
         data = json.loads(raw) if raw else None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:

@@ -1,4 +1,4 @@
-"""What the server holds for its whole life: one model, its point source, the queue and the metrics."""
+"""What the server holds for its whole life: one model, its point source, the scheduler and the metrics."""
 
 from __future__ import annotations
 
@@ -22,12 +22,13 @@ class ServerState:
     context_length: int  # prompt + generated tokens the model may hold
     max_tokens_limit: int = 2048  # the most tokens one request may generate
     default_max_tokens: int = 256  # when the request names none (capped by what the context leaves)
+    max_body_bytes: int = 4 << 20  # a larger request body is refused (413) before it is read
     metrics: Metrics = field(default_factory=Metrics)
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("context_length", "max_tokens_limit", "default_max_tokens"):
+        for name in ("context_length", "max_tokens_limit", "default_max_tokens", "max_body_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
