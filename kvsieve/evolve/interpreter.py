@@ -2,12 +2,22 @@
 
 A program (``program.py`` format) is parsed, never compiled. :class:`ScoreProgram` walks the body of
 ``def score(f)`` node by node; each node maps to one allowed operation from a fixed table (the
-helpers, builtins, ``torch`` functions and tensor methods of ``features.py``), and before an
-operation runs the interpreter checks what it would create against :class:`Limits`: elements of a
-tensor (predicted from the operands' broadcast shape), bits of an integer, length of a sequence,
-trips of a loop, the total element work and the number of operations, and a wall-clock deadline.
+helpers, builtins, ``torch`` functions and tensor methods of ``features.py``).
+
+The cost model: before an operation runs, the interpreter predicts from its inputs' shapes the
+elements it will create (the broadcast of its operands; indexing by index tensors: the broadcast of
+the index shapes times the dims left; boolean masks, reductions and ``roll`` at their upper bound)
+and the work it will do (elements touched, times the window of ``pool`` / ``max_pool``, the dims of
+``roll``, the sort passes of ``rank``), and charges them against budgets that scale with the call's
+problem (:class:`Limits`, :func:`budgets`): any one tensor, the elements live at once (every tensor a
+name, a tuple, a list or a pending operand still holds) and the total work of the call, each a small
+multiple of the elements the call receives. A program linear in the context so runs at any length,
+and one that builds an n x n intermediate is refused at every length, before it pays for it.
+:func:`work_growth` measures a program's work at n and 2n (stage 1 refuses superlinear growth).
+Bits of an integer, length of a sequence, operations and a wall-clock deadline are bounded too.
 Python's ``getattr``, ``exec`` and ``compile`` are never called on anything from the candidate: a
-name or attribute that is not in the tables does not exist for it.
+name or attribute that is not in the tables does not exist for it. Every error a program can cause is
+an :class:`InterpreterError` naming its line.
 
 The interpreter is an allowlist on its own (``static_check=False`` shows that in the tests): any
 node it has no rule for is refused with the line it is on. By default the source first passes the
@@ -17,9 +27,12 @@ stage-0 check (``static.check_source``), so the two agree on what a program is.
 from __future__ import annotations
 
 import ast
+import contextlib
 import math
 import operator
 import time
+import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -28,9 +41,12 @@ from kvsieve.evolve import features as feats
 from kvsieve.evolve.program import fields_read
 from kvsieve.evolve.static import REFUSED_KEYWORDS, StaticCheckError, check_source
 
-__all__ = ["Limits", "ScoreProgram", "InterpreterError", "LimitExceeded", "ProgramFailed", "REFUSED_KEYWORDS"]
+__all__ = ["Limits", "ScoreProgram", "InterpreterError", "LimitExceeded", "ProgramFailed", "REFUSED_KEYWORDS",
+           "Budgets", "Cost", "Growth", "budgets", "work_growth", "run_budget", "MAX_WORK_EXPONENT"]
 
-
+# Stage 1 refuses a program whose work grows faster than n^1.3 between n and 2n: linear programs grow as 1.0,
+# rank's sort as ~1.15 (n log n); an n x n intermediate as 2, a pool kernel that grows with n as up to 2.
+MAX_WORK_EXPONENT = 1.3
 
 class InterpreterError(ValueError):
     """The program asked for something the interpreter has no rule for (the message names it and its line)."""
@@ -48,25 +64,92 @@ class ProgramFailed(InterpreterError):
 class Limits:
     """What one call of ``score`` may create or spend.
 
-    ``max_elements``: elements of any one tensor (16 M float32 = 64 MiB); ``max_work``: elements over
-    all tensor operations of the call; ``max_ops``: syntax nodes evaluated; ``max_int_bits``: bits of
-    any Python integer; ``max_sequence``: length of a tuple, list or range; ``deadline_s``: wall clock.
+    The cost model's budgets are multiples of the elements the call receives (``inputs``: the features'
+    tensors, (2g + 3) b h n + n for b h n entries scored and g query heads per KV head), with a floor of
+    ``min_budget`` elements for tiny problems: ``tensor_per_input`` for any one tensor, ``memory_per_input``
+    for the elements live at once, ``work_per_input`` for the element work of the call. Absolute backstops:
+    ``max_elements`` (any one tensor, 16 M float32 = 64 MiB), ``max_work`` (element work of one call),
+    ``max_ops`` (syntax nodes evaluated), ``max_int_bits`` (bits of any Python integer), ``max_sequence``
+    (length of a tuple, list or range), ``deadline_s`` (wall clock of one call).
     """
 
     max_elements: int = 1 << 24
-    max_work: int = 1 << 28
+    max_work: int = 1 << 32
     max_ops: int = 1_000_000
     max_int_bits: int = 64
     max_sequence: int = 4096
     deadline_s: float | None = 60.0
+    tensor_per_input: int = 4
+    memory_per_input: int = 16
+    work_per_input: int = 256
+    min_budget: int = 1 << 12
 
     def __post_init__(self) -> None:
-        for name in ("max_elements", "max_work", "max_ops", "max_int_bits", "max_sequence"):
+        for name in ("max_elements", "max_work", "max_ops", "max_int_bits", "max_sequence", "tensor_per_input",
+                     "memory_per_input", "work_per_input", "min_budget"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Limits.{name} must be an int >= 1, got {value!r}")
         if self.deadline_s is not None and not self.deadline_s > 0:
             raise ValueError(f"Limits.deadline_s must be > 0 or None, got {self.deadline_s!r}")
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """One call's budgets in elements, from :func:`budgets`: ``inputs`` (elements received), ``tensor`` (any one
+    tensor), ``memory`` (live at once, inputs not counted) and ``work`` (element work of the call)."""
+
+    inputs: int
+    tensor: int
+    memory: int
+    work: int
+
+
+def budgets(limits: Limits, inputs: int) -> Budgets:
+    """The budgets of a call that receives ``inputs`` elements: multiples of them, floored at ``min_budget`` and
+    capped by the absolute backstops."""
+    def scaled(factor: int, cap: int) -> int:
+        return min(max(factor * inputs, limits.min_budget), cap)
+
+    return Budgets(inputs, scaled(limits.tensor_per_input, limits.max_elements),
+                   scaled(limits.memory_per_input, limits.max_elements * limits.memory_per_input),
+                   scaled(limits.work_per_input, limits.max_work))
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What one call spent: element ``work``, the most elements ``peak`` live at once, ``ops`` evaluated."""
+
+    work: int
+    peak: int
+    ops: int
+
+
+class _RunBudget:
+    """Seconds of interpretation left to a whole run (:func:`run_budget`), shared by every call in it."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.spent = float(seconds), 0.0
+
+
+_RUN_BUDGETS: list[_RunBudget] = []
+
+
+@contextlib.contextmanager
+def run_budget(seconds: float | None) -> Iterator[None]:
+    """Bound the seconds every program interpreted in this process spends, in total, inside the block (a whole
+    ``kvsieve eval`` run): once they are spent, each further call stops at once with :class:`LimitExceeded`.
+    ``None``: no bound beyond each call's own."""
+    if seconds is None:
+        yield
+        return
+    if not seconds > 0:
+        raise ValueError(f"a run's program budget must be > 0 seconds or None, got {seconds!r}")
+    _RUN_BUDGETS.append(_RunBudget(seconds))
+    try:
+        yield
+    finally:
+        _RUN_BUDGETS.pop()
 
 
 class _Break(Exception):
@@ -190,26 +273,55 @@ class ScoreProgram:
             raise self._refuse(self._fn, "break or continue outside a loop") from None
         except RecursionError:
             raise self._refuse(self._fn, "nesting this deep", limit=True) from None
+        except MemoryError:
+            raise self._refuse(self._fn, "out of memory", limit=True) from None
+        finally:
+            self.last_cost = run.finish()
         raise self._refuse(self._fn, "score(f) returned nothing: a score function without return")
 
 
 class _Run:
-    """The state of one call: local names and what has been spent."""
+    """The state of one call: local names, what has been spent, and what is live."""
 
     def __init__(self, program: ScoreProgram, features: feats.Features) -> None:
         self.p, self.limits = program, program.limits
         values = {name: getattr(features, name) for name in (*feats.TENSOR_FIELDS, *feats.SCALAR_FIELDS)}
         self.locals: dict[str, object] = {program._param: _Features(values)}
         self.ops = self.work = 0
+        tensors = [v for v in values.values() if isinstance(v, torch.Tensor)]
+        self.budgets = budgets(self.limits, sum(t.numel() for t in tensors))
+        # live memory: every storage a tensor the program made still holds, counted once however many views
+        # share it; the inputs are not the program's. A weak reference per tensor object releases its share.
+        self.inputs = {_storage(t)[0] for t in tensors}
+        self.storages: dict[int, list[int]] = {}  # storage address -> [elements, tensor objects holding it]
+        self.held: dict[int, weakref.ref] = {}
+        self.live = self.peak = 0
+        self.started = time.monotonic()
         deadline = self.limits.deadline_s
-        self.deadline = None if deadline is None else time.monotonic() + deadline
+        self.deadline = None if deadline is None else self.started + deadline
+        self.deadline_why = f"running longer than {deadline:g} s" if deadline is not None else ""
+        self.shared = _RUN_BUDGETS[-1] if _RUN_BUDGETS else None
+        if self.shared is not None:
+            left = self.shared.seconds - self.shared.spent
+            if left <= 0:
+                raise program._refuse(program._fn, f"the run's budget of {self.shared.seconds:g} s for programs "
+                                      "is spent", limit=True)
+            if self.deadline is None or self.started + left < self.deadline:
+                self.deadline = self.started + left
+                self.deadline_why = f"the run's budget of {self.shared.seconds:g} s for programs spent"
+
+    def finish(self) -> Cost:
+        if self.shared is not None:
+            self.shared.spent += time.monotonic() - self.started
+        self.held.clear()  # the weak references die with it: nothing is charged to a finished call
+        return Cost(self.work, self.peak, self.ops)
 
     def tick(self, node: ast.AST) -> None:
         self.ops += 1
         if self.ops > self.limits.max_ops:
             raise self.p._refuse(node, f"more than {self.limits.max_ops} operations", limit=True)
         if self.deadline is not None and time.monotonic() > self.deadline:
-            raise self.p._refuse(node, f"running longer than {self.limits.deadline_s:g} s", limit=True)
+            raise self.p._refuse(node, self.deadline_why, limit=True)
 
     # --- statements ---------------------------------------------------------------------------------
 
@@ -302,8 +414,10 @@ class _Run:
             value = method(self, node)
         except (InterpreterError, _Break, _Continue, _Return):
             raise
-        except (RuntimeError, TypeError, ValueError, IndexError, ZeroDivisionError, OverflowError) as err:
+        except (RuntimeError, TypeError, ValueError, IndexError, AttributeError, KeyError, ArithmeticError) as err:
             raise self.p._refuse(node, f"{type(err).__name__}: {_first_line(err)}", failed=True) from None
+        except MemoryError:
+            raise self.p._refuse(node, "out of memory", limit=True) from None
         return self.checked(node, value)
 
     def checked(self, node: ast.AST, value: object) -> object:
@@ -314,11 +428,43 @@ class _Run:
             if value.bit_length() > self.limits.max_int_bits:
                 raise self.p._refuse(node, f"an integer above {self.limits.max_int_bits} bits", limit=True)
         elif isinstance(value, torch.Tensor):
-            if value.numel() > self.limits.max_elements:
-                raise self.p._refuse(node, f"a tensor of more than {self.limits.max_elements} elements", limit=True)
+            if value.numel() > self.budgets.tensor:
+                raise self.p._refuse(node, f"a tensor of more than {self.budgets.tensor} elements", limit=True)
+            self.hold(node, value)
         elif isinstance(value, (tuple, list, range)) and len(value) > self.limits.max_sequence:
             raise self.p._refuse(node, f"a sequence longer than {self.limits.max_sequence}", limit=True)
+        elif isinstance(value, (tuple, list)) or type(value).__module__ == "torch.return_types":
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    self.hold(node, item)
         return value
+
+    def hold(self, node: ast.AST, tensor: torch.Tensor) -> None:
+        """Count ``tensor``'s storage as live until the last tensor object of the program holding it is gone."""
+        key = id(tensor)
+        if key in self.held:
+            return
+        address, size = _storage(tensor)
+        if address in self.inputs or size == 0:
+            return
+        entry = self.storages.get(address)
+        if entry is None:
+            entry = self.storages[address] = [size, 0]
+            self.live += size
+            self.peak = max(self.peak, self.live)
+        entry[1] += 1
+        self.held[key] = weakref.ref(tensor, lambda _, key=key, address=address: self.release(key, address))
+        if self.live > self.budgets.memory:  # the prediction is the guard; this is the check after the fact
+            raise self.p._refuse(node, self.memory_text(self.live), limit=True)
+
+    def release(self, key: int, address: int) -> None:
+        self.held.pop(key, None)
+        entry = self.storages.get(address)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] <= 0:
+                self.live -= entry[0]
+                del self.storages[address]
 
     def e_Constant(self, node: ast.Constant) -> object:
         value = node.value
@@ -368,13 +514,13 @@ class _Run:
             parts = index if isinstance(index, tuple) else (index,)
             for part in parts:
                 if isinstance(part, torch.Tensor):
-                    if part.dtype == torch.bool:
-                        continue
                     if part.is_floating_point():
                         raise self.p._refuse(node, "indexing with a float tensor")
-                    self.spend(node, target.numel() * max(part.numel(), 1))
                 elif not (part is None or part is Ellipsis or isinstance(part, (int, slice))):
                     raise self.p._refuse(node, f"indexing a tensor with {_kind(part)}")
+            if any(isinstance(part, torch.Tensor) for part in parts):  # a copy; basic indexing is a view
+                elements = _index_numel(tuple(target.shape), parts)
+                self.charge(node, elements, elements + sum(p.numel() for p in parts if isinstance(p, torch.Tensor)))
             return target[index]
         if isinstance(target, (tuple, list)) and isinstance(index, (int, slice)):
             return target[index]
@@ -421,7 +567,7 @@ class _Run:
         if isinstance(node.op, ast.Not):
             return not self.checked_truth(node, operand)
         if isinstance(operand, torch.Tensor):
-            self.spend(node, operand.numel())
+            self.charge(node, operand.numel())
         return op(operand)
 
     def e_BinOp(self, node: ast.BinOp) -> object:
@@ -443,7 +589,7 @@ class _Run:
             if not isinstance(side, (*_SCALARS, torch.Tensor)):
                 raise self.p._refuse(node, f"{type(op_node).__name__} on {_kind(side)}")
         if isinstance(left, torch.Tensor) or isinstance(right, torch.Tensor):
-            self.spend(node, self.bound(node, [left, right]))
+            self.charge(node, self.bound(node, [left, right]))
             return op(left, right)
         if isinstance(left, int) and isinstance(right, int):
             self.int_room(node, op_node, left, right)
@@ -477,7 +623,7 @@ class _Run:
                 if not isinstance(side, (*_SCALARS, torch.Tensor, type(None))):
                     raise self.p._refuse(node, f"comparing {_kind(side)}")
             if isinstance(left, torch.Tensor) or isinstance(right, torch.Tensor):
-                self.spend(node, self.bound(node, [left, right]))
+                self.charge(node, self.bound(node, [left, right]))
             value = op(left, right)
             if len(node.ops) > 1 and not self.checked_truth(node, value):
                 return value
@@ -512,18 +658,57 @@ class _Run:
         if isinstance(fn, _Method):
             tensors.insert(0, fn.target)
             call = getattr(fn.target, fn.name)  # fn.name is from the fixed table, never the candidate's string
+            name, operands = fn.name, [fn.target, *args]
         elif callable(fn) and (fn in _TORCH.values() or fn in _NAMES.values()):
             call = fn
+            name, operands = _FUNCTION_NAMES.get(fn, str(label)), args
         else:
             raise self.p._refuse(node, f"calling {_kind(fn)}")
+        if name in feats.HELPERS:
+            self.helper_arguments(node, name, args, kwargs)
         size = self.bound(node, tensors) if tensors else 0
         size = max(size, sum(t.numel() for t in listed))
-        self.spend(node, size)
+        work, peak = self.call_cost(node, name, operands, kwargs, size)
+        self.charge(node, size, work, peak)
         try:
             return call(*args, **kwargs)
-        except (RuntimeError, TypeError, ValueError, IndexError) as err:
+        except (RuntimeError, TypeError, ValueError, IndexError, AttributeError, KeyError, ArithmeticError) as err:
             raise self.p._refuse(node, f"{label}(...) failed: {type(err).__name__}: {_first_line(err)}",
                                  failed=True) from None
+        except MemoryError:
+            raise self.p._refuse(node, f"{label}(...) ran out of memory", limit=True) from None
+
+    def helper_arguments(self, node: ast.AST, name: str, args: list, kwargs: dict) -> None:
+        """A helper's arguments, checked before it runs: a tensor first (never an int: the helpers would fail
+        inside with an error that is not the program's line), the right rank, a kernel in range."""
+        x = args[0] if args else kwargs.get("x")
+        if not isinstance(x, torch.Tensor):
+            raise self.p._refuse(node, f"{name}() of {_kind(x)}: its first argument must be a tensor")
+        if name in ("group_max", "group_mean") and x.dim() < 3:
+            raise self.p._refuse(node, f"{name}() of {_kind(x)}: it needs (b, h, g, n) with dim 2 the query heads")
+        if name in ("pool", "max_pool"):
+            k = args[1] if len(args) > 1 else kwargs.get("k")
+            if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= _MAX_KERNEL:
+                raise self.p._refuse(node, f"{name}() with kernel {k!r}: give an int in [1, {_MAX_KERNEL}]")
+
+    def call_cost(self, node: ast.AST, name: str, operands: list, kwargs: dict, size: int) -> tuple[int, int]:
+        """``(work, peak)`` of one call whose result has at most ``size`` elements: the elements it touches times
+        its passes over them, and what it holds at once (``roll`` over several dims keeps a copy per dim)."""
+        if name in ("pool", "max_pool"):
+            k = operands[1] if len(operands) > 1 else kwargs.get("k", 1)
+            return size * (k | 1), 2 * size
+        if name == "rank":
+            n = operands[0].shape[-1] if operands[0].dim() else 1
+            passes = 2 * max(1, math.ceil(math.log2(max(n, 2)))) + 2  # two stable sorts and the scaling
+            return size * passes, 5 * size  # two int64 orders live beside the result
+        if name == "roll":
+            dims = operands[2] if len(operands) > 2 else kwargs.get("dims")
+            shifts = operands[1] if len(operands) > 1 else kwargs.get("shifts")
+            spec = dims if dims is not None else shifts
+            count = len(spec) if isinstance(spec, (tuple, list)) else 1
+            return size * max(count, 1), size * (max(count, 1) + 1)
+        factor = _PASSES.get(name, 1)
+        return size * factor, size * _HELD.get(name, 1)
 
     def builtin(self, node: ast.Call, name: str, args: list, kwargs: dict) -> object:
         if kwargs and not (name == "round" and set(kwargs) <= {"ndigits"}):
@@ -580,13 +765,29 @@ class _Run:
         shapes = [tuple(v.shape) for v in values if isinstance(v, torch.Tensor)]
         return _broadcast_numel(shapes) if shapes else 0
 
-    def spend(self, node: ast.AST, elements: int) -> None:
-        if elements > self.limits.max_elements:
-            raise self.p._refuse(node, f"a tensor of {elements} elements (limit {self.limits.max_elements})",
+    def charge(self, node: ast.AST, elements: int, work: int | None = None, peak: int | None = None) -> None:
+        """Refuse an operation before it runs if its result (``elements``), what it holds at once (``peak``,
+        default its result) on top of what is live, or the call's total ``work`` would exceed the budgets."""
+        b = self.budgets
+        if elements > b.tensor:
+            raise self.p._refuse(node, f"a tensor of {elements} elements ({self.limit_text(b.tensor, 'tensor')})",
                                  limit=True)
-        self.work += elements
-        if self.work > self.limits.max_work:
-            raise self.p._refuse(node, f"more than {self.limits.max_work} elements of tensor work", limit=True)
+        need = self.live + (elements if peak is None else peak)
+        if need > b.memory:
+            raise self.p._refuse(node, self.memory_text(need), limit=True)
+        self.work += elements if work is None else work
+        if self.work > b.work:
+            raise self.p._refuse(node, f"more than {b.work} elements of tensor work in one call "
+                                 f"({self.limit_text(b.work, 'work')})", limit=True)
+
+    def memory_text(self, elements: int) -> str:
+        return (f"{elements} elements live at once ({self.limit_text(self.budgets.memory, 'memory')}; "
+                f"{self.live} held now)")
+
+    def limit_text(self, cap: int, kind: str) -> str:
+        factor = {"tensor": self.limits.tensor_per_input, "memory": self.limits.memory_per_input,
+                  "work": self.limits.work_per_input}[kind]
+        return f"limit {cap}: {factor} x the {self.budgets.inputs} elements the call receives"
 
     def room(self, node: ast.AST, length: int) -> None:
         if length > self.limits.max_sequence:
@@ -595,6 +796,51 @@ class _Run:
 
 
 _EXPRESSIONS = {getattr(ast, name[2:]): fn for name, fn in vars(_Run).items() if name.startswith("e_")}
+_FUNCTION_NAMES = {fn: name for name, fn in (*_TORCH.items(), *feats.HELPERS.items())}
+_MAX_KERNEL = 257  # features.pool / max_pool's own bound
+# passes over the elements (work) and results held at once (peak) per call, beyond one of each
+_PASSES = {"softmax": 3, "logsumexp": 3, "std": 2, "var": 2, "normalize": 3, "unit_mean": 3}
+_HELD = {"softmax": 2, "logsumexp": 2, "std": 2, "var": 2, "normalize": 2, "unit_mean": 2}
+
+
+def _storage(tensor: torch.Tensor) -> tuple[int, int]:
+    """The address of ``tensor``'s storage and its size in 4-byte elements (views share both)."""
+    storage = tensor.untyped_storage()
+    size = storage.nbytes()
+    return storage.data_ptr(), (size + 3) // 4
+
+
+def _index_numel(shape: tuple[int, ...], parts: tuple) -> int:
+    """Elements of ``tensor[parts]`` when some parts are index tensors (an upper bound, before it runs): the
+    broadcast of the index tensors' shapes (a boolean mask as if every element were true) times the sizes of
+    the dims no int or index tensor consumes."""
+    consumed = sum(p.dim() if isinstance(p, torch.Tensor) and p.dtype == torch.bool else 1
+                   for p in parts if isinstance(p, (int, torch.Tensor)) and not isinstance(p, bool))
+    expanded: list = []
+    for part in parts:
+        if part is Ellipsis:
+            expanded.extend([slice(None)] * max(0, len(shape) - consumed - sum(
+                isinstance(p, slice) for p in parts)))
+        else:
+            expanded.append(part)
+    index_shapes, keep, dim = [], 1, 0
+    for part in expanded:
+        if part is None or isinstance(part, bool):
+            continue
+        if isinstance(part, torch.Tensor):
+            if part.dtype == torch.bool:
+                index_shapes.append((part.numel(),))
+                dim += part.dim()
+            else:
+                index_shapes.append(tuple(part.shape))
+                dim += 1
+        elif isinstance(part, slice):
+            keep *= shape[dim] if dim < len(shape) else 1
+            dim += 1
+        else:
+            dim += 1
+    keep *= math.prod(shape[dim:])
+    return _broadcast_numel(index_shapes) * keep
 
 
 class _Builtin:
@@ -650,3 +896,32 @@ def _describe(node: ast.AST) -> str:
              ast.SetComp: "a set comprehension", ast.DictComp: "a dict comprehension", ast.Await: "await",
              ast.Yield: "yield"}
     return names.get(type(node), f"the expression {type(node).__name__}")
+
+
+@dataclass(frozen=True)
+class Growth:
+    """A program's element work at two context lengths, and the exponent of its growth between them."""
+
+    n: tuple[int, int]
+    work: tuple[int, int]
+
+    @property
+    def exponent(self) -> float:
+        (n1, n2), (w1, w2) = self.n, self.work
+        return math.log(max(w2, 1) / max(w1, 1)) / math.log(n2 / n1)
+
+    def __str__(self) -> str:
+        (n1, n2), (w1, w2) = self.n, self.work
+        return f"work {w1} at n {n1}, {w2} at n {n2} (grows as n^{self.exponent:.2f})"
+
+
+def work_growth(program: ScoreProgram, window: int, n: int | None = None) -> Growth:
+    """The work of ``program`` on synthetic features (b 1, h 2, g 3) at ``n`` and ``2 n`` entries (default
+    ``n``: stage 1's long case, 4 window + 37). A program linear in the context grows as n^1; stage 1 refuses
+    one above :data:`MAX_WORK_EXPONENT`. Its limits and errors propagate (:class:`InterpreterError`)."""
+    n = 4 * window + 37 if n is None else int(n)
+    work = []
+    for size in (n, 2 * n):
+        program(feats.synthetic_features(0, batch=1, kv_heads=2, group=3, n=size, window=window))
+        work.append(program.last_cost.work)
+    return Growth((n, 2 * n), (work[0], work[1]))

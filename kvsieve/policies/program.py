@@ -3,10 +3,14 @@
 The file is an evolved program (``kvsieve/evolve/program.py`` format). It is never run as Python: it
 passes the same static check as a candidate's stage 0 and is then interpreted
 (``kvsieve/evolve/interpreter.py``) against the compact interface
-(:class:`kvsieve.evolve.features.Features`), every operation checked against limits before it runs,
-so a program that misbehaves on long inputs (a "sleeper") stops with an error naming the limit
-instead of hanging or exhausting memory. ``deadline_s=`` bounds the wall-clock time of one layer's
-scoring; ``max_elements=`` the size of any tensor it creates.
+(:class:`kvsieve.evolve.features.Features`), every operation costed against budgets that scale with
+the layer before it runs, so a program that misbehaves on long inputs (a "sleeper") stops with an error
+naming the limit instead of hanging or exhausting memory. ``deadline_s=`` bounds the wall-clock time of
+one layer's scoring; ``max_elements=`` the size of any tensor it creates (an absolute backstop).
+
+Everything a program can cause while scoring (a refused operation, a budget, its own error, scores of
+the wrong shape or not finite) raises one exception type, :class:`~kvsieve.evolve.interpreter.InterpreterError`
+(a ``ValueError``): a caller (the harness, the server) catches it and fails that cell or request alone.
 
 A program that reads ``f.surrogate`` gets the predictions of a KVzip surrogate (``kvzap``):
 ``surrogate=NAME|PATH`` names its checkpoint; without it the harness binds the shipped surrogate of the
@@ -22,7 +26,7 @@ from pathlib import Path
 import torch
 
 from kvsieve.evolve.features import Features
-from kvsieve.evolve.interpreter import InterpreterError, Limits, ScoreProgram
+from kvsieve.evolve.interpreter import InterpreterError, Limits, ProgramFailed, ScoreProgram
 from kvsieve.evolve.program import Program, ProgramError
 from kvsieve.learn.kvzap import KVzap, resolve_kvzap_checkpoint, shipped_kvzap_files, shipped_kvzap_for
 from kvsieve.policy import Policy
@@ -104,14 +108,19 @@ class ProgramPolicy(Policy):
                                  "program(path=..., surrogate=NAME|PATH) or run it through kvsieve eval, which binds "
                                  "the shipped surrogate of the model")
             predicted = self.surrogate.score(signals)
+        label = self.path or "<source>"
         try:
             scores = self._score(Features.from_signals(signals, predicted))
-        except InterpreterError as err:
-            raise RuntimeError(f"program {self.path or '<source>'} stopped: {err}") from None
+        except InterpreterError as err:  # the same class (a limit, the program's own error), named by the file
+            raise type(err)(f"program {label} stopped: {err}") from None
         expected = (signals.batch_size, signals.num_kv_heads, signals.seq_len)
         if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != expected:
-            raise ValueError(f"program {self.path or '<source>'} returned {getattr(scores, 'shape', type(scores))},"
-                             f" expected scores shaped {expected}")
+            raise ProgramFailed(f"program {label} returned {getattr(scores, 'shape', type(scores))}, expected "
+                                f"scores shaped {expected}")
+        if not scores.is_floating_point() or not bool(torch.isfinite(scores).all()):
+            # as stage 1 refuses them: NaN would be read as "never keep", inf as "always keep"
+            raise ProgramFailed(f"program {label} returned scores that are not all finite floats "
+                                f"(layer {signals.layer_idx}, dtype {scores.dtype})")
         return scores.float()
 
     def __repr__(self) -> str:
