@@ -112,12 +112,13 @@ def _run_grid(config, args):
 def cmd_eval(args) -> int:
     config = _grid(args)
     store = _run_grid(config, args)
-    _print_tables(store, config.model)
+    # the run is done: its tables show a store extended on another machine, naming both, rather than fail
+    _print_tables(store, config.model, mixed_machines=True)
     return 0
 
 
 def _print_tables(store, model: str | None, out: str | None = None, markdown: bool = False,
-                  tasks: list[str] | None = None) -> None:
+                  tasks: list[str] | None = None, mixed_machines: bool = False) -> None:
     from kvsieve.bundled import canonical_name
     from kvsieve.harness.report import report_text, write_plots
 
@@ -126,7 +127,7 @@ def _print_tables(store, model: str | None, out: str | None = None, markdown: bo
     if not results:
         print("the store holds no results" + (f" for model {model}" if model else ""))
         return
-    print(report_text(results, markdown=markdown))  # one block per model, never pooled
+    print(report_text(results, markdown=markdown, allow_mixed_machines=mixed_machines))  # one block per model
     if out:
         print("\nplots: " + ", ".join(str(p) for p in write_plots(results, out)))
 
@@ -152,10 +153,12 @@ def cmd_report(args) -> int:
         from kvsieve.harness.headline import headline_report
 
         print(headline_report(args.store, args.model, _compare_pairs(args.compare),
-                              _csv(args.tasks) if args.tasks else None, resamples=args.resamples))
+                              _csv(args.tasks) if args.tasks else None, resamples=args.resamples,
+                              allow_mixed_machines=args.mixed_machines))
         return 0
     with ResultsStore(args.store) as store:
-        _print_tables(store, args.model, args.out, args.markdown, _csv(args.tasks) if args.tasks else None)
+        _print_tables(store, args.model, args.out, args.markdown, _csv(args.tasks) if args.tasks else None,
+                      args.mixed_machines)
     return 0
 
 
@@ -335,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --headline: the paired difference A - B and its 95%% interval at every ratio both "
                         "have (repeatable)")
     p.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples for --headline")
+    p.add_argument("--mixed-machines", action="store_true", help="pair rows computed on different machines (or "
+                   "rows of unknown provenance with known ones); refused by default, named in the output when allowed")
     p.set_defaults(func=cmd_report)
     p = sub.add_parser("generate", help="write RULER-style samples to JSONL")
     p.add_argument("--model", default="smollm2-135m", help="whose tokenizer measures the length")

@@ -24,6 +24,7 @@ from kvsieve.engine.compress import compress_cache
 from kvsieve.engine.generate import generate, greedy_decode
 from kvsieve.engine.reconstruct import ReconstructionPrompt, compress_with_reconstruction, reconstruction_scores
 from kvsieve.harness.grid import Cell
+from kvsieve.harness.provenance import current as current_provenance
 from kvsieve.harness.store import TIMING_CONFIG_KEYS, CellKey, CellResult
 from kvsieve.models import dtype_name
 from kvsieve.policy import FullCache, Policy
@@ -83,8 +84,10 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
                    sample_seed=sample.seed, metric=sample.metric, shared=shared,
                    context_tokens=prompt.context_ids.shape[1], kvsieve=kvsieve.__version__,
                    transformers=transformers.__version__)
+        # stamped where the row is computed: a Ray worker's machine and threads, not the driver's that stores it
         results.append(CellResult(key, text, metric_score(sample.metric, text, sample.answers), list(sample.answers),
-                                  kept, kept_bytes, full_bytes, prefill_s, decode_s, cfg))
+                                  kept, kept_bytes, full_bytes, prefill_s, decode_s, cfg,
+                                  current_provenance(cfg["dtype"], str(model.device))))
 
     order = {(c.label, round(c.ratio, 6), c.question_aware): i for i, c in enumerate(cells)}
 

@@ -27,6 +27,11 @@ Per model and context length, per policy and compression ratio:
 Only requests where both the policy and its full reference have a row count (paired); the number of the
 policy's requests left out for want of a full row is reported. :func:`compare` gives the paired
 difference of two policies' means with a paired bootstrap interval.
+
+Rows of several machines (``harness/provenance.py``; rows without provenance count as one more, unknown) are
+never paired unless asked (``allow_mixed_machines``, ``kvsieve report --mixed-machines``): a difference
+could be the machine's kernels. Every table says which machines, dtypes, threads and revisions its rows
+came from.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from kvsieve.bundled import canonical_name
+from kvsieve.harness.provenance import check_one_machine, describe
 from kvsieve.harness.report import FULL, display_policy, is_reference
 from kvsieve.harness.store import RATIO_DECIMALS, TIMING_CONFIG_KEYS, CellResult, ResultsStore
 from kvsieve.tasks.ruler_alt import PREFIX as ALT_PREFIX
@@ -155,6 +161,8 @@ class Headline:
     rows: list[HeadlineRow]
     unpaired: list[str] = field(default_factory=list)  # "policy @ ratio" with no paired request at all
     layout: str = ""  # "" for the first RULER layout and other data, "fmt2" for the second layout's tasks
+    provenance: str = ""  # the machines, dtypes, threads and revisions of the table's rows (provenance.describe)
+    machines: int = 1  # how many machines computed them (rows without provenance count as one, unknown)
 
 
 def layout_of(task: str) -> str:
@@ -251,16 +259,22 @@ def _row(model: str, length: int, label: str, ratio: float, cells: dict[Request,
 
 
 def headline(rows: Iterable[CellResult], resamples: int = DEFAULT_RESAMPLES,
-             seed: int = DEFAULT_SEED) -> list[Headline]:
+             seed: int = DEFAULT_SEED, allow_mixed_machines: bool = False) -> list[Headline]:
     """One :class:`Headline` per (model, length, layout) in ``rows``: the full reference first, then every ratio's
-    policies (ordinary ones by mean, best first, then reference policies such as ``oracle+qa``)."""
+    policies (ordinary ones by mean, best first, then reference policies such as ``oracle+qa``).
+
+    ``ValueError`` when a table's rows come from several machines, unless ``allow_mixed_machines``."""
     groups = [(model, length, layout, cells) for layout, part in _by_layout(rows).items()
               for (model, length), cells in _group(part).items()]
     out = []
     for model, length, layout, cells in sorted(groups, key=lambda g: g[:3]):
         full_requests = set(cells.get((FULL, 0.0), {}))
         tasks = sorted({q[0] for by_request in cells.values() for q in by_request})
-        table = Headline(model, length, len(full_requests), tasks, [], layout=layout)
+        provenances = [r.provenance for by_request in cells.values() for r in by_request.values()]
+        what = f"the {model} table at {length} tokens" + (f", layout {layout}" if layout else "")
+        count = len(check_one_machine(provenances, what, allow_mixed_machines))
+        table = Headline(model, length, len(full_requests), tasks, [], layout=layout,
+                         provenance=describe(provenances), machines=count)
         built: list[HeadlineRow] = []
         for label, ratio in cells:
             row = _row(model, length, label, ratio, cells[(label, ratio)], _reference(cells, label), resamples, seed)
@@ -311,11 +325,13 @@ def _single_group(rows: Iterable[CellResult], model: str | None, length: int | N
 
 
 def compare(rows: Iterable[CellResult], a: str, b: str, ratio: float, model: str | None = None,
-            length: int | None = None, resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> Comparison:
+            length: int | None = None, resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED,
+            allow_mixed_machines: bool = False) -> Comparison:
     """The paired difference of means ``a - b`` at ``ratio`` over the requests both have, with its paired
     bootstrap 95% interval (the differences per request resampled). A full-cache policy (``full``,
     ``full@decodeN``) is taken at its own ratio, 0. ``model``/``length`` pick one group where ``rows`` hold
-    several. Raises ``ValueError`` naming what is missing."""
+    several. Raises ``ValueError`` naming what is missing, or the machines when the paired rows come from
+    several and ``allow_mixed_machines`` is false."""
     rows = list(rows)
     m, n, cells = _single_group(rows, model, length)
     ratio = round(float(ratio), RATIO_DECIMALS)
@@ -332,6 +348,8 @@ def compare(rows: Iterable[CellResult], a: str, b: str, ratio: float, model: str
     paired = sorted(set(ca) & set(cb))
     if not paired:
         raise ValueError(f"{la} and {lb} at ratio {ratio:g} share no request for model {m}")
+    check_one_machine([c[q].provenance for c in (ca, cb) for q in paired], f"{la} - {lb} at ratio {ratio:g}",
+                      allow_mixed_machines)
     d = np.array([ca[q].score - cb[q].score for q in paired], dtype=np.float64)
     low, high = bootstrap_interval(d, resamples, seed)
     return Comparison(m, n, la, lb, ratio, len(paired), float(d.mean()), low, high)
@@ -359,10 +377,13 @@ def format_headline(table: Headline, digits: int = 1) -> str:
     """Markdown: a heading naming the model, length and requests, then one row per (policy, ratio)."""
     layout = f", layout {table.layout}" if table.layout else ""
     lines = [f"### {table.model} at {table.length} tokens{layout}: {table.requests} requests, {len(table.tasks)} task"
-             f"{'s' if len(table.tasks) != 1 else ''}", "",
-             "| policy | ratio | mean | 95% CI | % of full | its 95% CI | bytes % of full | overhead % of prefill "
-             "| n |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"{'s' if len(table.tasks) != 1 else ''}", ""]
+    if table.provenance:
+        mixed = (f"rows of {table.machines} machines paired, as asked (--mixed-machines): " if table.machines > 1
+                 else "")
+        lines += [f"Rows from: {mixed}{table.provenance}.", ""]
+    lines += ["| policy | ratio | mean | 95% CI | % of full | its 95% CI | bytes % of full | overhead % of prefill "
+              "| n |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in table.rows:
         ci = f"[{_num(r.low, digits)}, {_num(r.high, digits)}]"
         pct_ci = f"[{_num(r.pct_low, 0)}, {_num(r.pct_high, 0)}]"
@@ -414,7 +435,8 @@ def format_comparisons(comparisons: Sequence[Comparison], digits: int = 1) -> st
 
 def headline_report(store_path: str | Path, model: str | None = None,
                     compare_pairs: Sequence[tuple[str, str]] = (), tasks: Sequence[str] | None = None,
-                    resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> str:
+                    resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED,
+                    allow_mixed_machines: bool = False) -> str:
     """The headline tables of a store (every model, or ``model``), each followed by ``A - B`` at every ratio
     both policies of a pair have (a full-cache side is taken at ratio 0). What ``kvsieve report --headline``
     prints."""
@@ -435,7 +457,7 @@ def headline_report(store_path: str | Path, model: str | None = None,
              f"({resamples} resamples, seed {seed}); every policy paired with the full cache on the same requests."]
     compared: set[tuple[str, str]] = set()
     problems: dict[tuple[str, str], list[str]] = defaultdict(list)
-    for table in headline(rows, resamples, seed):
+    for table in headline(rows, resamples, seed, allow_mixed_machines):
         parts.append(format_headline(table))
         group = [r for r in rows if r.key.model == table.model and int(r.key.length) == table.length
                  and layout_of(r.key.task) == table.layout]
@@ -449,7 +471,8 @@ def headline_report(store_path: str | Path, model: str | None = None,
                 problems[(a, b)].append(str(err))
                 continue
             ratios = _pair_ratios(cells, la, lb)
-            comparisons += [compare(group, la, lb, r, resamples=resamples, seed=seed) for r in ratios]
+            comparisons += [compare(group, la, lb, r, resamples=resamples, seed=seed,
+                                    allow_mixed_machines=allow_mixed_machines) for r in ratios]
             if not ratios:
                 notes.append(f"{la} vs {lb}: no ratio in common")
                 problems[(a, b)].append(f"no ratio in common for model {table.model}")

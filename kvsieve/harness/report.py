@@ -18,6 +18,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from kvsieve.harness.provenance import check_one_machine, describe
 from kvsieve.harness.store import RATIO_DECIMALS, CellResult
 
 __all__ = ["FULL", "by_model", "display_policy", "is_reference", "line_styles", "score_table", "format_table",
@@ -324,16 +325,19 @@ def write_plots(results: Iterable[CellResult], folder: str | Path) -> list[Path]
     return paths
 
 
-def report_text(results: Iterable[CellResult], markdown: bool = False) -> str:
+def report_text(results: Iterable[CellResult], markdown: bool = False, allow_mixed_machines: bool = False) -> str:
     """What ``kvsieve report`` prints: per model, one table per compression ratio and the summary, each
-    headed with the model and its number of requests. Empty string for no rows."""
+    headed with the model and its number of requests, then the line saying which machines, dtypes and
+    revisions the rows came from. Empty string for no rows; ``ValueError`` where one model's rows come from
+    several machines (its tables would set them side by side), unless ``allow_mixed_machines``."""
     parts = []
     for model, rows in by_model(results).items():
+        check_one_machine([r.provenance for r in rows], f"the {model} tables", allow_mixed_machines)
         table, n = score_table(rows), requests(rows)
         for ratio in sorted(table):
             if ratio > 0:
                 parts.append(f"## compression ratio {ratio:g} ({model}, n = {n} requests)\n\n"
                              + format_table(table, ratio, fmt="markdown" if markdown else "text"))
         parts.append(f"## average over tasks, by compression ratio ({model}, n = {n} requests)\n\n"
-                     + format_summary(table))
+                     + format_summary(table) + f"\nrows from: {describe(r.provenance for r in rows)}\n")
     return "\n".join(parts)

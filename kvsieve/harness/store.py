@@ -5,6 +5,10 @@ combination. Cells are committed one at a time, so a run killed at any moment lo
 was computing; a rerun asks :meth:`ResultsStore.missing` for the cells still to do.
 
 The file uses WAL journaling, so readers (reports, dashboards) never block the writer and vice versa.
+
+Each row records its provenance (``harness/provenance.py``: machine, threads, dtype, versions, code revision)
+in the ``provenance`` column; stores written before that column existed gain it on their first write, and
+their old rows read back with ``provenance=None`` (unknown). Reading never changes a store.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kvsieve.harness.provenance import current as current_provenance
 
 __all__ = ["SCHEMA_VERSION", "TIMING_CONFIG_KEYS", "CellKey", "CellResult", "ResultsStore", "SchemaVersionError"]
 
@@ -50,13 +56,14 @@ CREATE TABLE IF NOT EXISTS cells (
     decode_seconds REAL NOT NULL,
     config TEXT NOT NULL,
     created_at REAL NOT NULL,
+    provenance TEXT,
     UNIQUE ({", ".join(KEY_COLUMNS)})
 );
 CREATE INDEX IF NOT EXISTS cells_policy ON cells (policy, ratio);
 """
 
 _VALUE_COLUMNS = ("prediction", "score", "answers", "kept_tokens", "cache_bytes", "cache_bytes_full",
-                  "prefill_seconds", "decode_seconds", "config", "created_at")
+                  "prefill_seconds", "decode_seconds", "config", "created_at", "provenance")
 _INSERT = (f"INSERT OR IGNORE INTO cells ({', '.join(KEY_COLUMNS + _VALUE_COLUMNS)}) "
            f"VALUES ({', '.join('?' * (len(KEY_COLUMNS) + len(_VALUE_COLUMNS)))})")
 _MATCH_KEY = " AND ".join(f"c.{col} = k.{col}" for col in KEY_COLUMNS)
@@ -104,18 +111,22 @@ class CellResult:
     prefill_seconds: float
     decode_seconds: float
     config: dict
+    # machine, threads, dtype, versions, revision (harness/provenance.py); None on writing: this process's
+    # (a row computed elsewhere, on a Ray worker, brings its own); None on reading: an old row, unknown
+    provenance: dict | None = None
 
 
 def _result_row(result: CellResult) -> tuple:
     try:
         config = json.dumps(result.config, sort_keys=True)
         answers = json.dumps([str(a) for a in result.answers])
+        provenance = json.dumps(result.provenance or current_provenance(result.config.get("dtype")), sort_keys=True)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"config of cell {result.key} is not JSON serialisable: {exc}") from exc
     return result.key.as_row() + (
         str(result.prediction), float(result.score), answers, int(result.kept_tokens), int(result.cache_bytes),
         int(result.cache_bytes_full), float(result.prefill_seconds), float(result.decode_seconds), config,
-        time.time(),
+        time.time(), provenance,
     )
 
 
@@ -125,7 +136,9 @@ def _from_row(row: sqlite3.Row) -> CellResult:
     return CellResult(key=key, prediction=row["prediction"], score=row["score"], answers=json.loads(row["answers"]),
                       kept_tokens=row["kept_tokens"], cache_bytes=row["cache_bytes"],
                       cache_bytes_full=row["cache_bytes_full"], prefill_seconds=row["prefill_seconds"],
-                      decode_seconds=row["decode_seconds"], config=json.loads(row["config"]))
+                      decode_seconds=row["decode_seconds"], config=json.loads(row["config"]),
+                      provenance=json.loads(row["provenance"]) if "provenance" in row.keys() and row["provenance"]
+                      else None)
 
 
 def _normalise_filter(column: str, value: Any) -> Any:
@@ -195,6 +208,18 @@ class ResultsStore:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
+        self._has_provenance = "provenance" in {r[1] for r in conn.execute("PRAGMA table_info(cells)")}
+
+    def _add_provenance_column(self) -> None:
+        """Migrate a store written before rows recorded provenance: the column, NULL (unknown) for old rows.
+        Done on the first write, not on opening, so a report never changes the file it reads."""
+        if not self._has_provenance:
+            try:
+                self.conn.execute("ALTER TABLE cells ADD COLUMN provenance TEXT")
+            except sqlite3.OperationalError as exc:  # another writer added it first
+                if "duplicate column" not in str(exc):
+                    raise
+            self._has_provenance = True
 
     # -- connection management -------------------------------------------------------------------------
 
@@ -227,12 +252,14 @@ class ResultsStore:
 
     def add(self, result: CellResult) -> bool:
         """Insert one cell and commit. Returns ``False`` (and changes nothing) if the key is already stored."""
+        self._add_provenance_column()
         cursor = self.conn.execute(_INSERT, _result_row(result))
         return cursor.rowcount == 1
 
     def add_many(self, results: Iterable[CellResult]) -> int:
         """Insert many cells in one transaction; keys already stored are skipped. Returns the number inserted."""
         rows = [_result_row(r) for r in results]
+        self._add_provenance_column()
         conn = self.conn
         before = conn.total_changes
         conn.execute("BEGIN IMMEDIATE")
