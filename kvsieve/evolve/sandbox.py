@@ -167,6 +167,7 @@ class SandboxResult:
     scores: dict[str, torch.Tensor] = field(default_factory=dict)
     invariants: dict[str, bool] = field(default_factory=dict)
     isolation: str = ""
+    work_growth: str = ""  # stage 1's measure of the program's work at n and 2n (interpreter.work_growth)
 
 
 def sandbox_env(job_dir: str | os.PathLike, threads: int) -> dict[str, str]:
@@ -267,7 +268,17 @@ def _binds() -> list[str]:
     for name in ("bin", "sbin", "lib", "lib64"):
         if not os.path.islink(f"/{name}") and os.path.isdir(f"/{name}"):
             paths.append(f"/{name}")
-    return list(dict.fromkeys(os.path.realpath(p) if p != "/etc/ld.so.cache" else p for p in paths))
+    real = list(dict.fromkeys(os.path.realpath(p) if p != "/etc/ld.so.cache" else p for p in paths))
+    # The worker is started as sys.executable, by the path as given: a virtualenv reached through a symlink
+    # (a linked folder above it) must exist at that path in the minimal root too, so what the path resolves
+    # to is bound there as well (mount follows the link; the mount point is a plain folder in the new root).
+    aliases: list[str] = []
+    for path in (sys.prefix, os.path.dirname(sys.executable)):
+        alias = os.path.abspath(path)
+        if os.path.realpath(alias) != alias and not any(alias == b or alias.startswith(b.rstrip("/") + "/")
+                                                        for b in (*real, *aliases)):
+            aliases.append(alias)
+    return real + aliases
 
 
 def _wrap(job: Path, argv: list[str], level: str, scratch_mb: int) -> list[str]:
@@ -529,14 +540,22 @@ def _collect(frame: bytes, expected: dict[str, tuple[int, ...]], done, level: st
         return done("error", "sandbox result is missing or malformed", isolation=level)
     isolation = level + ("+seccomp" if result.get("seccomp") == "on" else "")
     invariants = {str(k): v for k, v in invariants.items()}
+    growth = result.get("work_growth")
+    growth = growth[:MAX_REASON] if isinstance(growth, str) else ""
+
+    def finished(*args, **kwargs) -> SandboxResult:
+        out = done(*args, **kwargs)
+        out.work_growth = growth
+        return out
+
     if status != "ok":
-        return done(status, reason, invariants=invariants, isolation=isolation)
+        return finished(status, reason, invariants=invariants, isolation=isolation)
     if not expected:
-        return done("ok", "", invariants=invariants, isolation=isolation)
+        return finished("ok", "", invariants=invariants, isolation=isolation)
     scores, problem = _read_scores(scores_bytes, expected)
     if problem:
-        return done("invalid", problem, invariants=invariants, isolation=isolation)
-    return done("ok", "", scores, invariants, isolation)
+        return finished("invalid", problem, invariants=invariants, isolation=isolation)
+    return finished("ok", "", scores, invariants, isolation)
 
 
 def _read_scores(data: bytes, expected: dict[str, tuple[int, ...]]) -> tuple[dict[str, torch.Tensor], str]:

@@ -25,7 +25,14 @@ import torch
 
 from kvsieve.evolve import seccomp
 from kvsieve.evolve.features import TENSOR_FIELDS, Features, synthetic_features
-from kvsieve.evolve.interpreter import InterpreterError, LimitExceeded, Limits, ScoreProgram
+from kvsieve.evolve.interpreter import (
+    MAX_WORK_EXPONENT,
+    InterpreterError,
+    LimitExceeded,
+    Limits,
+    ScoreProgram,
+    work_growth,
+)
 from kvsieve.evolve.program import Program, ProgramError
 from kvsieve.selection import ALLOCATIONS, Selection
 
@@ -388,6 +395,14 @@ def _run_candidate(prepared, window, seeds, features, loader, allow) -> tuple[di
         invariants, reason = check_invariants(score_fn, program, window, seeds, shapes)
         if reason:
             return {"status": "invalid", "reason": reason, "invariants": invariants}, {}
+        growth = ""
+        if isinstance(score_fn, ScoreProgram):  # the cost model's count (the raw loader of the tests has none)
+            measured = work_growth(score_fn, window)
+            growth = str(measured)
+            invariants["linear_work"] = measured.exponent <= MAX_WORK_EXPONENT
+            if not invariants["linear_work"]:
+                return {"status": "invalid", "reason": f"its work grows faster than the context: {growth}; at most "
+                        f"n^{MAX_WORK_EXPONENT} is allowed", "invariants": invariants, "work_growth": growth}, {}
         for key, feats in features.items():
             out = score_fn(feats)
             if type(out) is not torch.Tensor or tuple(out.shape) != feats.score_shape or not out.is_floating_point():
@@ -398,7 +413,7 @@ def _run_candidate(prepared, window, seeds, features, loader, allow) -> tuple[di
                 return {"status": "invalid", "reason": f"scores for {key!r} are not all finite",
                         "invariants": invariants}, {}
             scores[key] = out
-        return {"status": "ok", "reason": "", "invariants": invariants}, scores
+        return {"status": "ok", "reason": "", "invariants": invariants, "work_growth": growth}, scores
     except LimitExceeded as err:
         return {"status": "killed", "reason": _short(err), "invariants": invariants}, {}
     except (ProgramError, InterpreterError) as err:
