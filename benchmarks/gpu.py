@@ -13,15 +13,16 @@ and cache, in one run so the ratios sit side by side:
   (``allocation="global"``): each head at its own length, stored ragged.
 
 Printed per row: prefill seconds (CUDA-synchronised; compression included), compression ms and its share of
-the prefill, decode tokens/s (all rows of the batch) over ``--tokens`` greedy steps, the bandwidth limit of one
-step (weights + cache read once, at the copy bandwidth measured at start-up), the cache MiB after the prompt,
-and the device's peak allocated memory over the row (CUDA only).
+the prefill, decode tokens/s (all rows of the batch; the median of ``--tokens`` greedy steps timed one by
+one), the bandwidth limit of one step (weights + cache read once, at the copy bandwidth measured at
+start-up), the cache MiB after the prompt, and the device's peak allocated memory over the row (CUDA only).
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 import subprocess
 import time
 
@@ -87,15 +88,17 @@ def row(model, ids: torch.Tensor, policy, ratio: float, tokens: int, device: tor
         held = cache_bytes(cache)
         del out
         token = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)  # warm-up
-        sync(device)
-        start = time.perf_counter()
-        for _ in range(tokens):
+        steps = []
+        for _ in range(tokens):  # each step alone: the median shrugs off what else runs on a shared machine
+            sync(device)
+            start = time.perf_counter()
             token = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-        sync(device)
-        decode_s = time.perf_counter() - start
+            sync(device)
+            steps.append(time.perf_counter() - start)
+        decode_s = statistics.median(steps)
         compress_s = session.report.seconds if session.report is not None else 0.0
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return dict(prefill_s=prefill_s, compress_s=compress_s, tokens_per_s=ids.shape[0] * tokens / decode_s,
+    return dict(prefill_s=prefill_s, compress_s=compress_s, tokens_per_s=ids.shape[0] / decode_s,
                 cache_bytes=held, peak_bytes=peak)
 
 
