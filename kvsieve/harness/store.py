@@ -17,13 +17,14 @@ import json
 import sqlite3
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvsieve.harness.provenance import current as current_provenance
 
-__all__ = ["SCHEMA_VERSION", "TIMING_CONFIG_KEYS", "CellKey", "CellResult", "ResultsStore", "SchemaVersionError"]
+__all__ = ["SCHEMA_VERSION", "TIMING_CONFIG_KEYS", "CellKey", "CellResult", "FailedCell", "ResultsStore",
+           "SchemaVersionError"]
 
 SCHEMA_VERSION = 1
 RATIO_DECIMALS = 6
@@ -114,6 +115,36 @@ class CellResult:
     # machine, threads, dtype, versions, revision (harness/provenance.py); None on writing: this process's
     # (a row computed elsewhere, on a Ray worker, brings its own); None on reading: an old row, unknown
     provenance: dict | None = None
+
+
+@dataclass
+class FailedCell:
+    """A cell whose policy failed: it raised, exceeded a budget, scored NaN, or its selection did not fit the
+    cell's budget. It has no score, only the ``reason``; the store keeps it apart from scored rows (table
+    ``failed_cells``, made on the first failure written), so no mean ever includes it, and a rerun retries it."""
+
+    key: CellKey
+    reason: str
+    config: dict = field(default_factory=dict)
+
+
+# made on the first failure written (never on opening: a report does not change the file it reads)
+_FAILED_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS failed_cells (
+    id INTEGER PRIMARY KEY,
+    model TEXT NOT NULL,
+    task TEXT NOT NULL,
+    length INTEGER NOT NULL,
+    sample_id TEXT NOT NULL,
+    policy TEXT NOT NULL,
+    ratio REAL NOT NULL,
+    question_aware INTEGER NOT NULL,
+    reason TEXT NOT NULL,
+    config TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    UNIQUE ({", ".join(KEY_COLUMNS)})
+)
+"""
 
 
 def _result_row(result: CellResult) -> tuple:
@@ -272,7 +303,41 @@ class ResultsStore:
             raise
         return conn.total_changes - before
 
+    def add_failed(self, failures: Iterable[FailedCell]) -> int:
+        """Record failed cells (one transaction; a key failed before gets the newer reason). Returns how many."""
+        rows = [f.key.as_row() + (str(f.reason), json.dumps(f.config, sort_keys=True, default=str), time.time())
+                for f in failures]
+        if not rows:
+            return 0
+        conn = self.conn
+        conn.execute(_FAILED_SCHEMA)
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            conn.executemany(f"INSERT OR REPLACE INTO failed_cells ({', '.join(KEY_COLUMNS)}, reason, config, "
+                             f"created_at) VALUES ({', '.join('?' * (len(KEY_COLUMNS) + 3))})", rows)
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        return len(rows)
+
     # -- reading ------------------------------------------------------------------------------------------
+
+    def failed(self, **filters: Any) -> list[FailedCell]:
+        """Failed cells not since stored with a score, in insertion order, with the same filters as :meth:`rows`."""
+        if self.conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'failed_cells'"
+                             ).fetchone() is None:
+            return []
+        where, params = self._where(filters)
+        scored = " AND ".join(f"c.{col} = k.{col}" for col in KEY_COLUMNS)
+        where = (where + " AND" if where else " WHERE") + f" NOT EXISTS (SELECT 1 FROM cells AS c WHERE {scored})"
+        out = []
+        for r in self.conn.execute(f"SELECT * FROM failed_cells AS k{where} ORDER BY id", params):
+            key = CellKey(model=r["model"], task=r["task"], length=r["length"], sample_id=r["sample_id"],
+                          policy=r["policy"], ratio=r["ratio"], question_aware=bool(r["question_aware"]))
+            out.append(FailedCell(key, r["reason"], json.loads(r["config"])))
+        return out
 
     def has(self, key: CellKey) -> bool:
         where = " AND ".join(f"{col} = ?" for col in KEY_COLUMNS)
