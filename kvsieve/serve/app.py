@@ -283,6 +283,53 @@ def _prepare(state: ServerState, req, prompt: Prompt, kind: str) -> _Call:
     return _Call(state, kind, req, prompt, chosen, max_tokens)
 
 
+class _TooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """Refuse a request body over ``limit`` bytes with 413, before it is read whole: a declared length at once,
+    a chunked body as soon as it passes the limit. (FastAPI's ``max_body_size`` answers a plain "Content Too
+    Large" that replaces any other answer; this one names the limit and the flag, as every error here does.)"""
+
+    def __init__(self, app, limit: int, metrics) -> None:
+        self.app, self.limit, self.metrics = app, limit, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(scope, receive, send, f"{int(declared)} bytes")
+        seen, started = 0, False
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise _TooLarge()
+            return message
+
+        async def watched(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, watched)
+        except _TooLarge:
+            if started:
+                raise
+            await self._refuse(scope, receive, send, f"over {self.limit} bytes")
+
+    async def _refuse(self, scope, receive, send, size: str) -> None:
+        self.metrics.inc("kvsieve_requests_total", endpoint=_endpoint(scope["path"]), status="413", kv_cache="none")
+        body = error_body(f"the request body is {size}; this server accepts at most {self.limit} (--max-body-mb)",
+                          "invalid_request_error", None, "body_too_large")
+        await JSONResponse(body, status_code=413)(scope, receive, send)
+
+
 def _endpoint(path: str) -> str:
     return {"/v1/chat/completions": "chat", "/v1/completions": "completion"}.get(path, "other")
 
@@ -294,10 +341,9 @@ def create_app(state: ServerState) -> FastAPI:
         state.draining = True  # uvicorn has finished the in-flight requests by now
         await asyncio.to_thread(state.scheduler.close, 60.0)
 
-    # FastAPI's own body limit (413) covers bodies sent without a length; a declared length is refused below
-    # with a message naming the limit
-    app = FastAPI(title="kvsieve serve", lifespan=lifespan, max_body_size=state.max_body_bytes)
+    app = FastAPI(title="kvsieve serve", lifespan=lifespan)
     app.state.kvsieve = state
+    app.add_middleware(BodyLimit, limit=state.max_body_bytes, metrics=state.metrics)
 
     def count(request: Request, status: int) -> None:
         state.metrics.inc("kvsieve_requests_total", endpoint=_endpoint(request.url.path), status=str(status),
@@ -319,18 +365,11 @@ def create_app(state: ServerState) -> FastAPI:
         count(request, 500)
         return JSONResponse(error_body(f"internal error: {type(err).__name__}: {err}", "server_error"), status_code=500)
 
-    async def read_body(request: Request) -> bytes:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > state.max_body_bytes:
-            raise APIError(413, f"the request body is {int(declared)} bytes; this server accepts at most "
-                                f"{state.max_body_bytes} (--max-body-mb)", code="body_too_large")
-        return await request.body()
-
     async def serve(request: Request, kind: str) -> Response:
         if state.draining:
             raise APIError(503, "the server is shutting down", code="draining", kind="server_error")
         schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
-        raw = await read_body(request)
+        raw = await request.body()
         # parsing and tokenizing a large body take time: off the event loop, so /health and streams go on
         req = await run_in_threadpool(parse_body, raw, schema)
         _check_model(state, req.model)
