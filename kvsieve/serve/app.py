@@ -88,8 +88,10 @@ def _sse(data: dict | str) -> bytes:
 class _Call:
     """One request through the queue: events from the worker thread arrive on an asyncio queue."""
 
-    def __init__(self, state: ServerState, kind: str, req, prompt: Prompt, chosen: ChosenPoint, max_tokens: int):
+    def __init__(self, state: ServerState, kind: str, req, prompt: Prompt, chosen: ChosenPoint, max_tokens: int,
+                 request: Request | None = None):
         self.state, self.kind, self.req, self.prompt, self.chosen = state, kind, req, prompt, chosen
+        self.request = request  # to notice a client that leaves before a non-streamed answer is ready
         self.max_tokens, self.stops = max_tokens, req.stops()
         self.arrived = time.perf_counter()
         self.loop = asyncio.get_running_loop()
@@ -178,14 +180,34 @@ class _Call:
             if kind in kinds:
                 return kind, value
 
+    async def _done_or_gone(self):
+        """The job's future once it is done, or None when the client disconnected first (checked twice a second:
+        nothing else tells a non-streaming endpoint that its client left)."""
+        waiter = asyncio.ensure_future(self.until("done"))
+        try:
+            while True:
+                finished, _ = await asyncio.wait({waiter}, timeout=0.5)
+                if finished:
+                    return waiter.result()[1]
+                if self.request is not None and await self.request.is_disconnected():
+                    return None
+        finally:
+            waiter.cancel()
+
+    def _gone(self) -> None:
+        """The client went away: stop its decoding; its bytes return to the budget."""
+        self.job.cancel()
+        self.state.metrics.inc("kvsieve_requests_total", endpoint=self.kind, status="499", kv_cache=self.chosen.status)
+
     async def answer(self) -> Response:
         try:
-            _, future = await self.until("done")
-        except asyncio.CancelledError:  # the client went away: its bytes return to the budget
-            self.job.cancel()
-            self.state.metrics.inc("kvsieve_requests_total", endpoint=self.kind, status="499",
-                                   kv_cache=self.chosen.status)
+            future = await self._done_or_gone()
+        except asyncio.CancelledError:
+            self._gone()
             raise
+        if future is None:
+            self._gone()
+            return Response(status_code=499)
         err = future.exception()
         if err is not None:
             failure = self.failure(err)
@@ -201,9 +223,7 @@ class _Call:
         try:
             kind, value = await self.until("prefilled", "done")
         except asyncio.CancelledError:
-            self.job.cancel()
-            self.state.metrics.inc("kvsieve_requests_total", endpoint=self.kind, status="499",
-                                   kv_cache=self.chosen.status)
+            self._gone()
             raise
         if kind == "done":  # failed (or finished) before the first event: a plain error answer
             err = value.exception()
@@ -243,10 +263,8 @@ class _Call:
                     self.record(200, completion)
                     return
         finally:
-            if not finished:  # the client went away mid-stream: stop decoding, return its bytes to the budget
-                self.job.cancel()
-                self.state.metrics.inc("kvsieve_requests_total", endpoint=self.kind, status="499",
-                                       kv_cache=self.chosen.status)
+            if not finished:  # the client went away mid-stream
+                self._gone()
 
 
 def _check_model(state: ServerState, name: str) -> None:
@@ -270,7 +288,7 @@ def _max_tokens(state: ServerState, asked: int | None, prompt_tokens: int, param
     return asked
 
 
-def _prepare(state: ServerState, req, prompt: Prompt, kind: str) -> _Call:
+def _prepare(state: ServerState, req, prompt: Prompt, kind: str, request: Request | None = None) -> _Call:
     req.check_sampling()
     req.stops()
     n, m = prompt.context_ids.shape[1], prompt.question_ids.shape[1]
@@ -280,7 +298,7 @@ def _prepare(state: ServerState, req, prompt: Prompt, kind: str) -> _Call:
         param, asked = "max_completion_tokens", req.max_completion_tokens
     max_tokens = _max_tokens(state, asked, n + m, param)
     chosen = _feasible(state.points.choose(req.kvsieve, n), prompt)
-    return _Call(state, kind, req, prompt, chosen, max_tokens)
+    return _Call(state, kind, req, prompt, chosen, max_tokens, request)
 
 
 class _TooLarge(Exception):
@@ -382,7 +400,7 @@ def create_app(state: ServerState) -> FastAPI:
                 name = "echo" if req.echo else "logprobs"
                 raise APIError(400, f"{name} is not supported for completions (omit it)", name)
             prompt = await run_in_threadpool(completion_prompt, state.tokenizer, req.text())
-        call = _prepare(state, req, prompt, kind)
+        call = _prepare(state, req, prompt, kind, request)
         call.submit()
         return await (call.stream() if req.stream else call.answer())
 
