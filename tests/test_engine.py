@@ -121,6 +121,7 @@ def test_pruned_cache_equals_masked_full_cache(arch, prompt_ids):
         keep = torch.zeros_like(masked.layers[idx].positions, dtype=torch.bool)
         keep.scatter_(2, layer.positions, True)
         masked.layers[idx].valid = keep
+        masked.layers[idx].grow_in_place = False  # stays dense: masked sdpa, the independent path
     nxt = torch.tensor([[5, 7, 9]])
     with kvsieve.attach(model, policy, ratio=0.6):
         a = model(input_ids=nxt, cache=pruned, use_cache=True).logits

@@ -191,6 +191,7 @@ def test_cache_holds_the_budget_no_reconstruction_tokens_and_decodes(ids):
             for h, positions in enumerate(kept_sets(layer)):
                 keep[0, h, sorted(positions)] = True
             masked.layers[idx].valid = keep
+            masked.layers[idx].grow_in_place = False  # stays dense: masked sdpa, the independent path
         with kvsieve.attach(model, FullCache(window=1), ratio=0.0):
             a = model(input_ids=nxt, cache=cache, use_cache=True).logits
             b = model(input_ids=nxt, cache=masked, use_cache=True).logits

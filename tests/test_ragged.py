@@ -56,6 +56,7 @@ def masked(cache, kept: dict[int, list[list[int]]]):
         for h, s in enumerate(kept[idx]):
             mask[0, h, s] = True
         layer.valid = mask
+        layer.grow_in_place = False  # stays dense: masked sdpa, not the segment store under test
     return cache
 
 

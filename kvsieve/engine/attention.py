@@ -199,7 +199,8 @@ def stored_attention(query: torch.Tensor, layer: SieveLayer, scaling: float) -> 
     (``update`` appended them), so the causal mask is bottom-right per segment. Three ways, by what the
     store and device allow: on CUDA, ``varlen_attn`` with every segment a sequence of its own (its
     ``hq / h`` query heads its heads); where every segment has one length, sdpa over a view of the buffer;
-    else sdpa over the segments gathered to the longest, the padding masked. The ``hq / h`` query heads of a
+    else sdpa over every segment's stretch of the buffer as long as the longest segment, gathered, the rest
+    masked. The ``hq / h`` query heads of a
     KV head are stacked as rows of one query matrix, so keys are never repeated. With attention tracking on,
     the softmax is computed explicitly and its column sums added to the entries' ``attention``.
     Returns (b, q, hq, d).
@@ -217,21 +218,18 @@ def stored_attention(query: torch.Tensor, layer: SieveLayer, scaling: float) -> 
             warnings.warn(f"kvsieve: varlen attention failed ({err}); using padded sdpa", stacklevel=2)
     view = store.dense_view()
     width = store.width
+    key_at = torch.arange(width, device=query.device)
+    lengths = store.device_lengths.view(b, h, 1, 1, 1)
     if view is not None:
         keys, values, index = view[0], view[1], None
-        valid = None
-    else:
-        index, valid = store.padded_index(width)
+        mask = None
+    else:  # every segment from its start, padded on the right: its entries, then its spare or the next segment's
+        index = (store.device_starts[:, None] + key_at).clamp_(max=store.keys.shape[0] - 1).view(b, h, width)
         keys, values = store.keys[index], store.values[index]
+        mask = key_at < lengths  # (b, h, 1, 1, w)
     rows = query.view(b, h, groups, q_len, d).reshape(b, h, groups * q_len, d)
-    mask = None if valid is None else valid[:, :, None, None, :]  # (b, h, 1, 1, w)
-    if q_len > 1:
-        lengths = store.device_lengths.view(b, h, 1, 1)
-        key_at = torch.arange(width, device=query.device)
-        query_at = torch.arange(q_len, device=query.device)[:, None]
-        # entry j of a segment is seen by query t iff j <= length - q + t (left padding shifts entries right)
-        causal = (key_at - (width - lengths)[..., None]) <= (lengths[..., None] - q_len + query_at)  # (b,h,1,q,w)
-        mask = causal if mask is None else mask & causal
+    if q_len > 1:  # entry j of a segment is seen by its query t iff j <= length - q + t (implies j < length)
+        mask = key_at <= lengths - q_len + torch.arange(q_len, device=query.device)[:, None]  # (b, h, 1, q, w)
     if mask is not None:
         mask = mask.expand(b, h, groups, q_len, width).reshape(b, h, groups * q_len, width)
     if layer.track_attention:
