@@ -103,6 +103,7 @@ class Scheduler:
         self.charged = 0  # bytes charged to admitted jobs now
         self.peak_charged = 0  # the most ever charged at once (never above the budget)
         self.peak_rows = 0  # the most rows one decode step ran
+        self.steps = self.row_steps = 0  # decode steps, and rows summed over them (mean rows in flight)
         self._seconds: collections.deque[float] = collections.deque(maxlen=50)  # recent service times
         self._accepting = True
         self._thread = threading.Thread(target=self._work, name="kvsieve-serve-scheduler", daemon=True)
@@ -281,6 +282,7 @@ class Scheduler:
             self._cache.batch_select_indices(index)
             chosen, self._rows = chosen[index], [self._rows[i] for i in keep]
         self.peak_rows = max(self.peak_rows, len(self._rows))
+        self.steps, self.row_steps = self.steps + 1, self.row_steps + len(self._rows)
         positions = torch.tensor([[job.position] for job in self._rows], device=chosen.device)
         with attach(self.model, FullCache()):
             out = self.model(input_ids=chosen[:, None], cache=self._cache, use_cache=True, position_ids=positions)
