@@ -6,7 +6,8 @@ from conftest import COMMON
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import kvsieve
-from kvsieve.engine.cache import clone_cache, sieve_layers
+from kvsieve.engine.attention import _varlen_attention, stored_attention
+from kvsieve.engine.cache import SieveLayer, clone_cache, sieve_layers
 from kvsieve.engine.ragged import RaggedStore
 from kvsieve.policies import FullCache, get
 from kvsieve.selection import Selection
@@ -107,3 +108,47 @@ def test_store_segments_round_trip_against_a_plain_list_of_kept_entries():
         width = alone["keys"].shape[2]
         row_valid = alone["valid"][0, i] if alone["valid"] is not None else torch.ones(width, dtype=bool)
         assert alone["positions"][0, i][row_valid].tolist() == kept
+
+
+def reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                     seqused_k=None, enable_gqa=False):
+    """varlen_attn's documented semantics, one sequence at a time: sequence i's queries
+    ``cu_seq_q[i]:cu_seq_q[i+1]`` attend its keys ``cu_seq_k[i]:`` (the first ``seqused_k[i]`` of them, else up to
+    ``cu_seq_k[i+1]``); query heads share key heads by head counts; (-1, 0) is causal, aligned bottom-right."""
+    out = torch.zeros(query.shape[0], query.shape[1], value.shape[-1], dtype=query.dtype)
+    groups = query.shape[1] // key.shape[1]
+    for i in range(len(cu_seq_q) - 1):
+        q0, q1 = int(cu_seq_q[i]), int(cu_seq_q[i + 1])
+        k0 = int(cu_seq_k[i])
+        k1 = k0 + int(seqused_k[i]) if seqused_k is not None else int(cu_seq_k[i + 1])
+        if q1 == q0:
+            continue
+        for head in range(query.shape[1]):
+            q, k, v = query[q0:q1, head], key[k0:k1, head // groups], value[k0:k1, head // groups]
+            logits = (q @ k.T) * scale
+            if window_size == (-1, 0):
+                n, m = q1 - q0, k1 - k0
+                logits = logits.masked_fill(torch.arange(m)[None, :] > (m - n + torch.arange(n))[:, None], -torch.inf)
+            out[q0:q1, head] = torch.softmax(logits, -1) @ v
+    return out
+
+
+@pytest.mark.parametrize("seqused, gqa_flag", [(True, True), (False, False)])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_varlen_packing_matches_the_padded_path(seqused, gqa_flag, q_len):
+    """The CUDA path's packing of segments into varlen sequences (the kernel replaced by its documented semantics,
+    torch 2.13's signature and 2.11's), against the padded sdpa path."""
+    g = torch.Generator().manual_seed(5)
+    b, h, n, d, hq = 2, 3, 12, 8, 6
+    keys = torch.randn(b, h, n, d, generator=g)
+    valid = torch.rand(b, h, n, generator=g) > 0.3
+    valid[..., :2] = True
+    layer = SieveLayer()
+    store = RaggedStore.from_dense(keys, torch.randn(b, h, n, d, generator=g), torch.arange(n).expand(b, h, n),
+                                   valid, spare=5)
+    new = torch.randn(b, h, q_len, d, generator=g)
+    layer.store = store.append(new, new.flip(-1), torch.full((b, h, q_len), n))
+    query = torch.randn(b, hq, q_len, d, generator=g)
+    expected = stored_attention(query, layer, 0.3)  # on the CPU: the padded sdpa path
+    got = _varlen_attention(query, layer.store, 0.3, (reference_varlen, seqused, gqa_flag))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)

@@ -187,8 +187,11 @@ def sieve_attention(module, query, key, value, attention_mask, dropout: float = 
     return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
-# varlen_attn and whether it takes seqused_k (torch >= 2.13; the lent GPU's torch 2.11 does not)
-_VARLEN = None if varlen_attn is None else (varlen_attn, "seqused_k" in inspect.signature(varlen_attn).parameters)
+# varlen_attn and whether it takes seqused_k and enable_gqa (torch 2.13; the lent GPU's torch 2.11 takes neither
+# and does GQA by head counts)
+_VARLEN = None if varlen_attn is None else (
+    varlen_attn, "seqused_k" in inspect.signature(varlen_attn).parameters,
+    "enable_gqa" in inspect.signature(varlen_attn).parameters)
 _varlen_failed: list[str] = []  # the first error of the varlen path on this process (then the padded path)
 
 
@@ -245,11 +248,11 @@ def stored_attention(query: torch.Tensor, layer: SieveLayer, scaling: float) -> 
     return out.transpose(1, 2).contiguous()
 
 
-def _varlen_attention(query: torch.Tensor, store, scaling: float) -> torch.Tensor:
+def _varlen_attention(query: torch.Tensor, store, scaling: float, varlen: tuple | None = None) -> torch.Tensor:
     """``varlen_attn`` over the store's segments; each segment is a sequence whose ``hq / h`` query heads share
     its one KV head. Without ``seqused_k`` (torch < 2.13) each segment's spare capacity is passed as a
-    sequence of its own with no queries."""
-    varlen_attn, has_seqused = _VARLEN
+    sequence of its own with no queries. ``varlen``: (kernel, takes seqused_k, takes enable_gqa), default torch's."""
+    varlen_attn, has_seqused, has_gqa_flag = varlen or _VARLEN
     b, hq, q_len, d = query.shape
     h = store.heads
     groups, segments = hq // h, b * h
@@ -257,13 +260,14 @@ def _varlen_attention(query: torch.Tensor, store, scaling: float) -> torch.Tenso
     packed = query.view(b, h, groups, q_len, d).permute(0, 1, 3, 2, 4).reshape(segments * q_len, groups, d)
     keys, values = store.keys[:, None], store.values[:, None]
     lengths = store.device_lengths
-    window = (-1, 0) if q_len > 1 else (-1, -1)
+    options = {"scale": scaling, "window_size": (-1, 0) if q_len > 1 else (-1, -1)}
+    if has_gqa_flag:
+        options["enable_gqa"] = groups > 1
     max_k = store.width
     if has_seqused:
         cu_k = torch.cat([store.device_starts, store.device_starts.new_tensor([store.keys.shape[0]])]).int()
         cu_q = (torch.arange(segments + 1, device=device) * q_len).int()
-        out = varlen_attn(packed, keys, values, cu_q, cu_k, q_len, max_k, scale=scaling, window_size=window,
-                          seqused_k=lengths.int())
+        out = varlen_attn(packed, keys, values, cu_q, cu_k, q_len, max_k, seqused_k=lengths.int(), **options)
     else:
         spare = store.capacity.to(device) - lengths
         sizes = torch.stack([lengths, spare], 1).reshape(-1)  # entries, then spare, of every segment
@@ -271,7 +275,7 @@ def _varlen_attention(query: torch.Tensor, store, scaling: float) -> torch.Tenso
         per_q = torch.tensor([q_len, 0], device=device).repeat(segments)
         cu_q = torch.cat([per_q.new_zeros(1), per_q.cumsum(0)]).int()
         max_k = max(max_k, int(store.capacity.max() - store.lengths.min()))
-        out = varlen_attn(packed, keys, values, cu_q, cu_k, q_len, max_k, scale=scaling, window_size=window)
+        out = varlen_attn(packed, keys, values, cu_q, cu_k, q_len, max_k, **options)
     out = out.view(b, h, q_len, groups, -1).permute(0, 2, 1, 3, 4)
     return out.reshape(b, q_len, hq, -1)
 
