@@ -55,6 +55,7 @@ def _grid(args):
         "qa_policies": args.qa_policies and split_specs(args.qa_policies),
         "ratios": args.ratios and _csv(args.ratios, float, "--ratios"), "samples": args.samples, "seed": args.seed,
         "store": args.store, "data": args.data, "dtype": args.dtype, "mode": args.mode, "chunk_size": args.chunk_size,
+        "program_budget_s": args.program_budget,
     }
     if args.question_aware:
         flags["question_aware"] = True
@@ -85,6 +86,8 @@ def _add_grid_flags(parser: argparse.ArgumentParser) -> None:
                         "bfloat16 or float32")
     parser.add_argument("--question-aware", action="store_true", help="also run every policy question-aware")
     parser.add_argument("--per-cell", action="store_true", help="naive loop: one prefill per cell (for checks)")
+    parser.add_argument("--program-budget", type=float, help="seconds program: policies may spend interpreting, in "
+                        "all, over the run in this process (default 3600); then their cells fail")
 
 
 def _add_executor_flags(parser: argparse.ArgumentParser) -> None:
@@ -123,12 +126,13 @@ def _print_tables(store, model: str | None, out: str | None = None, markdown: bo
     from kvsieve.harness.report import report_text, write_plots
 
     filters = {k: v for k, v in (("model", model and canonical_name(model)), ("task", tasks)) if v}
-    results = store.rows(**filters)
-    if not results:
+    results, failures = store.rows(**filters), store.failed(**filters)
+    if not results and not failures:
         print("the store holds no results" + (f" for model {model}" if model else ""))
         return
-    print(report_text(results, markdown=markdown, allow_mixed_machines=mixed_machines))  # one block per model
-    if out:
+    print(report_text(results, markdown=markdown, allow_mixed_machines=mixed_machines,
+                      failures=failures))  # one block per model; failed cells counted, never in a mean
+    if out and results:
         print("\nplots: " + ", ".join(str(p) for p in write_plots(results, out)))
 
 

@@ -6,6 +6,11 @@ sample is prefilled once, every (policy, ratio) cell prunes its own copy of that
 question on it, and the cells of one ratio decode their answers together as one batch. Question-aware
 cells continue a copy of the full context cache with the question, and prune that. Decode-time cells
 (``mode="decode"``) evict while the context is read, so each reads its sample alone.
+
+A failed cell, not a failed run: a policy that raises while it is built, checked against the model or
+scores and compresses (an error, a program's budget, NaN scores, a selection that does not fit the cell's
+budget, such as 64 sinks at ratio 0.95) gives a :class:`~kvsieve.harness.store.FailedCell` with the reason
+in that cell's place, and the sample's other cells go on.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from kvsieve.engine.generate import generate, greedy_decode
 from kvsieve.engine.reconstruct import ReconstructionPrompt, compress_with_reconstruction, reconstruction_scores
 from kvsieve.harness.grid import Cell
 from kvsieve.harness.provenance import current as current_provenance
-from kvsieve.harness.store import TIMING_CONFIG_KEYS, CellKey, CellResult
+from kvsieve.harness.store import TIMING_CONFIG_KEYS, CellKey, CellResult, FailedCell
 from kvsieve.models import dtype_name
 from kvsieve.policy import FullCache, Policy
 from kvsieve.prompt import Prompt, build_prompt
@@ -33,7 +38,32 @@ from kvsieve.selection import Budget
 from kvsieve.tasks.metrics import score as metric_score
 from kvsieve.tasks.sample import Sample
 
-__all__ = ["evaluate_sample"]
+__all__ = ["evaluate_sample", "checked_scores"]
+
+MAX_REASON = 500
+
+
+def checked_scores(policy: Policy) -> Policy:
+    """``policy`` with its ``score`` refusing NaN: the engine would read NaN as "never keep" and go on, so a
+    policy that scores NaN everywhere would keep its protected entries alone and still score a cell (an
+    evolved program scoring NaN scored 100 in eval). Infinities stay allowed (expected attention protects
+    entries with +inf); program policies refuse them themselves, as stage 1 does."""
+    score = policy.score
+
+    def checked(signals):
+        scores = score(signals)
+        if isinstance(scores, torch.Tensor) and scores.is_floating_point() and bool(torch.isnan(scores).any()):
+            raise ValueError(f"policy {policy.name!r} scored NaN in layer {signals.layer_idx}")
+        return scores
+
+    policy.score = checked  # this cell's own instance: the class and other cells are untouched
+    return policy
+
+
+def _reason(err: BaseException) -> str:
+    """``Type: message`` on one line, cut short: what a failed cell stores and the report shows."""
+    text = " ".join(str(err).split())
+    return (f"{type(err).__name__}: {text}" if text else type(err).__name__)[:MAX_REASON]
 
 
 def _policy_for(cell: Cell, sample: Sample, prompt: Prompt, tokenizer) -> Policy:
@@ -44,7 +74,7 @@ def _policy_for(cell: Cell, sample: Sample, prompt: Prompt, tokenizer) -> Policy
     policy = cell.spec.build()
     if policy.needs_reconstruction and policy.tokenizer is None:  # KVzip prompts the model
         policy.tokenizer = tokenizer
-    return policy
+    return checked_scores(policy) if policy.compresses else policy
 
 
 def _reconstructions(model, tokenizer, cache, ids, cells, policies, protected: int) -> dict:
@@ -71,11 +101,19 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
     """
     prompt = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
     stop = tuple(sample.stop)
-    results: list[CellResult] = []
+    results: list[CellResult | FailedCell] = []
+
+    def cell_key(cell: Cell) -> CellKey:
+        return CellKey(model_name, sample.task, sample.length, sample.id, cell.label, cell.ratio, cell.question_aware)
+
+    def failed(cell: Cell, err: BaseException) -> None:
+        results.append(FailedCell(cell_key(cell), _reason(err), dict(
+            config or {}, policy_digest=cell.spec.digest, cell=cell.as_dict(), sample_seed=sample.seed,
+            context_tokens=prompt.context_ids.shape[1], kvsieve=kvsieve.__version__)))
 
     def record(cell: Cell, text: str, kept: int, kept_bytes: int, full_bytes: int, prefill_s: float, decode_s: float,
                timing: dict | None = None):
-        key = CellKey(model_name, sample.task, sample.length, sample.id, cell.label, cell.ratio, cell.question_aware)
+        key = cell_key(cell)
         # the dtype the model computed in, not the "auto" that asked for it; in a shared grid ``timing`` holds
         # the sample's own prefill and this cell's compression, timed in one process (the headline's overhead)
         cfg = dict(config or {}, **(timing or {}),
@@ -99,27 +137,42 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
             on_rows(results[landed:])
         landed = len(results)
 
-    def in_cell_order() -> list[CellResult]:
+    def in_cell_order() -> list[CellResult | FailedCell]:
         return sorted(results, key=lambda r: order[(r.key.policy, round(r.key.ratio, 6), r.key.question_aware)])
 
     # decode-time eviction happens while the context is read, so nothing is shared between its cells
     for cell in cells if not shared else [c for c in cells if c.chunk_size]:
-        policy = _policy_for(cell, sample, prompt, tokenizer)
-        policy.check_model(model, model_name or None)
-        mode = dict(mode="decode", chunk_size=cell.chunk_size, evict_every=cell.evict_every) if cell.chunk_size else {}
-        gen = generate(model, tokenizer, sample.context, sample.question, policy, ratio=cell.ratio,
-                       question_aware=cell.question_aware, answer_prefix=sample.answer_prefix,
-                       max_new_tokens=sample.max_new_tokens, stop=stop, **mode)
-        record(cell, gen.text, max(gen.kept_tokens), gen.cache_bytes_kept, gen.cache_bytes_full,
-               gen.prefill_seconds, gen.decode_seconds)
+        try:
+            policy = _policy_for(cell, sample, prompt, tokenizer)
+            policy.check_model(model, model_name or None)
+            mode = dict(mode="decode", chunk_size=cell.chunk_size, evict_every=cell.evict_every) \
+                if cell.chunk_size else {}
+            gen = generate(model, tokenizer, sample.context, sample.question, policy, ratio=cell.ratio,
+                           question_aware=cell.question_aware, answer_prefix=sample.answer_prefix,
+                           max_new_tokens=sample.max_new_tokens, stop=stop, **mode)
+        except Exception as err:  # noqa: BLE001 - the policy's failure fails its cell, never the run
+            failed(cell, err)
+        else:
+            record(cell, gen.text, max(gen.kept_tokens), gen.cache_bytes_kept, gen.cache_bytes_full,
+                   gen.prefill_seconds, gen.decode_seconds)
         hand_over()
     cells = [c for c in cells if shared and not c.chunk_size]
     if not cells:
         return in_cell_order()
 
-    policies = {cell: _policy_for(cell, sample, prompt, tokenizer) for cell in cells}
-    for policy in policies.values():
-        policy.check_model(model, model_name or None)
+    policies = {}
+    for cell in cells:
+        try:
+            policy = _policy_for(cell, sample, prompt, tokenizer)
+            policy.check_model(model, model_name or None)
+        except Exception as err:  # noqa: BLE001 - e.g. a program reading f.surrogate where no surrogate ships
+            failed(cell, err)
+        else:
+            policies[cell] = policy
+    cells = [c for c in cells if c in policies]
+    hand_over()
+    if not cells:
+        return in_cell_order()
     capture = FullCache(window=max(p.window for p in policies.values()))
     capture.needs_accumulated_attention = any(p.needs_accumulated_attention for p in policies.values())
     capture.needs_query_stats = any(p.needs_query_stats for p in policies.values())
@@ -149,16 +202,21 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
             for cell in group:
                 start, policy, rebuilt_s = time.perf_counter(), policies[cell], 0.0
                 cache = clone_cache(full_cache)
-                if policy.compresses and cell.ratio > 0 and policy.needs_reconstruction:
-                    rec = rebuilt[policy.reconstruction_key()]
-                    compress_with_reconstruction(model, cache, ids, policy, Budget(ratio=cell.ratio), protected,
-                                                 reconstruction=rec)
-                    rebuilt_s = rec.seconds
-                elif policy.compresses and cell.ratio > 0:
-                    compress_cache(cache, policy, Budget(ratio=cell.ratio), protected)
+                try:
+                    if policy.compresses and cell.ratio > 0 and policy.needs_reconstruction:
+                        rec = rebuilt[policy.reconstruction_key()]
+                        compress_with_reconstruction(model, cache, ids, policy, Budget(ratio=cell.ratio), protected,
+                                                     reconstruction=rec)
+                        rebuilt_s = rec.seconds
+                    elif policy.compresses and cell.ratio > 0:
+                        compress_cache(cache, policy, Budget(ratio=cell.ratio), protected)
+                except Exception as err:  # noqa: BLE001 - a budget, NaN scores, a selection that does not fit
+                    failed(cell, err)
+                    continue
                 kept = max((layer.physical_length for _, layer in sieve_layers(cache)), default=0)
                 seconds = time.perf_counter() - start + rebuilt_s
                 batches[cell.ratio].append((cell, cache, seconds, kept, cache_bytes(cache)))
+            hand_over()  # the failures of this group land before its batches decode
             for items in batches.values():
                 start = time.perf_counter()
                 caches = [stack_caches([item[1]]) for item in items]  # drops attention tracking for decoding

@@ -68,8 +68,15 @@ class GridConfig:
     mode: str = "prefill"
     chunk_size: int = 128
     evict_every: int = 1  # decode mode: generated tokens between evictions (the engine's default is 32)
+    # seconds that program: policies interpreted in this process may spend in all, over the whole run (each call
+    # has its own cost budgets and deadline besides); once spent, further program cells fail. None: unbounded
+    program_budget_s: float | None = 3600.0
 
     def __post_init__(self) -> None:
+        budget = self.program_budget_s
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                                   or not budget > 0):
+            raise ValueError(f"program_budget_s must be a number of seconds > 0 (or None), got {budget!r}")
         # one name per bundled model in the store, whichever alias the user typed
         self.model = canonical_name(self.model)
         # a single value where a list belongs (``tasks = "vt"`` in a TOML file, ``ratios = 0.5``) means a

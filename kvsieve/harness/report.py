@@ -19,11 +19,11 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from kvsieve.harness.provenance import check_one_machine, describe
-from kvsieve.harness.store import RATIO_DECIMALS, CellResult
+from kvsieve.harness.store import RATIO_DECIMALS, CellResult, FailedCell
 
 __all__ = ["FULL", "by_model", "display_policy", "is_reference", "line_styles", "score_table", "format_table",
-           "format_summary", "plot_scores", "plot_task_panels", "report_text", "requests", "scores_figure",
-           "task_panels_figure", "write_plots"]
+           "format_summary", "format_failures", "plot_scores", "plot_task_panels", "report_text", "requests",
+           "scores_figure", "task_panels_figure", "write_plots"]
 
 FULL = "full"
 MISSING = "-"
@@ -325,12 +325,35 @@ def write_plots(results: Iterable[CellResult], folder: str | Path) -> list[Path]
     return paths
 
 
-def report_text(results: Iterable[CellResult], markdown: bool = False, allow_mixed_machines: bool = False) -> str:
+def format_failures(failures: Iterable[FailedCell], results: Iterable[CellResult] = ()) -> str:
+    """Markdown: failed cells per (policy, ratio), with the cells scored beside them and the first reason. Failed
+    cells have no score; the means of the other tables leave them out, and this table says how many."""
+    scored: dict[tuple[str, float], int] = defaultdict(int)
+    for r in results:
+        scored[(display_policy(r.key.policy, r.key.question_aware), round(float(r.key.ratio), RATIO_DECIMALS))] += 1
+    groups: dict[tuple[str, float], list[FailedCell]] = defaultdict(list)
+    for f in failures:
+        groups[(display_policy(f.key.policy, f.key.question_aware), round(float(f.key.ratio), RATIO_DECIMALS))
+               ].append(f)
+    lines = ["| policy | ratio | failed | scored | first reason |", "|---|---:|---:|---:|---|"]
+    for (policy, ratio), items in sorted(groups.items(), key=lambda kv: (_policy_order([kv[0][0]]), kv[0])):
+        reason = items[0].reason.replace("|", "/")[:200]
+        lines.append(f"| {policy} | {ratio:g} | {len(items)} | {scored.get((policy, ratio), 0)} | {reason} |")
+    return "\n".join(lines) + "\n"
+
+
+def report_text(results: Iterable[CellResult], markdown: bool = False, allow_mixed_machines: bool = False,
+                failures: Iterable[FailedCell] = ()) -> str:
     """What ``kvsieve report`` prints: per model, one table per compression ratio and the summary, each
     headed with the model and its number of requests, then the line saying which machines, dtypes and
-    revisions the rows came from. Empty string for no rows; ``ValueError`` where one model's rows come from
-    several machines (its tables would set them side by side), unless ``allow_mixed_machines``."""
+    revisions the rows came from, and the cells that failed (``failures``: no score, left out of every mean,
+    counted). Empty string for no rows; ``ValueError`` where one model's rows come from several machines (its
+    tables would set them side by side), unless ``allow_mixed_machines``."""
     parts = []
+    results = list(results)
+    failed_by_model: dict[str, list[FailedCell]] = defaultdict(list)
+    for failure in failures:
+        failed_by_model[failure.key.model].append(failure)
     for model, rows in by_model(results).items():
         check_one_machine([r.provenance for r in rows], f"the {model} tables", allow_mixed_machines)
         table, n = score_table(rows), requests(rows)
@@ -340,4 +363,13 @@ def report_text(results: Iterable[CellResult], markdown: bool = False, allow_mix
                              + format_table(table, ratio, fmt="markdown" if markdown else "text"))
         parts.append(f"## average over tasks, by compression ratio ({model}, n = {n} requests)\n\n"
                      + format_summary(table) + f"\nrows from: {describe(r.provenance for r in rows)}\n")
+        if model in failed_by_model:
+            parts.append(_failures_part(model, failed_by_model.pop(model), rows))
+    for model, items in sorted(failed_by_model.items()):  # models with failed cells and no scored one
+        parts.append(_failures_part(model, items, []))
     return "\n".join(parts)
+
+
+def _failures_part(model: str, failures: list[FailedCell], rows: list[CellResult]) -> str:
+    return (f"## failed cells ({model}): {len(failures)}, not in any mean above (no score; a rerun retries them)\n\n"
+            + format_failures(failures, rows))

@@ -4,6 +4,10 @@ Resumable by construction: the store says which cells are missing, rows land as 
 batch of one ratio in one transaction; on Ray each sample's), so a run stopped at any moment (Ctrl-C, a
 lost machine) loses at most the batch in flight and is continued by rerunning it;
 one computing in another dtype than the store's rows is refused (``content.check_dtype``).
+
+A policy that fails a cell (``harness/evaluate.py``) is stored as a failed cell with its reason and the run goes
+on; programs interpreted in this process share one budget of seconds for the whole run
+(``GridConfig.program_budget_s``): once spent, each further program cell fails at once.
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ from kvsieve.harness.content import check_dtype, check_store
 from kvsieve.harness.executor import LocalGridExecutor
 from kvsieve.harness.grid import GridConfig, cells_for
 from kvsieve.harness.ray_executor import RayGridExecutor
-from kvsieve.harness.store import CellKey, CellResult, ResultsStore
+from kvsieve.harness.store import CellKey, CellResult, FailedCell, ResultsStore
 from kvsieve.harness.validate import validate
+from kvsieve.policies.program import run_budget
 
 __all__ = ["run_grid", "make_grid_executor", "EXECUTORS"]
 
@@ -50,12 +55,18 @@ def run_grid(config: GridConfig, progress: bool = True, executor=None) -> Result
         bar = tqdm(total=total, unit="cell", disable=not progress, desc=f"{config.model}")
         run_config = {k: v for k, v in config.as_dict().items() if k != "store"}
 
-        def on_rows(results: list[CellResult]) -> None:
-            store.add_many(results)  # one transaction: a decoded batch's rows land together
+        def on_rows(results: list[CellResult | FailedCell]) -> None:
+            failures = [r for r in results if isinstance(r, FailedCell)]
+            store.add_many(r for r in results if not isinstance(r, FailedCell))  # a decoded batch lands together
+            store.add_failed(failures)
+            for failure in failures:
+                bar.write(f"failed cell {failure.key.policy} at ratio {failure.key.ratio:g} "
+                          f"({failure.key.task}/{failure.key.length}/{failure.key.sample_id}): {failure.reason}")
             bar.update(len(results))
 
         try:
-            executor.run(config, todo, run_config, on_rows)
+            with run_budget(config.program_budget_s):  # programs interpreted in this process, all cells together
+                executor.run(config, todo, run_config, on_rows)
         finally:
             bar.close()
     except ValueError:  # a refused store (other file contents, another dtype): the caller never gets it

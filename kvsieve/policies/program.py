@@ -26,12 +26,14 @@ from pathlib import Path
 import torch
 
 from kvsieve.evolve.features import Features
-from kvsieve.evolve.interpreter import InterpreterError, Limits, ProgramFailed, ScoreProgram
+from kvsieve.evolve.interpreter import InterpreterError, Limits, ProgramFailed, ScoreProgram, run_budget
 from kvsieve.evolve.program import Program, ProgramError
 from kvsieve.learn.kvzap import KVzap, resolve_kvzap_checkpoint, shipped_kvzap_files, shipped_kvzap_for
 from kvsieve.policy import Policy
 from kvsieve.selection import Selection
 from kvsieve.signals import Signals
+
+__all__ = ["ProgramPolicy", "run_budget", "InterpreterError"]
 
 DEFAULT_LIMITS = Limits()
 
