@@ -29,7 +29,7 @@ from kvsieve.files import written_whole
 
 __all__ = ["BUNDLED", "ALIASES", "BundledModel", "load", "bundled", "canonical_name", "cache_dir", "resolve_gguf",
            "context_length", "check_length", "auto_dtype", "resolve_dtype", "resolve_device", "dtype_name", "cpu_flags",
-           "DTYPES", "weights_digest"]
+           "DTYPES", "weights_digest", "local_source"]
 
 
 def cache_dir() -> Path:
@@ -285,6 +285,14 @@ def load(name_or_path: str, dtype: torch.dtype | str = "auto", attn_implementati
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation)
     model.to(device).eval()
     return model, tokenizer
+
+
+def local_source(name_or_path: str) -> str:
+    """What :func:`load` reads ``name_or_path`` from: a bundled model's converted folder (converted once), else
+    the folder or hub id as given. Tools that only need the tokenizer files (lm-eval's RULER generators size
+    their samples with it) read them there offline."""
+    entry = bundled(name_or_path)
+    return str(_convert_once(entry)) if entry is not None else name_or_path
 
 
 def context_length(name_or_path: str) -> int | None:

@@ -1,0 +1,328 @@
+"""kvsieve inside lm-eval: a model backend, registered as ``kvsieve``, that answers lm-eval's generation
+requests with the KV cache compressed by a kvsieve policy, and stores every answer in kvsieve's results store.
+
+Needs the optional extra: ``pip install 'kvsieve[lmeval]'`` (lm-eval 0.4.13 with its ``ruler`` extra).
+
+From the command line (``kvsieve-lm-eval`` is lm-eval's own CLI, same flags, with this backend registered:
+lm-eval 0.4.13 has no plugin hook through which the plain ``lm_eval`` command could import it)::
+
+    kvsieve-lm-eval --model kvsieve \\
+        --model_args model=qwen2.5-coder-0.5b-instruct,policy=kvzip,ratio=0.75,store=results/lmeval.sqlite \\
+        --tasks niah_single_1,ruler_vt --metadata '{"max_seq_lengths": [4096]}' --limit 8
+
+From Python: ``import kvsieve.harness.lm_eval_backend`` registers the backend; then
+``lm_eval.simple_evaluate(model="kvsieve", model_args={...}, tasks=[...], metadata=ruler_metadata(model, [4096]))``,
+or :func:`evaluate`, which does both.
+
+**Many policies at once** (``python -m kvsieve.harness.lm_eval_backend export``, :func:`export_samples`):
+lm-eval's requests written as kvsieve samples (JSONL), with the same task names, lengths and sample ids as the
+backend's rows, so ``kvsieve eval --data FILE`` scores every (policy, ratio) with one prefill per request
+and fills the same store the backend reads and writes (the backend then reuses those rows).
+
+**How a prompt is split** (:func:`split_prompt`). lm-eval hands the backend one string per request, without
+a chat template; the backend applies the model's template itself (as kvsieve's harness does) after
+splitting the string into context, question and answer prefix:
+
+1. *answer prefix*: the document's ``gen_prefix`` field (RULER's "The special magic number for X ... is"),
+   when the prompt ends with it; lm-eval put it there, and it is cut off and decoded after the template's
+   assistant header (kvsieve's ``answer_prefix``);
+2. *question*: the rest's last line (after its last newline), when that line is non-empty and shorter than
+   the text before it: RULER's ``input`` ends with the question on its own line;
+3. *context*: everything before that newline.
+
+Where rule 2 holds, the cell is **query-agnostic** (the context is compressed before the question is
+read; the row's ``question_aware`` is false). Where it does not (no newline, an empty or long last line),
+the whole text is the context, read with the question inside the observation window: the cell is
+**question-aware** and the row says so (``question_aware`` true, shown as ``POLICY+qa``;
+``config.lm_eval.split`` names the rule's outcome). ``qa=always`` makes every cell question-aware.
+``--apply_chat_template`` is refused: a templated string can no longer be split.
+
+**Rows.** Each answered request lands in the store (``store=``, default ``results/lmeval.sqlite``;
+``store=none``: none) as one row: task ``lmeval:TASK``, length the document's ``max_length`` (RULER's target
+length; else the ``length=`` argument), sample id ``DOCID-SHA`` (the prompt's sha256, so a row is reused
+only for the very same prompt), score RULER's ``string_match_all`` x100 against the document's ``outputs``
+(lm-eval's own RULER metric; documents without ``outputs`` get no row). A rerun reuses stored rows, so an
+interrupted lm-eval run resumes; ``kvsieve report --headline`` and ``kvsieve certify`` read the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lm_eval
+import torch
+from lm_eval.__main__ import cli_evaluate
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+from lm_eval.tasks import TaskManager
+from tqdm import tqdm
+
+from kvsieve.bundled import canonical_name
+from kvsieve.harness.content import check_dtype, check_store
+from kvsieve.harness.evaluate import evaluate_sample
+from kvsieve.harness.grid import Cell
+from kvsieve.harness.store import CellKey, CellResult, ResultsStore
+from kvsieve.models import dtype_name, load, local_source
+from kvsieve.policies.registry import parse
+from kvsieve.tasks.sample import Sample, write_jsonl
+
+__all__ = ["KvsieveLM", "Split", "TASK_PREFIX", "evaluate", "export_samples", "main", "ruler_metadata",
+           "sample_for", "split_prompt"]
+
+TASK_PREFIX = "lmeval:"  # rows of lm-eval's tasks never share a table with kvsieve's own generator's
+DEFAULT_STORE = "results/lmeval.sqlite"
+METRIC = "string_match_all"  # RULER's metric, as lm-eval's ruler tasks score it (x100 here)
+
+
+@dataclass(frozen=True)
+class Split:
+    """A prompt cut into what is compressed, what is asked after, and the answer's opening words."""
+
+    context: str
+    question: str
+    answer_prefix: str
+    question_aware: bool
+    rule: str  # "last line" (query-agnostic), or why the cell is question-aware
+
+
+def split_prompt(prompt: str, gen_prefix: str | None = None, qa: str = "auto") -> Split:
+    """The documented rule (module docstring): ``gen_prefix`` cut off the end, the last line the question."""
+    if qa not in ("auto", "always"):
+        raise ValueError(f"qa must be 'auto' or 'always', got {qa!r}")
+    text, prefix = prompt, ""
+    if gen_prefix and prompt.rstrip().endswith(gen_prefix.strip()):
+        text = prompt.rstrip()[: -len(gen_prefix.strip())]
+        prefix = gen_prefix.strip()
+    text = text.rstrip()
+    head, newline, last = text.rpartition("\n")
+    last = last.strip()
+    if not newline or not head.strip():
+        reason = "no line break: question-aware"
+    elif not last:
+        reason = "empty last line: question-aware"
+    elif len(last) >= len(head):  # the bulk of the prompt is on its last line: no context to compress before it
+        reason = "last line longer than the text before it: question-aware"
+    else:
+        reason = ""
+    if reason or qa == "always":
+        if newline and head.strip() and last:  # keep the layout; the question is read before compressing
+            return Split(head, last, prefix, True, reason or "qa=always")
+        return Split(text, "", prefix, True, reason)
+    return Split(head, last, prefix, False, "last line")
+
+
+def _answers(doc: dict) -> list[str] | None:
+    """RULER's reference answers (``outputs``), or None where the document carries none."""
+    outputs = doc.get("outputs") if isinstance(doc, dict) else None
+    if isinstance(outputs, str):
+        outputs = [outputs]
+    if isinstance(outputs, list) and outputs and all(isinstance(o, str) and o for o in outputs):
+        return outputs
+    return None
+
+
+@register_model("kvsieve")
+class KvsieveLM(LM):
+    """lm-eval's ``LM`` answering ``generate_until`` requests with a compressed cache (see the module docstring).
+
+    ``model``: a bundled name, a HF folder or hub id; ``policy``: a kvsieve spec (``full``, ``kvzip``,
+    ``kvzap(checkpoint='...')``, ``program:PATH``; lm-eval splits ``--model_args`` on commas, so a spec with
+    several parameters needs the Python API); ``ratio``: the fraction of the cache removed; ``qa``: ``auto``
+    (the split rule) or ``always``; ``store``: the results store, or ``none``; ``length``: the row length of
+    documents without ``max_length``; ``threads``: torch threads; ``tokenizer``: read by lm-eval's RULER
+    generators, ignored here.
+    """
+
+    def __init__(self, model: str, policy: str = "full", ratio: float = 0.0, qa: str = "auto",
+                 store: str | None = DEFAULT_STORE, dtype: str = "auto", length: int = 0,
+                 threads: int | None = None, tokenizer: str | None = None, **lm_eval_options: Any) -> None:
+        super().__init__()
+        unknown = sorted(set(lm_eval_options) - {"batch_size", "max_batch_size", "device"})
+        if unknown:
+            raise ValueError(f"kvsieve backend: unknown model_args {', '.join(unknown)}; it takes model, policy, "
+                             "ratio, qa, store, dtype, length, threads, tokenizer")
+        if threads is not None:
+            torch.set_num_threads(int(threads))
+        self.model_name = canonical_name(str(model))
+        ratio, spec = float(ratio), parse(str(policy))
+        if not 0 <= ratio < 1:
+            raise ValueError(f"ratio must be in [0, 1), got {ratio}")
+        self.cell = Cell(spec, ratio if spec.compresses else 0.0)  # the full cache: once, at ratio 0
+        split_prompt("x", qa=qa)  # checks qa before the model loads
+        self.qa, self.length = qa, int(length)
+        self.model, self.tokenizer = load(self.model_name, dtype=dtype)
+        self.store = None if store in (None, "", "none", "None") else ResultsStore(Path(str(store)))
+        if self.store is not None:
+            try:
+                check_store(self.store, self.model_name, {self.cell.label: self.cell.spec.digest})
+                check_dtype(self.store, self.model_name, dtype_name(self.model))
+            except ValueError:
+                self.store.close()
+                raise
+        self.unscored = 0  # answered requests whose documents carry no reference answers (no row)
+
+    # -- lm-eval's interface ----------------------------------------------------------------------------------
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.model_name
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        raise ValueError("the kvsieve backend applies the model's chat template itself, after splitting the prompt "
+                         "into context and question; run lm-eval without --apply_chat_template")
+
+    def loglikelihood(self, requests: list) -> list[tuple[float, bool]]:
+        raise NotImplementedError("the kvsieve backend answers generation tasks (generate_until) only")
+
+    def loglikelihood_rolling(self, requests: list) -> list[float]:
+        raise NotImplementedError("the kvsieve backend answers generation tasks (generate_until) only")
+
+    def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
+        out = []
+        for request in tqdm(requests, disable=disable_tqdm, desc=f"kvsieve {self.cell.label} @ {self.cell.ratio:g}"):
+            prompt, gen_kwargs = request.args
+            text = self.answer(prompt, dict(gen_kwargs or {}), request.doc or {}, str(request.task_name),
+                               request.doc_id)
+            self.cache_hook.add_partial("generate_until", request.args, text)
+            out.append(text)
+        return out
+
+    # -- one request ------------------------------------------------------------------------------------------
+
+    def answer(self, prompt: str, gen_kwargs: dict, doc: dict, task: str, doc_id: int | None) -> str:
+        """The answer to one lm-eval request, from the store when this very prompt was answered before."""
+        if gen_kwargs.get("do_sample"):
+            raise ValueError("the kvsieve backend decodes greedily; the task asks for sampling (do_sample=true)")
+        sample, split = sample_for(prompt, gen_kwargs, doc, task, doc_id, self.qa, self.length)
+        answers, digest = _answers(doc), sample.id.rpartition("-")[2]
+        # the full cache is one reference for every cell, question-aware or not (reference_label pairs "full")
+        cell = Cell(self.cell.spec, self.cell.ratio, split.question_aware and self.cell.spec.compresses)
+        key = CellKey(self.model_name, sample.task, sample.length, sample.id, cell.label, cell.ratio,
+                      cell.question_aware)
+        if self.store is not None and answers is not None:
+            stored = self.store.rows(model=key.model, task=key.task, length=key.length, sample_id=key.sample_id,
+                                     policy=key.policy, ratio=key.ratio, question_aware=key.question_aware)
+            if stored:
+                return stored[0].prediction
+        config = {"lm_eval": {"task": task, "doc_id": doc_id, "split": split.rule, "version": lm_eval.__version__,
+                              "prompt_sha256": digest, "gen_kwargs": {k: v for k, v in gen_kwargs.items()
+                                                                      if isinstance(v, (str, int, float, bool, list))}}}
+        rows: list[CellResult] = evaluate_sample(self.model, self.tokenizer, sample, [cell], self.model_name,
+                                                 config=config)
+        if self.store is not None and answers is not None:
+            self.store.add_many(rows)
+        elif answers is None:
+            self.unscored += 1
+        return rows[0].prediction
+
+
+def sample_for(prompt: str, gen_kwargs: dict, doc: dict, task: str, doc_id: int | None, qa: str = "auto",
+               length: int = 0) -> tuple[Sample, Split]:
+    """The kvsieve sample of one lm-eval request (its row's task, length and id), and how its prompt was split.
+    A document without reference answers gets a placeholder one (its score means nothing; no row is stored)."""
+    split = split_prompt(prompt, doc.get("gen_prefix") if isinstance(doc, dict) else None, qa)
+    until = gen_kwargs.get("until") or []
+    stop = [until] if isinstance(until, str) else [s for s in until if s]
+    digest = hashlib.sha256(prompt.encode()).hexdigest()[:12]
+    sample = Sample(id=f"{doc_id}-{digest}", task=TASK_PREFIX + task, context=split.context, question=split.question,
+                    answer_prefix=split.answer_prefix, answers=_answers(doc) or ["-"],
+                    max_new_tokens=int(gen_kwargs.get("max_gen_toks", 256)),
+                    length=int(doc.get("max_length") or length), seed=0, metric=METRIC, stop=stop)
+    return sample, split
+
+
+def export_samples(model: str, tasks: Sequence[str], lengths: Sequence[int], limit: int, out: str | Path,
+                   include_path: str | None = None) -> int:
+    """Write lm-eval's first ``limit`` requests of each task (RULER built at ``lengths`` with ``model``'s tokenizer)
+    as kvsieve samples to ``out`` (JSONL), request-major (document 0 of every task, then 1, ...), so an interrupted
+    ``kvsieve eval --data`` leaves every task with about as many requests. Returns the number written.
+
+    Only prompts the rule splits query-agnostically, with reference answers, are written: ``kvsieve eval`` runs a
+    file's samples in one mode, and scores them against their answers. Others raise ``ValueError``.
+    ``include_path``: a folder of further task YAMLs (lm-eval's ``--include_path``)."""
+    manager = TaskManager(include_path=include_path, metadata=ruler_metadata(model, lengths))
+    loaded = manager.load(list(tasks))["tasks"]
+    per_task = []
+    for name, task in loaded.items():
+        task.build_all_requests(limit=limit)
+        samples = []
+        for instance in task.instances:
+            prompt, gen_kwargs = instance.args
+            sample, split = sample_for(prompt, dict(gen_kwargs), instance.doc, name, instance.doc_id)
+            if split.question_aware or _answers(instance.doc) is None:
+                raise ValueError(f"{name} document {instance.doc_id}: "
+                                 f"{split.rule if split.question_aware else 'no reference answers (outputs)'}; "
+                                 "run this task through the backend (kvsieve-lm-eval) instead")
+            samples.append(sample)
+        per_task.append(samples)
+    ordered = [s for i in range(max(map(len, per_task), default=0)) for samples in per_task
+               if i < len(samples) for s in [samples[i]]]
+    return write_jsonl(ordered, out)
+
+
+def ruler_metadata(model: str, lengths: Sequence[int]) -> dict[str, Any]:
+    """lm-eval ``metadata`` for its RULER tasks: the lengths, and the model's own tokenizer files (a bundled
+    model's converted folder), so the generators size the samples offline with the tokenizer that reads them."""
+    return {"tokenizer": local_source(canonical_name(model)), "max_seq_lengths": [int(n) for n in lengths]}
+
+
+def evaluate(model: str, tasks: Sequence[str], policy: str = "full", ratio: float = 0.0, lengths: Sequence[int] = (),
+             limit: int | None = None, **model_args: Any) -> dict:
+    """lm-eval's ``simple_evaluate`` with this backend: ``tasks`` under ``policy`` at ``ratio``; RULER tasks are
+    built at ``lengths`` with the model's tokenizer. Returns lm-eval's results dict."""
+    args = {"model": model, "policy": policy, "ratio": ratio, **model_args}
+    metadata = ruler_metadata(model, lengths) if lengths else {}
+    return lm_eval.simple_evaluate(model="kvsieve", model_args=args, tasks=list(tasks), limit=limit,
+                                   metadata=metadata)
+
+
+def _with_tokenizer(argv: list[str]) -> list[str]:
+    """``argv`` with ``tokenizer=FOLDER`` added to ``--model_args`` for a bundled model that names none, so lm-eval's
+    RULER generators read the model's tokenizer offline (they would look its name up on the hub)."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--model_args" and i + 1 < len(out):
+            value, at = out[i + 1], i + 1
+        elif arg.startswith("--model_args="):
+            value, at = arg.partition("=")[2], i
+        else:
+            continue
+        pairs = dict(item.split("=", 1) for item in value.split(",") if "=" in item)
+        if "model" in pairs and "tokenizer" not in pairs:
+            value += f",tokenizer={local_source(canonical_name(pairs['model']))}"
+            out[at] = value if at == i + 1 else f"--model_args={value}"
+        break
+    return out
+
+
+def _export(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="kvsieve-lm-eval export", description=export_samples.__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="whose tokenizer sizes RULER's samples (the model evaluated)")
+    parser.add_argument("--tasks", required=True, help="comma-separated lm-eval tasks, e.g. niah_single_1,ruler_vt")
+    parser.add_argument("--lengths", required=True, help="comma-separated RULER lengths in tokens")
+    parser.add_argument("--limit", type=int, required=True, help="requests per task and length")
+    parser.add_argument("--out", required=True, help="JSONL file for kvsieve eval --data")
+    args = parser.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+    count = export_samples(args.model, [t for t in args.tasks.split(",") if t], lengths, args.limit, args.out)
+    print(f"wrote {count} samples to {args.out}")
+
+
+def main() -> None:
+    """``kvsieve-lm-eval``: lm-eval's command line with the ``kvsieve`` backend registered (same flags);
+    ``kvsieve-lm-eval export ...`` writes lm-eval's requests as kvsieve samples (:func:`export_samples`)."""
+    if len(sys.argv) > 1 and sys.argv[1] == "export":
+        _export(sys.argv[2:])
+        return
+    sys.argv = _with_tokenizer(sys.argv)
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()
