@@ -1,27 +1,35 @@
 """The registry of policy families, and the one parsed form of a policy spec (:class:`PolicySpec`).
 
-A spec string (``snapkv``, ``snapkv(window=32)``, ``program:best.py``,
+A spec string (``snapkv``, ``snapkv(window=32)``, ``tova(allocation='layer')``, ``program:best.py``,
 ``learned(checkpoint='smollm2-135m-instruct')``) is parsed once, at the edge (a grid, a contract, the
 server), into a :class:`PolicySpec`: its family's class, its literal parameters (checked against the
 class's signature, without building anything) and, for a family defined by a file, that file's
 sha256. Everything downstream reads the spec's attributes (is it the reference, does it need the
 answer's spans or the whole context) instead of comparing names.
+
+Any field of :class:`~kvsieve.selection.Selection` that the family does not take itself composes with
+the family's scores: ``tova(allocation='layer')`` is TOVA's scores under AdaKV's allocation,
+``knorm(chunk_size=8)`` KNorm's under ChunkKV's chunks, ``snapkv(allocation='global',
+normalization='zscore')`` SnapKV's ranked across the whole model (kvpress writes ``AdaKVPress(TOVAPress())``).
+The fields replace those of the family's default selection.
 """
 
 from __future__ import annotations
 
 import hashlib
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from kvsieve.policy import Policy
+from kvsieve.selection import Selection, check_allocation
 from kvsieve.spec import parse_spec
 
-__all__ = ["PolicySpec", "parse", "register", "families", "names", "get", "from_spec"]
+__all__ = ["PolicySpec", "parse", "register", "families", "names", "get", "from_spec", "SELECTION_FIELDS"]
 
 _REGISTRY: dict[str, type[Policy]] = {}
+SELECTION_FIELDS = frozenset(f.name for f in fields(Selection))
 
 
 def register(cls: type[Policy]) -> type[Policy]:
@@ -91,12 +99,23 @@ class PolicySpec:
         """Scores need the whole context after the prefill (KVzip's reconstruction): no decode-time eviction."""
         return self.cls.needs_reconstruction
 
+    @property
+    def selection_params(self) -> dict[str, Any]:
+        """The parameters that change the family's selection (its own parameters excluded)."""
+        own = _parameters(self.cls)
+        return {k: v for k, v in self.params.items() if k in SELECTION_FIELDS and k not in own}
+
     def build(self, **extra: Any) -> Policy:
         """A fresh policy; ``extra`` adds what only the caller knows (a sample's answer positions)."""
+        composed = self.selection_params
         try:
-            return self.cls(**self.params, **extra)
+            policy = self.cls(**{k: v for k, v in self.params.items() if k not in composed}, **extra)
+            if composed:
+                policy.selection = replace(policy.selection, **composed)
+                check_allocation(policy, policy.selection)
         except TypeError as err:
             raise ValueError(f"bad parameters for policy {self.text!r}: {err}") from err
+        return policy
 
 
 def _parameters(cls: type[Policy]) -> set[str]:
@@ -123,11 +142,20 @@ def parse(text: str) -> PolicySpec:
         raise ValueError(f"unknown policy {family!r}; available: {_listing()}")
     cls = _REGISTRY[family]
     allowed = _parameters(cls)
-    unknown = sorted(set(params) - allowed)
+    composable = SELECTION_FIELDS if "selection" in allowed else frozenset()
+    unknown = sorted(set(params) - allowed - composable)
     if unknown:
         raise ValueError(f"bad parameters for policy {text.strip()!r}: unknown {', '.join(map(repr, unknown))}; "
-                         f"{family} takes {', '.join(sorted(allowed)) or 'no parameters'}")
-    return PolicySpec(text.strip(), family, params, content_digest(text.strip(), cls.content_paths(**params)), cls)
+                         f"{family} takes {', '.join(sorted(allowed)) or 'no parameters'}"
+                         + (f", and the selection's {', '.join(sorted(composable - allowed))}" if composable else ""))
+    spec = PolicySpec(text.strip(), family, params, None, cls)
+    own = {k: v for k, v in params.items() if k in allowed}
+    if spec.selection_params:
+        try:
+            replace(Selection(), **spec.selection_params)  # a bad value fails here, before any work
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"bad selection for policy {text.strip()!r}: {err}") from err
+    return replace(spec, digest=content_digest(text.strip(), cls.content_paths(**own)))
 
 
 def content_digest(spec: str, paths: tuple[Path, ...]) -> str | None:
@@ -146,13 +174,11 @@ def content_digest(spec: str, paths: tuple[Path, ...]) -> str | None:
 
 
 def get(name: str, **params) -> Policy:
-    """Build the policy registered as ``name``; unknown names and parameters raise ValueError."""
+    """Build the policy registered as ``name``; unknown names and parameters raise ValueError. Selection fields
+    compose as in a spec: ``get("tova", allocation="layer")``."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown policy {name!r}; available: {_listing()}")
-    try:
-        return _REGISTRY[name](**params)
-    except TypeError as err:
-        raise ValueError(f"bad parameters for policy {name!r}: {err}") from err
+    return PolicySpec(name, name, params, None, _REGISTRY[name]).build()
 
 
 def from_spec(text: str) -> Policy:
