@@ -31,24 +31,12 @@ __all__ = ["ATTENTION_NAME", "sieve_attention", "bottom_right_causal_mask", "blo
 
 ATTENTION_NAME = "kvsieve_sdpa"
 _QUERY_BLOCK = 512  # queries per block when accumulating attention, bounds the (q, k) buffer
-# Multi-query forwards (prefill, chunks, questions) on the CPU in these dtypes may go through
-# blocked_causal_attention instead of torch's CPU flash-attention kernel. Causal attention at 1k-4k
-# tokens (Qwen2.5-0.5B's 14 query / 2 kv heads of 64), in GFLOP per CPU-second of one thread on the
-# AVX512-BF16 machine: bf16 kernel 57-78, blocked 147-189 (a bf16 matmul reaches ~400); float32
-# kernel 59-76, blocked 54-58, so float32 stays on the kernel.
+# Multi-query CPU forwards in these dtypes may take blocked_causal_attention instead of torch's CPU kernel:
+# in bf16 it ran 2-3x the kernel's GFLOP/s, in float32 no faster (docs/performance.md#blocked-prefill).
 BLOCKED_PREFILL_DTYPES: set[torch.dtype] = {torch.bfloat16}
-# "auto" (default): blocked where torch's threads do not spin-wait; "1": always; "0": never. The
-# blocked path runs ~4 small ops per 64-query block, dealt out to single-threaded workers (one wait
-# per layer). With libgomp's default active waiting (torch's Linux wheels), idle OpenMP threads spin
-# after every op; on the 2-core KVM machine shared with other busy processes that made the blocked
-# path 1.4-8x slower than the kernel (810 ms per layer vs 410 at 4k tokens; whole prefills 32-34 s vs
-# 22-26 s at 4k, 10.6 s vs 2.2 s at 1k), while with OMP_WAIT_POLICY=PASSIVE (or GOMP_SPINCOUNT=0) it
-# took 190 ms per layer and the 4k prefill 13.3-13.7 s vs 19.4-20.7 s. On the quiet machine, 4k bf16
-# prefill of Qwen2.5-0.5B with 2 threads: kernel 10.2 s either way, blocked 7.2 s (spinning) or 6.9 s
-# (PASSIVE). So: set OMP_WAIT_POLICY=PASSIVE (it never hurt the kernel path) and "auto" takes the
-# blocked path; one thread has no idle OpenMP threads, so "auto" takes it there too. The path depends
-# on dtype and these switches only, never on load, so results do not change with what else runs
-# (the two paths round bf16 differently).
+# "auto" (default): blocked where OpenMP threads do not spin-wait (OMP_WAIT_POLICY=PASSIVE, or one thread),
+# where spinning made it 1.4-8x slower; "1": always; "0": never. Never decided by load, so results do not
+# change with what else runs (the two paths round bf16 differently).
 BLOCKED_PREFILL = os.environ.get("KVSIEVE_BLOCKED_PREFILL", "auto")
 _OMP_SPINS = not (os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
                   or os.environ.get("GOMP_SPINCOUNT", "").strip() == "0")  # libgomp reads them at start-up
