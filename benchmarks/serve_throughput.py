@@ -2,7 +2,7 @@
 
 Every run serves the same N RULER needle prompts (``context + "\\n" + question``, the calibration layout, one
 planted answer each) to N concurrent clients (the official openai client), under the same byte budget: a
-share (``--budget``) of what the N requests need at full KV (prompt + max_tokens). A point that keeps fewer
+share (``--budget``) of what N of the largest requests need at full KV (prompt + max_tokens). A point that keeps fewer
 bytes admits more requests into the decode batch. Runs: full KV, ``--policy`` with uniform and global
 allocation at each ``--ratios``, and ``--contract`` when given. Each reply is checked for its own planted
 answer. Prints a markdown table with the machine and the git revision.
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=2048, help="RULER prompt length in tokens (L)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--budget", type=float, default=0.25,
-                        help="the KV byte budget, as a share of what the N requests need at full KV")
+                        help="the KV byte budget, as a share of N x the largest request's need at full KV")
     parser.add_argument("--policy", default="kvzap(checkpoint='{model}')",
                         help="policy run with allocation='uniform' and 'global' ({model}: --model)")
     parser.add_argument("--ratios", default="0.5,0.875")
@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [s.context + "\n" + s.question for s in samples]
     tokens = [sum(t.shape[1] for t in (p.context_ids, p.question_ids)) for p in
               (chat_prompt(tokenizer, [ChatMessage(role="user", content=text)]) for text in prompts)]
-    full_need = sum(bytes_per_token(model) * (t + args.max_tokens) for t in tokens)
+    # room for budget x N of the largest requests at full KV (25% of 8 clients: two of them)
+    full_need = args.clients * bytes_per_token(model) * (max(tokens) + args.max_tokens)
     budget = int(args.budget * full_need)
     runs = [r.strip() for r in args.runs.split(",")]
     ratios = [float(r) for r in args.ratios.split(",")]
@@ -170,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {machine}")
     print(f"load: {args.clients} concurrent clients x 1 chat request, {args.task} at {args.length} tokens "
           f"({min(tokens)}-{max(tokens)} prompt tokens), max_tokens {args.max_tokens}, model {args.model}; KV budget "
-          f"{budget / 2**20:.1f} MiB = {args.budget:g} x {full_need / 2**20:.1f} MiB (all requests at full KV)",
+          f"{budget / 2**20:.1f} MiB = {args.budget:g} x {full_need / 2**20:.1f} MiB ({args.clients} x the largest "
+          "request at full KV)",
           flush=True)
     rows = []
     for label, points in plan:

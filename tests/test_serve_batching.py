@@ -132,3 +132,23 @@ def test_a_disconnect_frees_its_bytes(model):
         metrics = httpx.get(url + "/metrics").text
     assert streamed < 200 and total - streamed < 200, (streamed, total)
     assert 'kvsieve_requests_total{endpoint="chat",kv_cache="certified",status="499"} 2' in metrics
+
+
+def test_a_decoding_request_is_charged_its_entries_plus_its_reserve(model):
+    def slow(_m, _a, kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is not None and ids.shape[1] == 1:
+            time.sleep(0.01)
+
+    state = make_state(model)
+    body = {"model": NAME, "max_tokens": 100, "stream": True,
+            "messages": [{"role": "user", "content": _doc(2, 150) + "\nq"}]}
+    with hook(model, slow), running(state) as url:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as reply:
+            next(reply.iter_lines())
+            charged = state.scheduler.charged
+            kept = int(reply.headers["x-kvsieve-bytes-kept"])
+        _wait(lambda: state.scheduler.charged == 0)
+    question = len("q\x04\x05A:")  # read after the query-agnostic compression: one entry a token in every head
+    assert kept == BYTES_PER_TOKEN * round((len("\x02user\x03") + 151) * 0.5)
+    assert charged == kept + BYTES_PER_TOKEN * question + BYTES_PER_TOKEN * 100

@@ -1,7 +1,8 @@
 """``kvsieve serve``: an OpenAI-compatible server that compresses each request's cache at a certified point.
 
-Flow: ``app`` (HTTP, OpenAI schemas) -> ``schemas`` (validation) -> ``prompt`` (messages -> context and
-question token ids) -> ``points`` (the contract's point for the request's bucket, client overrides) ->
-``scheduler`` (bounded queue, one model forward at a time) -> ``generation`` (the engine's attach and
-greedy_decode) -> ``metrics`` (Prometheus text).
+Flow: ``app`` (HTTP, OpenAI schemas, body limit) -> ``schemas`` (validation) -> ``prompt`` (messages -> context
+and question token ids) -> ``points`` (the request's point among those built at start-up, client choices) ->
+``scheduler`` (continuous batching by KV bytes: admission against a byte budget, one batched decode step of
+every running request) -> ``generation`` (each request's prefill under its own ``attach``) -> ``metrics``
+(Prometheus text).
 """
