@@ -7,6 +7,9 @@ calls return within a second where paying would take tens of seconds or gigabyte
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -191,3 +194,24 @@ def test_a_run_budget_stops_every_later_call_at_once():
             ScoreProgram(body("return f.key_norm"))(features)
     assert time.perf_counter() - start < 3.0
     assert tuple(ScoreProgram(body("return f.key_norm"))(features).shape) == (1, 2, 20000)  # outside the run
+
+
+def test_the_sandbox_starts_from_a_symlinked_virtualenv_and_stage_1_refuses_superlinear_work(tmp_path):
+    """The worker is started by the path of the Python running kvsieve: through a link to the virtualenv it used
+    to fail at the full isolation level ("setpriv: failed to execute"), only the resolved path being mounted."""
+    link = tmp_path / "venv"
+    link.symlink_to(Path(sys.prefix).resolve(), target_is_directory=True)
+    script = (
+        "from kvsieve.evolve.sandbox import SandboxLimits, isolation_level, run_in_sandbox\n"
+        "limits = SandboxLimits(timeout_s=30, memory_mb=2048)\n"
+        "for source in ('def score(f):\\n    return group_mean(f.attn)\\n',\n"
+        "               'def score(f):\\n    return pool(group_mean(f.attn), min(f.n // 4, 257))\\n'):\n"
+        "    r = run_in_sandbox(source, window=8, limits=limits)\n"
+        "    print(isolation_level(), r.status, r.invariants.get('linear_work'), '|', r.reason, '|', r.work_growth)\n")
+    done = subprocess.run([str(link / "bin" / "python"), "-c", script], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    linear, superlinear = done.stdout.strip().splitlines()
+    assert linear.split()[1:3] == ["ok", "True"] and "grows as n^1.00" in linear, linear
+    assert superlinear.split()[1:3] == ["invalid", "False"], superlinear
+    assert "its work grows faster than the context" in superlinear and "at most n^1.3" in superlinear
