@@ -166,6 +166,29 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_pick(args) -> int:
+    import json
+
+    from kvsieve.evolve.pick import exploratory, format_pick, load_rule, pick, summary, write_pick
+
+    rule = load_rule(args.config)
+    models = [args.model] if args.model else list(rule.databases)
+    picks = [pick(rule, model) for model in models]
+    if args.json:
+        print(json.dumps([summary(p) for p in picks], indent=1))
+    else:
+        print("\n".join(format_pick(p) for p in picks))
+    for p in picks:
+        if args.out:
+            print(f"wrote {write_pick(p, args.out)}")
+        if args.store:
+            tried = exploratory(args.store, p.model)
+            print(f"{args.store}, {p.model}: {len(tried['found_or_learned'])} found or learned policies and "
+                  f"{len(tried['baselines'])} baselines scored on its requests (exploratory beside the pick): "
+                  + ", ".join(tried["found_or_learned"]))
+    return 0
+
+
 def cmd_generate(args) -> int:
     from kvsieve.harness.grid import GridConfig
     from kvsieve.harness.validate import validate
@@ -345,6 +368,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixed-machines", action="store_true", help="pair rows computed on different machines (or "
                    "rows of unknown provenance with known ones); refused by default, named in the output when allowed")
     p.set_defaults(func=cmd_report)
+    p = sub.add_parser("pick", help="the selection rule's evolved program per model, from the program databases")
+    p.add_argument("--config", default="configs/selection.toml", help="the rule (order of criteria, databases)")
+    p.add_argument("--model", help="only this model")
+    p.add_argument("--out", help="folder to write MODEL-picked.py into")
+    p.add_argument("--store", help="also count the policies scored on this results store's requests")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_pick)
     p = sub.add_parser("generate", help="write RULER-style samples to JSONL")
     p.add_argument("--model", default="smollm2-135m", help="whose tokenizer measures the length")
     p.add_argument("--tasks", required=True)

@@ -1,0 +1,191 @@
+"""The selection rule: which evolved program is "the" program of a model, decided by a fixed rule from the
+program databases, never by a score on the test requests.
+
+The rule lives in a config file (``configs/selection.toml``)::
+
+    order = ["dev_score", "proxy_gap", "heldout_score"]
+    [models."qwen2.5-coder-0.5b-instruct"]
+    databases = ["results/evolve/qwen-v2.sqlite", "results/evolve/qwen-v2-bestofn.sqlite"]
+
+Among the programs of a model's databases that passed every stage (a dev score), the pick is the first in
+``order``: ``dev_score`` higher first, ``proxy_gap`` (the answer log-likelihood gap to the full cache on the
+dev prefills) lower first, ``heldout_score`` (scored only for the programs ranked best as a run ended;
+missing counts as lowest) higher first; then the earlier database in the list, the earlier slot. Databases
+are pooled only when their dev sets are the same (model, tasks, length, ratios, dev samples and seed,
+window, decoding cap, helpers version and dtype): a dev score is comparable only on one dev set.
+
+``kvsieve pick --config configs/selection.toml`` prints each model's pick with its dev, gap and held-out
+scores beside the seed program's; ``--out DIR`` writes ``DIR/MODEL-picked.py``; ``--store S`` adds how many
+policies were scored on the requests of a results store (the exploratory count).
+"""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvsieve.bundled import canonical_name
+from kvsieve.config import read_config_file
+from kvsieve.evolve.database import ProgramDatabase, ProgramRecord
+
+__all__ = ["CRITERIA", "DEV_SET_KEYS", "Pick", "SelectionRule", "exploratory", "format_pick", "load_rule", "pick",
+           "summary", "write_pick"]
+
+# criterion -> (value of a program, +1 when higher is better, -1 when lower is)
+CRITERIA = ("dev_score", "proxy_gap", "heldout_score")
+DEV_SET_KEYS = ("model", "tasks", "length", "ratios", "dev_samples", "dev_seed", "window", "dev_max_new_tokens")
+
+
+@dataclass(frozen=True)
+class SelectionRule:
+    order: tuple[str, ...]
+    databases: dict[str, tuple[str, ...]]  # canonical model name -> program databases, in tie-break order
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class Pick:
+    model: str
+    database: str
+    program: ProgramRecord
+    heldout: float | None
+    seed: ProgramRecord | None  # the run's seed program (the first of generation 0), for comparison
+    seed_heldout: float | None
+    candidates: int  # programs with a dev score, pooled over the databases
+    tied_on_dev: int  # of them, how many share the best dev score
+
+
+def load_rule(path: str | Path) -> SelectionRule:
+    """The rule in ``path``; ``ValueError`` naming the file for an unknown criterion or key, or no databases."""
+    data = read_config_file(path)
+    unknown = sorted(set(data) - {"order", "models"})
+    if unknown:
+        raise ValueError(f"selection rule {path}: unknown key(s) {unknown}; allowed: order, models")
+    order = tuple(data.get("order", CRITERIA))
+    bad = [c for c in order if c not in CRITERIA] + (["dev_score first"] if order[:1] != ("dev_score",) else [])
+    if bad or len(set(order)) != len(order):
+        raise ValueError(f"selection rule {path}: order must start with dev_score and use each of {CRITERIA} at "
+                         f"most once, got {list(order)}")
+    models = data.get("models") or {}
+    databases = {}
+    for model, table in models.items():
+        dbs = (table or {}).get("databases") or []
+        if not dbs or not all(isinstance(d, str) for d in dbs):
+            raise ValueError(f"selection rule {path}: models.{model!r} needs databases = [paths]")
+        databases[canonical_name(model)] = tuple(dbs)
+    if not databases:
+        raise ValueError(f"selection rule {path}: no [models.NAME] table")
+    return SelectionRule(order, databases, str(path))
+
+
+def _dev_set(db: ProgramDatabase) -> dict[str, Any]:
+    config = db.meta("config") or {}
+    return {**{k: config.get(k) for k in DEV_SET_KEYS}, "helpers_version": db.meta("helpers_version"),
+            "dtype": db.meta("dtype")}
+
+
+def _heldout(db: ProgramDatabase) -> dict[int, float]:
+    return {int(k): float(v) for k, v in (db.meta("heldout") or {}).items()}
+
+
+def _key(order: tuple[str, ...], record: ProgramRecord, heldout: float | None, db_index: int) -> tuple:
+    """Smaller is better: each criterion in ``order`` signed so, then the database's place, then the slot."""
+    values = {"dev_score": -record.score,
+              "proxy_gap": record.proxy if record.proxy is not None else math.inf,
+              "heldout_score": -heldout if heldout is not None else math.inf}
+    return (*(values[c] for c in order), db_index, record.generation, record.island, record.slot)
+
+
+def pick(rule: SelectionRule, model: str) -> Pick:
+    """The rule's program for ``model``. ``ValueError`` when the databases' dev sets differ or none is scored."""
+    model = canonical_name(model)
+    if model not in rule.databases:
+        raise ValueError(f"selection rule {rule.path}: no databases for model {model}; "
+                         f"it has {', '.join(rule.databases)}")
+    pooled: list[tuple[tuple, str, ProgramRecord, float | None]] = []
+    reference: dict[str, Any] | None = None
+    seed = seed_held = None
+    for index, path in enumerate(rule.databases[model]):
+        if not Path(path).is_file():
+            raise ValueError(f"selection rule {rule.path}: program database {path} does not exist")
+        db = ProgramDatabase(path)
+        try:
+            dev = _dev_set(db)
+            if reference is None:
+                reference = dev
+            elif dev != reference:
+                differ = sorted(k for k in dev if dev[k] != reference[k])
+                raise ValueError(f"selection rule {rule.path}: {path} was scored on another dev set than "
+                                 f"{rule.databases[model][0]} ({', '.join(differ)} differ): its dev scores do not "
+                                 "compare; list it under its own rule")
+            held = _heldout(db)
+            for record in db.scored():
+                pooled.append((_key(rule.order, record, held.get(record.id), index), path, record,
+                               held.get(record.id)))
+            if seed is None:
+                first = db.records("generation = 0 AND score IS NOT NULL")
+                if first:
+                    seed, seed_held = first[0], held.get(first[0].id)
+        finally:
+            db.close()
+    if not pooled:
+        raise ValueError(f"selection rule {rule.path}: no scored program for {model}")
+    pooled.sort(key=lambda item: item[0])
+    _, path, best, held = pooled[0]
+    tied = sum(1 for _, _, r, _ in pooled if r.score == best.score)
+    return Pick(model, path, best, held, seed, seed_held, len(pooled), tied)
+
+
+def exploratory(store_path: str | Path, model: str) -> dict[str, list[str]]:
+    """The policies scored on a results store's requests of ``model``: published baselines, and found or
+    learned ones (``program:``, ``learned(``, ``kvzap(``), each listed once (labels as the store keys them)."""
+    from_store = _policies(store_path, canonical_name(model))
+    found = sorted(p for p in from_store if p.startswith(("program:", "learned(", "kvzap(")))
+    return {"found_or_learned": found, "baselines": sorted(set(from_store) - set(found) - {"full"})}
+
+
+def _policies(store_path: str | Path, model: str) -> list[str]:
+    # read as a plain file, read-only: evolve/ sits below harness/ and does not import its store
+    if not Path(store_path).is_file():
+        raise ValueError(f"results store {store_path} does not exist")
+    with sqlite3.connect(f"file:{store_path}?mode=ro", uri=True) as conn:
+        return [r[0] for r in conn.execute("SELECT DISTINCT policy FROM cells WHERE model = ?", (model,))]
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def format_pick(p: Pick) -> str:
+    """What ``kvsieve pick`` prints for one model."""
+    r = p.program
+    lines = [f"{p.model}: program #{r.id} of {p.database} (generation {r.generation}, island {r.island})",
+             f"  dev score {_num(r.score)}, proxy gap {r.proxy if r.proxy is not None else float('nan'):.3f}, "
+             f"held-out score {_num(p.heldout)}; {p.candidates} scored programs, {p.tied_on_dev} tied on the best "
+             "dev score",
+             ]
+    if p.seed is not None:
+        lines.append(f"  seed program #{p.seed.id}: dev score {_num(p.seed.score)}, held-out score "
+                     f"{_num(p.seed_heldout)}")
+    return "\n".join(lines)
+
+
+def write_pick(p: Pick, folder: str | Path) -> Path:
+    """``folder/MODEL-picked.py``: the program's source, headed by where the rule found it."""
+    out = Path(folder) / f"{p.model}-picked.py"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    header = (f"# picked by the selection rule (configs/selection.toml): #{p.program.id} of {p.database}, "
+              f"dev {_num(p.program.score)}, gap {p.program.proxy or math.nan:.3f}, held-out {_num(p.heldout)}\n")
+    out.write_text(header + (p.program.source or "").rstrip() + "\n")
+    return out
+
+
+def summary(p: Pick) -> dict[str, Any]:
+    """The pick as JSON-ready values."""
+    return {"model": p.model, "database": p.database, "program": p.program.id, "dev_score": p.program.score,
+            "proxy_gap": p.program.proxy, "heldout_score": p.heldout, "candidates": p.candidates,
+            "tied_on_dev": p.tied_on_dev, "seed_program": p.seed.id if p.seed else None,
+            "seed_dev_score": p.seed.score if p.seed else None, "seed_heldout_score": p.seed_heldout}
