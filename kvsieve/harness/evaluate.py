@@ -7,10 +7,11 @@ question on it, and the cells of one ratio decode their answers together as one 
 cells continue a copy of the full context cache with the question, and prune that. Decode-time cells
 (``mode="decode"``) evict while the context is read, so each reads its sample alone.
 
-A failed cell, not a failed run: a policy that raises while it is built, checked against the model or
-scores and compresses (an error, a program's budget, NaN scores, a selection that does not fit the cell's
-budget, such as 64 sinks at ratio 0.95) gives a :class:`~kvsieve.harness.store.FailedCell` with the reason
-in that cell's place, and the sample's other cells go on.
+A failed cell, not a failed run: a policy that raises while it scores and compresses (an error, a program's
+budget, NaN scores, a selection that does not fit the cell's budget, such as 64 sinks at ratio 0.95) gives a
+:class:`~kvsieve.harness.store.FailedCell` with the reason in that cell's place, and the sample's other cells
+go on. A policy the grid cannot build or that refuses the model is the grid's configuration: it still stops the
+run before any work.
 """
 
 from __future__ import annotations
@@ -142,11 +143,10 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
 
     # decode-time eviction happens while the context is read, so nothing is shared between its cells
     for cell in cells if not shared else [c for c in cells if c.chunk_size]:
+        policy = _policy_for(cell, sample, prompt, tokenizer)
+        policy.check_model(model, model_name or None)  # the grid's configuration: refused before any work
+        mode = dict(mode="decode", chunk_size=cell.chunk_size, evict_every=cell.evict_every) if cell.chunk_size else {}
         try:
-            policy = _policy_for(cell, sample, prompt, tokenizer)
-            policy.check_model(model, model_name or None)
-            mode = dict(mode="decode", chunk_size=cell.chunk_size, evict_every=cell.evict_every) \
-                if cell.chunk_size else {}
             gen = generate(model, tokenizer, sample.context, sample.question, policy, ratio=cell.ratio,
                            question_aware=cell.question_aware, answer_prefix=sample.answer_prefix,
                            max_new_tokens=sample.max_new_tokens, stop=stop, **mode)
@@ -160,19 +160,9 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
     if not cells:
         return in_cell_order()
 
-    policies = {}
-    for cell in cells:
-        try:
-            policy = _policy_for(cell, sample, prompt, tokenizer)
-            policy.check_model(model, model_name or None)
-        except Exception as err:  # noqa: BLE001 - e.g. a program reading f.surrogate where no surrogate ships
-            failed(cell, err)
-        else:
-            policies[cell] = policy
-    cells = [c for c in cells if c in policies]
-    hand_over()
-    if not cells:
-        return in_cell_order()
+    policies = {cell: _policy_for(cell, sample, prompt, tokenizer) for cell in cells}
+    for policy in policies.values():  # the grid's configuration (a checkpoint of another model): refused at once
+        policy.check_model(model, model_name or None)
     capture = FullCache(window=max(p.window for p in policies.values()))
     capture.needs_accumulated_attention = any(p.needs_accumulated_attention for p in policies.values())
     capture.needs_query_stats = any(p.needs_query_stats for p in policies.values())
