@@ -13,7 +13,17 @@ always kept; its scores are its summed attention, unpooled (they never decide an
 
 GQA: the original code is written for one query head per KV head; averaging the group's scores
 follows the authors' answer in SnapKV issue #22 (as NVIDIA kvpress does). Pooling, summing and
-averaging are linear, so their order does not matter.
+averaging are linear, so their order does not matter (``tests/test_snapkv_derivation.py`` checks the
+score against a from-scratch numpy derivation).
+
+The window: kvsieve's default observation window is 64 queries for every policy; the paper's code
+uses 32. Question-aware, the paper's premise is that the window *is* the question. A RULER question
+with its template tail and answer prefix is about 40 tokens on SmolLM2, so 64 queries reach some 20-26
+tokens back into the haystack; those queries attend to their neighbourhood and outweigh the few that
+read the needle's digits, and the needle is kept truncated (``benchmarks/snapkv_question.py``: +qa at
+50%, niah_single_1 1k, 3 samples: window 64 and 48 answer 0/3 and 1/3, windows 8-40 2/3 to 3/3; pooling
+and the GQA group mean are not the cause). Pass ``snapkv(window=32)`` for question-aware runs; the default
+stays 64 so stored ``snapkv`` rows keep their meaning.
 """
 
 import torch
