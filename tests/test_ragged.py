@@ -7,7 +7,7 @@ import torch
 from conftest import CharTokenizer, tiny_model
 
 import kvsieve
-from kvsieve.engine.cache import SieveLayer, cache_bytes, sieve_layers, stack_caches
+from kvsieve.engine.cache import SieveLayer, cache_allocated_bytes, cache_bytes, sieve_layers, stack_caches
 from kvsieve.engine.generate import generate
 from kvsieve.policies import FullCache, get
 from kvsieve.selection import Selection
@@ -94,7 +94,8 @@ def test_ragged_cache_gives_the_logits_of_the_masked_full_cache(arch, prompt_ids
     for idx, layer in sieve_layers(ragged):
         assert layer.store.lengths.tolist() == [len(s) + 8 for s in kept[idx]]
     allocated = sum(len(s) + 4 + max(64, (len(s) + 4) // 8) for sets in kept.values() for s in sets)
-    assert cache_bytes(ragged) == allocated * entry
+    assert cache_allocated_bytes(ragged) == allocated * entry
+    assert cache_bytes(ragged) == sum(len(s) + 8 for sets in kept.values() for s in sets) * entry
     assert all(layer.seen == N + 8 for _, layer in sieve_layers(ragged))
 
 
@@ -189,9 +190,9 @@ def test_decode_eviction_of_ragged_heads_stays_within_budget_plus_chunk(llama, p
     allocated = sum(layer.store.capacity.sum().item() if layer.store is not None else sum(layer.head_lengths)
                     for _, layer in sieve_layers(cache))
     assert allocated >= entries
-    assert session.peak_cache_bytes >= cache_bytes(cache) == allocated * 2 * 16 * 4
-    # a segment grows by at most evict_every (its spare) past budget + chunk
-    assert session.peak_cache_bytes <= 3 * 2 * (kept + chunk + 8) * 2 * 16 * 4
+    assert cache_allocated_bytes(cache) == allocated * 2 * 16 * 4
+    assert session.peak_cache_bytes >= cache_bytes(cache) == entries * 2 * 16 * 4
+    assert session.peak_cache_bytes <= 3 * 2 * (kept + chunk) * 2 * 16 * 4  # entries held: within budget + chunk
 
 
 @torch.no_grad()

@@ -40,8 +40,8 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from kvsieve.engine.ragged import RaggedStore, spare_for
 
-__all__ = ["HeadEntries", "SieveLayer", "clone_cache", "install", "sieve_layers", "cache_bytes", "full_cache_bytes",
-           "stack_caches", "attached"]
+__all__ = ["HeadEntries", "SieveLayer", "clone_cache", "install", "sieve_layers", "cache_bytes",
+           "cache_allocated_bytes", "full_cache_bytes", "stack_caches", "attached"]
 
 _attached = [0]  # how many kvsieve.attach blocks are open (a ragged layer needs kvsieve's attention)
 
@@ -316,18 +316,22 @@ class SieveLayer(DynamicLayer):
         self.query_stats = self.rope = self.hidden_states = None
 
     def nbytes(self) -> int:
-        """Bytes of the keys and values stored (every segment's own capacity; batch padding included)."""
+        """Bytes of the keys and values of the entries held (a stored layer: every segment's own length; a dense
+        one: its tensors, masked padding included)."""
         if self.store is not None:
             return self.store.nbytes()
         if self.physical_length == 0:
             return 0
         return self._keys.numel() * self._keys.element_size() + self._values.numel() * self._values.element_size()
 
+    def allocated_bytes(self) -> int:
+        """Bytes of memory the keys and values take: :meth:`nbytes` plus a stored layer's spare room."""
+        return self.store.allocated_bytes() if self.store is not None else self.nbytes()
+
     def entry_bytes(self) -> int:
         """Bytes of one key and one value of one head and batch row."""
         if self.store is not None:
-            k, v = self.store.keys, self.store.values
-            return k.shape[-1] * k.element_size() + v.shape[-1] * v.element_size()
+            return self.store.entry_bytes()
         return 0 if self._keys is None or self._keys.dim() < 4 else 2 * self._keys.shape[-1] * self._keys.element_size()
 
     def batch_size(self) -> int:
@@ -362,8 +366,17 @@ def _dense_bytes(layer) -> int:
 
 
 def cache_bytes(cache: DynamicCache) -> int:
-    """Bytes held by the keys and values of every layer (pruned or not, ragged heads at their own length)."""
+    """Bytes of the keys and values of the entries every layer holds (pruned or not, ragged heads at their own
+    length): what results report and compare."""
     return sum(layer.nbytes() if isinstance(layer, SieveLayer) else _dense_bytes(layer) for layer in cache.layers)
+
+
+def cache_allocated_bytes(cache: DynamicCache) -> int:
+    """Bytes of memory the cache's keys and values take: :func:`cache_bytes` plus the spare room of segments that
+    grow in place (at most an eighth, or 64 entries, per segment; ``evict_every`` in decode mode). What a memory
+    budget must charge."""
+    return sum(layer.allocated_bytes() if isinstance(layer, SieveLayer) else _dense_bytes(layer)
+               for layer in cache.layers)
 
 
 def full_cache_bytes(cache: DynamicCache) -> int:

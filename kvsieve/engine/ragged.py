@@ -150,8 +150,16 @@ class RaggedStore:
         """Per KV head, the longest row's length."""
         return self.lengths.view(self.rows, self.heads).amax(0).tolist()
 
+    def entry_bytes(self) -> int:
+        """Bytes of one entry's key and value."""
+        return self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
+
     def nbytes(self) -> int:
-        """Bytes of the key and value buffers (spare capacity included: it is allocated)."""
+        """Bytes of the entries held (every segment's own length)."""
+        return int(self.lengths.sum()) * self.entry_bytes()
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the key and value buffers: the entries held plus every segment's spare room."""
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
     def dense_view(self) -> tuple[torch.Tensor, torch.Tensor] | None:
