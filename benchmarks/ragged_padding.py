@@ -36,7 +36,8 @@ def main() -> None:
     prompt = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
     print("| policy | ratio | entries held | entries gathered | gathered per held |\n|---|---|---|---|---|")
     for text in POLICIES:
-        policy = parse(text.format(model=args.model)).build()
+        text = text.format(model=args.model)
+        policy = parse(text).build()
         for ratio in (float(x) for x in args.ratios.split(",")):
             with kvsieve.attach(model, policy, ratio=ratio):
                 cache = model(input_ids=prompt.context_ids, use_cache=True, logits_to_keep=1).cache
@@ -45,7 +46,7 @@ def main() -> None:
                 lengths = layer.store.lengths if layer.store is not None else torch.tensor(layer.head_lengths)
                 held += int(lengths.sum())
                 gathered += int(lengths.max()) * lengths.numel()
-            print(f"| {text.format(model=args.model)} | {ratio} | {held} | {gathered} | {gathered / held:.2f} |", flush=True)
+            print(f"| {text} | {ratio} | {held} | {gathered} | {gathered / held:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
