@@ -13,6 +13,7 @@ import json
 import os
 import threading
 import time
+from pathlib import Path
 
 import httpx2 as httpx
 import openai
@@ -319,3 +320,39 @@ def test_kvzip_points_are_charged_twice_their_prefill(model):
     tokens = prompt.context_ids.shape[1] + prompt.question_ids.shape[1]
     assert reserve == 4 * BYTES_PER_TOKEN and plain == (tokens + 4) * BYTES_PER_TOKEN
     assert need == (2 * tokens + 4) * BYTES_PER_TOKEN
+
+
+@pytest.mark.model
+def test_the_shipped_surrogate_best_serves_on_smollm2_under_a_contract(tmp_path):
+    from kvsieve.models import load
+    from kvsieve.serve.command import build_state
+
+    program = Path(__file__).parents[1] / "results" / "evolve" / "smollm2-surrogate-best.py"
+    spec = f"program:{program}"
+    contract = ContractFile(Contract(), "smollm2-135m-instruct", "none", [], {"all": _cert(Candidate(spec, 0.75))})
+    path = contract.write(tmp_path / "contract.json")
+    model, tokenizer = load("smollm2-135m-instruct", "float32")
+    state = build_state(model, tokenizer, "smollm2-135m-instruct", point_source("smollm2-135m", contract=str(path)),
+                        max_tokens_limit=64, kv_budget="1GiB")
+    # long enough that a quarter of it holds more than the program's 64-entry window
+    context = ("Notes from the archive. " * 30 + "The special magic number for the blue door is 7423. "
+               + "The records continue without change. " * 30)
+    question = "What is the special magic number for the blue door?"
+    with running(state) as url:
+        reply = client(url).chat.completions.create(model="smollm2-135m-instruct", max_tokens=24,
+                                                    messages=[{"role": "user", "content": context + "\n" + question}])
+    kv = reply.usage.kv_cache
+    assert (kv["policy"], kv["ratio"], kv["status"]) == (spec, 0.75, "certified"), kv["reason"]
+    assert kv["kept_fraction"] < 0.4
+    policy = parse(spec).build()
+    policy.check_model(model, "smollm2-135m-instruct")  # binds the shipped SmolLM2 surrogate
+    want = generate(model, tokenizer, context, question, policy, ratio=0.75, max_new_tokens=24)
+    assert reply.choices[0].message.content == want.text and "7423" in want.text
+
+
+def test_the_command_refuses_a_bad_budget_before_loading_a_model(capsys, monkeypatch):
+    from kvsieve.serve import command
+
+    monkeypatch.setattr(command, "load", lambda *_a: pytest.fail("the model was loaded"))
+    assert command.main(["--kv-budget", "lots"]) == 2
+    assert "--kv-budget 'lots' is not a budget" in capsys.readouterr().err

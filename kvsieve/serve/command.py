@@ -111,13 +111,19 @@ def run(args) -> int:
     try:
         points = point_source(args.model, args.contract, args.policy, args.ratio, args.question_aware,
                               args.allow_override)
+        if not str(args.kv_budget).strip().endswith("%"):
+            parse_budget(args.kv_budget)  # a budget in bytes is checked before the model loads
     except (ValueError, FileNotFoundError) as err:
         print(f"kvsieve serve: error: {err}", file=sys.stderr)
         return 2
     name = bundled(args.model).name if bundled(args.model) else canonical_model(args.model)
     model, tokenizer = load(args.model, args.dtype)  # once: every request shares it
-    state = build_state(model, tokenizer, name, points, args.max_queue, None, args.max_tokens_limit,
-                        args.default_max_tokens)
+    try:
+        state = build_state(model, tokenizer, name, points, args.max_queue, None, args.max_tokens_limit,
+                            args.default_max_tokens, args.kv_budget, int(args.max_body_mb * (1 << 20)))
+    except ValueError as err:  # a point that cannot run on this model, a budget that cannot be read
+        print(f"kvsieve serve: error: {err}", file=sys.stderr)
+        return 2
     server = serve(state, args.host, args.port, log_level=args.log_level, drain_timeout=args.drain_timeout)
     print(f"kvsieve serve: {name}, points: {points.kind}"
           + (f" ({args.contract})" if args.contract else f" ({args.policy}@{args.ratio:g}, uncertified)"
