@@ -15,7 +15,8 @@ and cache, in one run so the ratios sit side by side:
 Printed per row: prefill seconds (CUDA-synchronised; compression included), compression ms and its share of
 the prefill, decode tokens/s (all rows of the batch; the median of ``--tokens`` greedy steps timed one by
 one), the bandwidth limit of one step (weights + cache read once, at the copy bandwidth measured at
-start-up), the cache MiB after the prompt, and the device's peak allocated memory over the row (CUDA only).
+start-up), the cache MiB after the prompt (entries held, and allocated: with the room segments keep to grow in place and
+the rounding within a capacity bucket), and the device's peak allocated memory over the row (CUDA only).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import kvsieve
-from kvsieve.engine.cache import cache_bytes
+from kvsieve.engine.cache import cache_allocated_bytes, cache_bytes
 from kvsieve.models import auto_dtype, resolve_dtype
 from kvsieve.policies import FullCache, get
 from kvsieve.selection import Selection
@@ -85,7 +86,7 @@ def row(model, ids: torch.Tensor, policy, ratio: float, tokens: int, device: tor
         sync(device)
         prefill_s = time.perf_counter() - start
         cache, token = out.cache, out.logits[:, -1:].argmax(-1)
-        held = cache_bytes(cache)
+        held, allocated = cache_bytes(cache), cache_allocated_bytes(cache)
         del out
         token = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)  # warm-up
         steps = []
@@ -99,7 +100,7 @@ def row(model, ids: torch.Tensor, policy, ratio: float, tokens: int, device: tor
         compress_s = session.report.seconds if session.report is not None else 0.0
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return dict(prefill_s=prefill_s, compress_s=compress_s, tokens_per_s=ids.shape[0] / decode_s,
-                cache_bytes=held, peak_bytes=peak)
+                cache_bytes=held, allocated_bytes=allocated, peak_bytes=peak)
 
 
 def machine(device: torch.device) -> str:
@@ -150,8 +151,8 @@ def main() -> None:
           f"{args.shape}-shaped random model ({weights / 2**30:.2f} GiB of weights); kvsieve {revision()}; "
           f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; {args.tokens} decode tokens per row\n")
     print("| context | batch | cache | ratio | prefill s | compress ms | compress % of prefill | decode tokens/s | "
-          "bandwidth limit tokens/s | % of limit | cache MiB | peak GiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "bandwidth limit tokens/s | % of limit | cache MiB | allocated MiB | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for length in (int(x) for x in args.lengths.split(",")):
         for batch in (int(x) for x in args.batches.split(",")):
             ids = torch.randint(1, config.vocab_size, (batch, length),
@@ -166,7 +167,8 @@ def main() -> None:
                 peak = "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f}"
                 print(f"| {length} | {batch} | {label} | {ratio} | {r['prefill_s']:.2f} | {1000 * r['compress_s']:.1f} "
                       f"| {100 * r['compress_s'] / r['prefill_s']:.1f} | {r['tokens_per_s']:.1f} | {limit:.0f} | "
-                      f"{100 * r['tokens_per_s'] / limit:.0f} | {r['cache_bytes'] / 2**20:.1f} | {peak} |", flush=True)
+                      f"{100 * r['tokens_per_s'] / limit:.0f} | {r['cache_bytes'] / 2**20:.1f} | "
+                      f"{r['allocated_bytes'] / 2**20:.1f} | {peak} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
-"""How much the CPU's ragged attention path gathers per entry held: every segment is read as far as its layer's
-longest one. Per policy and ratio, on a bundled model and one RULER sample.
+"""What ragged storage costs beyond the entries it holds: segments share a capacity within their bucket (at most
+BUCKETS per layer), so a bucket is as long as its longest segment. Per policy and ratio, on a bundled model and
+one RULER sample: entries held, entries allocated right after the prune, and what one padded tensor per layer
+(every segment as long as the layer's longest) would take instead.
 
 Run: python benchmarks/ragged_padding.py [--model smollm2-135m-instruct] [--length 2048] [--ratios 0.5,0.875]
 """
@@ -34,19 +36,21 @@ def main() -> None:
     sample = make_sample("niah_single_1", length=args.length, seed=0,
                          count_tokens=lambda text: len(tokenizer(text)["input_ids"]))
     prompt = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
-    print("| policy | ratio | entries held | entries gathered | gathered per held |\n|---|---|---|---|---|")
+    print("| policy | ratio | entries held | allocated / held | one padded tensor per layer / held |\n"
+          "|---|---|---|---|---|")
     for text in POLICIES:
         text = text.format(model=args.model)
         policy = parse(text).build()
         for ratio in (float(x) for x in args.ratios.split(",")):
             with kvsieve.attach(model, policy, ratio=ratio):
                 cache = model(input_ids=prompt.context_ids, use_cache=True, logits_to_keep=1).cache
-            held = gathered = 0
+            held = allocated = padded = 0
             for _, layer in sieve_layers(cache):
                 lengths = layer.store.lengths if layer.store is not None else torch.tensor(layer.head_lengths)
                 held += int(lengths.sum())
-                gathered += int(lengths.max()) * lengths.numel()
-            print(f"| {text} | {ratio} | {held} | {gathered} | {gathered / held:.2f} |", flush=True)
+                allocated += layer.allocated_bytes() // layer.entry_bytes()
+                padded += int(lengths.max()) * lengths.numel()
+            print(f"| {text} | {ratio} | {held} | {allocated / held:.2f} | {padded / held:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -186,15 +186,13 @@ _varlen_failed: list[str] = []  # the first error of the varlen path on this pro
 def stored_attention(query: torch.Tensor, layer: SieveLayer, scaling: float) -> torch.Tensor:
     """Attention of ``query`` (b, hq, q, d) over a stored layer: each (row, KV head) against exactly its own entries.
 
-    One attention call per layer, whatever the number of heads. The layer already holds the new tokens
-    (``update`` appended them), so the causal mask is bottom-right per segment. Three ways, by what the
-    store and device allow: on CUDA, ``varlen_attn`` with every segment a sequence of its own (its
-    ``hq / h`` query heads its heads); where every segment has one length, sdpa over a view of the buffer;
-    else sdpa over every segment's stretch of the buffer as long as the longest segment, gathered, the rest
-    masked. The ``hq / h`` query heads of a
-    KV head are stacked as rows of one query matrix, so keys are never repeated. With attention tracking on,
-    the softmax is computed explicitly and its column sums added to the entries' ``attention``.
-    Returns (b, q, hq, d).
+    The calls per layer never grow with the number of heads. The layer already holds the new tokens (``update``
+    appended them), so the causal mask is bottom-right per segment. On CUDA, one ``varlen_attn`` call with every
+    segment a sequence of its own (its ``hq / h`` query heads its heads); elsewhere one sdpa call per capacity
+    bucket of the store (at most :data:`~kvsieve.engine.ragged.BUCKETS`, one for a full or uniform cache) over a
+    view of the buffer, each segment masked past its length. The ``hq / h`` query heads of a KV head are stacked
+    as rows of one query matrix, so keys are never repeated. With attention tracking on, the softmax is computed
+    explicitly and its column sums added to the entries' ``attention``. Returns (b, q, hq, d).
     """
     store = layer.store
     b, hq, q_len, d = query.shape
@@ -204,68 +202,79 @@ def stored_attention(query: torch.Tensor, layer: SieveLayer, scaling: float) -> 
             and query.dtype in (torch.float16, torch.bfloat16)):
         try:
             return _varlen_attention(query, store, scaling)
-        except RuntimeError as err:  # an old kernel, an unsupported head dim: the padded path still answers
+        except RuntimeError as err:  # an old kernel, an unsupported head dim: the bucket path still answers
             _varlen_failed.append(str(err))
-            warnings.warn(f"kvsieve: varlen attention failed ({err}); using padded sdpa", stacklevel=2)
-    view = store.dense_view()
-    width = store.width
-    key_at = torch.arange(width, device=query.device)
-    lengths = store.device_lengths.view(b, h, 1, 1, 1)
-    if view is not None:
-        keys, values, index = view[0], view[1], None
-        mask = None
-    else:  # every segment from its start, padded on the right: its entries, then its spare or the next segment's
-        index = (store.device_starts[:, None] + key_at).clamp_(max=store.keys.shape[0] - 1).view(b, h, width)
-        keys, values = store.keys[index], store.values[index]
-        mask = key_at < lengths  # (b, h, 1, 1, w)
-    rows = query.view(b, h, groups, q_len, d).reshape(b, h, groups * q_len, d)
-    if q_len > 1:  # entry j of a segment is seen by its query t iff j <= length - q + t (implies j < length)
-        mask = key_at <= lengths - q_len + torch.arange(q_len, device=query.device)[:, None]  # (b, h, 1, q, w)
-    if mask is not None:
-        mask = mask.expand(b, h, groups, q_len, width).reshape(b, h, groups * q_len, width)
+            warnings.warn(f"kvsieve: varlen attention failed ({err}); using sdpa per bucket", stacklevel=2)
     if layer.track_attention:
-        logits = torch.matmul(rows * scaling, keys.transpose(-1, -2)).float()
+        store = layer.store = store.writable()  # its attention is added to in place
+    rows = query.view(b, h, groups, q_len, d).reshape(b * h, groups * q_len, d)
+    only = len(store.buckets) == 1 and store.uniform
+    out = None if only else rows.new_empty(b * h, groups * q_len, store.values.shape[-1])
+    for bucket in store.buckets:
+        lengths = store.lengths[bucket.segments]
+        width = int(lengths.max())
+        keys, values = bucket.view(store.keys)[:, :width], bucket.view(store.values)[:, :width]
+        q = rows if only else rows[bucket.device_segments]
+        key_at = torch.arange(width, device=query.device)
+        seg_lengths = store.device_lengths[bucket.device_segments].view(-1, 1, 1, 1)
+        mask = None
+        if q_len > 1:  # entry j of a segment is seen by its query t iff j <= length - q + t (implies j < length)
+            mask = key_at <= seg_lengths - q_len + torch.arange(q_len, device=query.device)[:, None]  # (n,1,q,w)
+        elif not bool((lengths == width).all()):
+            mask = key_at < seg_lengths  # (n, 1, 1, w)
         if mask is not None:
-            logits = logits.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        layer.accumulate_attention(index, probs.sum(dim=2))
-        out = torch.matmul(probs.to(values.dtype), values)
-    else:
-        out = torch.nn.functional.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=scaling)
+            mask = mask.expand(-1, groups, q_len, width).reshape(-1, groups * q_len, width)
+        if layer.track_attention:
+            logits = torch.matmul(q * scaling, keys.transpose(-1, -2)).float()
+            if mask is not None:
+                logits = logits.masked_fill(~mask, float("-inf"))
+            probs = torch.softmax(logits, dim=-1)
+            bucket.view(store.attention)[:, :width] += probs.sum(dim=1)
+            part = torch.matmul(probs.to(values.dtype), values)
+        else:
+            part = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
+        if only:
+            out = part
+        else:
+            out.index_copy_(0, bucket.device_segments, part)
     out = out.view(b, h, groups, q_len, -1).reshape(b, hq, q_len, -1)
     return out.transpose(1, 2).contiguous()
 
 
 def _varlen_attention(query: torch.Tensor, store, scaling: float, varlen: tuple | None = None) -> torch.Tensor:
-    """``varlen_attn`` over the store's segments; each segment is a sequence whose ``hq / h`` query heads share
-    its one KV head. Without ``seqused_k`` (torch < 2.13) each segment's spare capacity is passed as a
+    """``varlen_attn`` over the store's segments in buffer order; each segment is a sequence whose ``hq / h`` query
+    heads share its one KV head. Without ``seqused_k`` (torch < 2.13) each segment's spare room is passed as a
     sequence of its own with no queries. ``varlen``: (kernel, takes seqused_k, takes enable_gqa), default torch's."""
     varlen_attn, has_seqused, has_gqa_flag = varlen or _VARLEN
     b, hq, q_len, d = query.shape
     h = store.heads
     groups, segments = hq // h, b * h
     device = query.device
-    packed = query.view(b, h, groups, q_len, d).permute(0, 1, 3, 2, 4).reshape(segments * q_len, groups, d)
+    order = torch.cat([bucket.device_segments for bucket in store.buckets])  # buffer order
+    packed = query.view(b, h, groups, q_len, d).permute(0, 1, 3, 2, 4).reshape(segments, q_len, groups, d)
+    packed = packed[order].reshape(segments * q_len, groups, d)
     keys, values = store.keys[:, None], store.values[:, None]
-    lengths = store.device_lengths
+    lengths = store.device_lengths[order]
+    starts = store.device_starts[order]
     options = {"scale": scaling, "window_size": (-1, 0) if q_len > 1 else (-1, -1)}
     if has_gqa_flag:
         options["enable_gqa"] = groups > 1
     max_k = store.width
     if has_seqused:
-        cu_k = torch.cat([store.device_starts, store.device_starts.new_tensor([store.keys.shape[0]])]).int()
+        cu_k = torch.cat([starts, starts.new_tensor([store.keys.shape[0]])]).int()
         cu_q = (torch.arange(segments + 1, device=device) * q_len).int()
         out = varlen_attn(packed, keys, values, cu_q, cu_k, q_len, max_k, seqused_k=lengths.int(), **options)
     else:
-        spare = store.capacity.to(device) - lengths
+        spare = store.capacity.to(device)[order] - lengths
         sizes = torch.stack([lengths, spare], 1).reshape(-1)  # entries, then spare, of every segment
         cu_k = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)]).int()
         per_q = torch.tensor([q_len, 0], device=device).repeat(segments)
         cu_q = torch.cat([per_q.new_zeros(1), per_q.cumsum(0)]).int()
-        max_k = max(max_k, int(store.capacity.max() - store.lengths.min()))
+        max_k = max(max_k, int((store.capacity - store.lengths).max()))
         out = varlen_attn(packed, keys, values, cu_q, cu_k, q_len, max_k, **options)
-    out = out.view(b, h, q_len, groups, -1).permute(0, 2, 1, 3, 4)
-    return out.reshape(b, q_len, hq, -1)
+    unordered = torch.empty_like(out.view(segments, q_len, groups, -1))
+    unordered[order] = out.view(segments, q_len, groups, -1)
+    return unordered.view(b, h, q_len, groups, -1).permute(0, 2, 1, 3, 4).reshape(b, q_len, hq, -1)
 
 
 def _accumulate_attention(layer: SieveLayer, query, key, mask, scaling: float) -> None:

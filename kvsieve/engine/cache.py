@@ -279,17 +279,6 @@ class SieveLayer(DynamicLayer):
         self._valid = None if valid is None or bool(valid.all()) else valid
         self._compact()
 
-    def accumulate_attention(self, index: torch.Tensor | None, received: torch.Tensor) -> None:
-        """Add (b, h, w) attention received to the stored entries read at ``index`` (b, h, w) (``None``: the
-        uniform view's first w entries of each segment)."""
-        store = self.store.writable()
-        self.store = store
-        if index is None:
-            cap = int(store.capacity[0])
-            store.attention.view(store.rows, store.heads, cap)[:, :, :received.shape[-1]] += received
-        else:
-            store.attention.index_add_(0, index.reshape(-1), received.reshape(-1))
-
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep only the batch rows ``indices`` (a decode batch dropping its finished rows)."""
         if self.store is not None:

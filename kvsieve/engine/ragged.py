@@ -1,15 +1,17 @@
 """One layer's keys and values as segments of one buffer: one segment per (batch row, KV head), each at its own length.
 
-A segment holds its entries first and spare capacity after them, so a decode step appends every segment's new
-token with one ``index_copy_`` (no copy of the layer) and the entries dropped by a prune are freed (each
-segment is only as long as its own entries plus its spare). Segments are laid out row-major (segment
-``s = row * heads + head``) and back to back (``starts[s + 1] == starts[s] + capacity[s]``), which is the layout
-variable-length attention reads directly (``cu_seq_k`` = the starts, ``seqused_k`` = the lengths). When every
-segment has the same length and capacity (a uniform or full cache) the buffer *is* a (b, h, capacity, d)
-tensor, and attention reads a view of it without gathering.
+A segment holds its entries first and spare room after them, so a decode step appends every segment's new token
+with one ``index_copy_`` (no copy of the layer), and the entries a prune drops are freed. Segments are grouped into
+at most :data:`BUCKETS` *buckets* of equal capacity (the segments sorted by length and cut into groups of equal
+count, each group as long as its longest), laid out back to back: a bucket is then a (segments, capacity, d) view
+of the buffer, and attention reads it without gathering, one call per bucket, so the calls per layer never grow
+with the number of heads. The price is the rounding up within a bucket (:meth:`RaggedStore.allocated_bytes`
+counts it). A cache whose segments are all alike (full, uniform) is one bucket: a (b, h, capacity, d) view.
 
-Host copies of the lengths and capacities are kept beside the device copies, so no step synchronises with the
-device to learn a shape.
+Segments are numbered row-major (``s = row * heads + head``); ``starts[s]`` is where segment ``s`` begins. The
+buffer as a whole is also the layout of variable-length attention (``cu_seq_k`` = the starts in buffer order,
+``seqused_k`` = the lengths). Host copies of the lengths sit beside the device copies, so no step synchronises
+with the device to learn a shape.
 """
 
 from __future__ import annotations
@@ -19,24 +21,67 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RaggedStore", "spare_for"]
+__all__ = ["BUCKETS", "Bucket", "RaggedStore", "spare_for"]
 
-_MIN_SPARE = 64  # entries of spare capacity a growing segment gets at least (a copy every >= 64 decode steps)
+BUCKETS = 4  # capacity groups per layer: attention calls per layer and step, at most
+_MIN_SPARE = 64  # entries of spare room a growing segment gets at least (a copy every >= 64 decode steps)
 
 
 def spare_for(length: int) -> int:
-    """Spare capacity given to a segment of ``length`` entries when it must grow: an eighth, at least 64."""
+    """Spare room given to a segment of ``length`` entries when it must grow: an eighth, at least 64."""
     return max(_MIN_SPARE, length // 8)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Segments laid out consecutively from ``base``, each with ``capacity`` entries of room."""
+
+    base: int
+    capacity: int
+    segments: torch.Tensor  # (n,) int64 on the host: segment ids, in layout order
+    device_segments: torch.Tensor  # the same on the buffer's device
+
+    @property
+    def count(self) -> int:
+        return self.segments.numel()
+
+    def view(self, buffer: torch.Tensor) -> torch.Tensor:
+        """(n, capacity, ...) view of this bucket's part of ``buffer``."""
+        return buffer[self.base : self.base + self.count * self.capacity].view(self.count, self.capacity,
+                                                                              *buffer.shape[1:])
+
+
+def _layout(needs: torch.Tensor, device) -> tuple[list[Bucket], torch.Tensor]:
+    """Buckets for segments needing ``needs`` (S,) entries of room each, and every segment's start.
+
+    Sorted by need (stable, so equal needs keep their row-major order) and cut into groups of equal count;
+    neighbouring groups of one capacity are one bucket."""
+    order = torch.sort(needs, stable=True).indices
+    groups = [g for g in torch.tensor_split(order, min(BUCKETS, max(1, order.numel()))) if g.numel()]
+    merged: list[tuple[int, list[torch.Tensor]]] = []
+    for group in groups:
+        capacity = int(needs[group].max())
+        if merged and merged[-1][0] == capacity:
+            merged[-1][1].append(group)
+        else:
+            merged.append((capacity, [group]))
+    buckets, starts, base = [], torch.empty_like(needs), 0
+    for capacity, parts in merged:
+        segments = torch.cat(parts)
+        starts[segments] = base + torch.arange(segments.numel()) * capacity
+        buckets.append(Bucket(base, capacity, segments, segments.to(device)))
+        base += segments.numel() * capacity
+    return buckets, starts
 
 
 @dataclass
 class RaggedStore:
     """Keys, values and per-entry fields of one layer, segment by segment (see the module docstring).
 
-    keys, values: (T, d) the buffer; positions: (T,) int64 original positions; attention, scores: (T,)
-    float32 accumulated attention / remembered scores, when tracked. starts, capacity, lengths: (S,) int64 on
-    the host; ``device_starts`` / ``device_lengths`` the same on the buffer's device. ``shared``: the buffer is
-    also held by a cache copy (``clone``), so the next in-place write copies it first.
+    keys, values: (T, d) the buffer; positions: (T,) int64 original positions; attention, scores: (T,) float32
+    accumulated attention / remembered scores, when tracked. lengths: (S,) int64 on the host (``device_lengths``
+    on the buffer's device); buckets: the layout; ``starts``: (S,) where each segment begins. ``shared``: the
+    buffer is also held by a cache copy (``clone_shared``), so the next in-place write copies it first.
     """
 
     keys: torch.Tensor
@@ -44,44 +89,45 @@ class RaggedStore:
     positions: torch.Tensor
     rows: int
     heads: int
-    starts: torch.Tensor
-    capacity: torch.Tensor
     lengths: torch.Tensor
+    buckets: list[Bucket]
+    starts: torch.Tensor
     attention: torch.Tensor | None = None
     scores: torch.Tensor | None = None
     shared: bool = False
 
     def __post_init__(self) -> None:
         device = self.keys.device
-        self.device_starts = self.starts.to(device, copy=True)  # copies even on the CPU: both are updated in place
+        self.device_starts = self.starts.to(device, copy=True)  # copies even on the CPU: updated in place
         self.device_lengths = self.lengths.to(device, copy=True)
-        caps, lengths = self.capacity, self.lengths
-        self.uniform = bool(caps.numel()) and bool((caps == caps[0]).all()) and bool((lengths == lengths[0]).all())
+        self.capacity = torch.empty_like(self.lengths)
+        for bucket in self.buckets:
+            self.capacity[bucket.segments] = bucket.capacity
+        # every segment at one length and capacity, in row-major order: the buffer is a (b, h, cap, d) tensor
+        # (appends keep it so: every segment grows alike)
+        self.uniform = (len(self.buckets) == 1 and bool((self.lengths == self.lengths[0]).all())
+                        and bool((self.buckets[0].segments == torch.arange(self.lengths.numel())).all()))
 
     # -- building ------------------------------------------------------------------------------------
     @classmethod
     def from_dense(cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                    valid: torch.Tensor | None = None, attention: torch.Tensor | None = None,
                    scores: torch.Tensor | None = None, spare: int | None = None) -> RaggedStore:
-        """From (b, h, n, ...) tensors; ``valid`` (b, h, n) marks the entries to keep (in their order).
-
-        Each segment gets capacity = its entries + ``spare`` (default none: the bytes are exactly the entries;
-        ``None`` is not "default spare" but zero, so a prune frees everything it drops)."""
+        """From (b, h, n, ...) tensors; ``valid`` (b, h, n) marks the entries to keep (in their order). Each
+        segment gets room for its entries + ``spare`` (``None``: none, so a prune frees all it drops)."""
         b, h, n = positions.shape
         lengths = (valid.sum(-1) if valid is not None else torch.full((b, h), n, device=keys.device)).reshape(-1)
         lengths = lengths.to("cpu", torch.int64)
-        capacity = lengths + (spare or 0)
-        if valid is None and not spare:  # already back to back
-            flat = lambda t: None if t is None else t.reshape(b * h * n, *t.shape[3:])  # noqa: E731
-            return cls(flat(keys).contiguous(), flat(values).contiguous(), flat(positions).contiguous(), b, h,
-                       torch.arange(b * h, dtype=torch.int64) * n, capacity, lengths,
-                       None if attention is None else flat(attention).float().contiguous(),
-                       None if scores is None else flat(scores).float().contiguous())
+        buckets, starts = _layout(lengths + (spare or 0), keys.device)
+        total = sum(bucket.count * bucket.capacity for bucket in buckets)
+        if valid is None and not spare:  # one bucket in row-major order: the tensors are the buffer already
+            flat = lambda t: None if t is None else t.reshape(b * h * n, *t.shape[3:]).contiguous()  # noqa: E731
+            return cls(flat(keys), flat(values), flat(positions), b, h, lengths, buckets, starts,
+                       None if attention is None else flat(attention.float()),
+                       None if scores is None else flat(scores.float()))
         keep = valid if valid is not None else torch.ones(b, h, n, dtype=torch.bool, device=keys.device)
-        starts = torch.cumsum(capacity, 0) - capacity
         within = torch.cumsum(keep.long(), -1) - 1  # an entry's index among its segment's kept entries
         destination = (starts.to(keys.device).view(b, h, 1) + within)[keep]
-        total = int(capacity.sum())
 
         def place(t, fill=0.0):
             if t is None:
@@ -89,22 +135,24 @@ class RaggedStore:
             out = torch.full((total, *t.shape[3:]), fill, dtype=t.dtype, device=t.device)
             return out.index_copy_(0, destination, t[keep])
 
-        return cls(place(keys), place(values), place(positions, 0), b, h, starts, capacity, lengths,
+        return cls(place(keys), place(values), place(positions, 0), b, h, lengths, buckets, starts,
                    place(None if attention is None else attention.float()),
                    place(None if scores is None else scores.float(), math.nan))
 
     @classmethod
     def concat(cls, stores: list[RaggedStore]) -> RaggedStore:
-        """The rows of several stores (same heads), one after the other."""
-        offsets = torch.tensor([0] + [s.keys.shape[0] for s in stores[:-1]], dtype=torch.int64).cumsum(0)
+        """The rows of several stores (same heads), one after the other (one copy into a fresh layout)."""
+        offsets = torch.tensor([0] + [s.keys.shape[0] for s in stores[:-1]], dtype=torch.int64).cumsum(0).tolist()
         keep_attention = all(s.attention is not None for s in stores)
         keep_scores = all(s.scores is not None for s in stores)
-        return cls(torch.cat([s.keys for s in stores]), torch.cat([s.values for s in stores]),
-                   torch.cat([s.positions for s in stores]), sum(s.rows for s in stores), stores[0].heads,
-                   torch.cat([s.starts + o for s, o in zip(stores, offsets.tolist())]),
-                   torch.cat([s.capacity for s in stores]), torch.cat([s.lengths for s in stores]),
-                   torch.cat([s.attention for s in stores]) if keep_attention else None,
-                   torch.cat([s.scores for s in stores]) if keep_scores else None)
+        lengths = torch.cat([s.lengths for s in stores])
+        starts = torch.cat([s.starts + offset for s, offset in zip(stores, offsets)])
+        joined = cls(torch.cat([s.keys for s in stores]), torch.cat([s.values for s in stores]),
+                     torch.cat([s.positions for s in stores]), sum(s.rows for s in stores), stores[0].heads,
+                     lengths, [], starts,
+                     torch.cat([s.attention for s in stores]) if keep_attention else None,
+                     torch.cat([s.scores for s in stores]) if keep_scores else None)
+        return joined.repacked(torch.cat([s.capacity for s in stores]))
 
     def _entries(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(segment of each held entry, its flat index), every segment's entries in order."""
@@ -115,21 +163,22 @@ class RaggedStore:
         within = torch.arange(segment.numel(), device=device) - first[segment]
         return segment, self.device_starts[segment] + within
 
-    def repacked(self, capacity: torch.Tensor, segments: torch.Tensor | None = None) -> RaggedStore:
-        """A new buffer holding the entries of ``segments`` (default all) with the given capacities."""
+    def repacked(self, needs: torch.Tensor, segments: torch.Tensor | None = None) -> RaggedStore:
+        """A new buffer holding the entries of ``segments`` (default all, in that order), each with room for at
+        least ``needs`` entries."""
         if segments is None:
             segments = torch.arange(self.lengths.numel())
         lengths = self.lengths[segments]
-        if bool((capacity < lengths).any()):
-            raise ValueError("a segment's capacity is below its length")
-        chosen = RaggedStore(self.keys, self.values, self.positions, 0, self.heads, self.starts[segments],
-                             capacity, lengths)  # the old buffer seen through the chosen segments
+        if bool((needs < lengths).any()):
+            raise ValueError("a segment's room is below its length")
+        chosen = RaggedStore(self.keys, self.values, self.positions, 0, self.heads, lengths, [],
+                             self.starts[segments])  # the old buffer seen through the chosen segments
         segment, source = chosen._entries()
-        starts = torch.cumsum(capacity, 0) - capacity
-        first = torch.cumsum(lengths.to(self.keys.device), 0) - lengths.to(self.keys.device)
-        destination = starts.to(self.keys.device)[segment] + (torch.arange(segment.numel(), device=segment.device)
-                                                               - first[segment])
-        total = int(capacity.sum())
+        device = self.keys.device
+        buckets, starts = _layout(needs, device)
+        first = torch.cumsum(chosen.device_lengths, 0) - chosen.device_lengths
+        destination = starts.to(device)[segment] + (torch.arange(segment.numel(), device=device) - first[segment])
+        total = sum(bucket.count * bucket.capacity for bucket in buckets)
 
         def move(t, fill=0.0):
             if t is None:
@@ -137,14 +186,16 @@ class RaggedStore:
             return torch.full((total, *t.shape[1:]), fill, dtype=t.dtype, device=t.device).index_copy_(
                 0, destination, t[source])
 
-        return RaggedStore(move(self.keys), move(self.values), move(self.positions, 0), segments.numel() // self.heads,
-                           self.heads, starts, capacity, lengths, move(self.attention), move(self.scores, math.nan))
+        return RaggedStore(move(self.keys), move(self.values), move(self.positions, 0),
+                           segments.numel() // self.heads, self.heads, lengths, buckets, starts,
+                           move(self.attention), move(self.scores, math.nan))
 
     # -- reading -------------------------------------------------------------------------------------
     @property
     def width(self) -> int:
         """The longest segment's length."""
         return int(self.lengths.max()) if self.lengths.numel() else 0
+
 
     def head_lengths(self) -> list[int]:
         """Per KV head, the longest row's length."""
@@ -159,16 +210,17 @@ class RaggedStore:
         return int(self.lengths.sum()) * self.entry_bytes()
 
     def allocated_bytes(self) -> int:
-        """Bytes of the key and value buffers: the entries held plus every segment's spare room."""
+        """Bytes of the key and value buffers: the entries held plus every segment's room after them."""
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
     def dense_view(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(b, h, n, d) views of the keys and values when every segment has one length and capacity, else None."""
+        """(b, h, n, d) views of the keys and values when the store is :attr:`uniform`, else None."""
         if not self.uniform:
             return None
-        cap, n = int(self.capacity[0]), int(self.lengths[0])
-        shape = (self.rows, self.heads, cap)
-        return self.keys.view(*shape, -1)[:, :, :n], self.values.view(*shape, -1)[:, :, :n]
+        n = int(self.lengths[0])
+        bucket = self.buckets[0]
+        shape = (self.rows, self.heads, bucket.capacity, -1)
+        return (bucket.view(self.keys).view(shape)[:, :, :n], bucket.view(self.values).view(shape)[:, :, :n])
 
     def padded_index(self, width: int, pad_at: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(b, h, width) flat indices of every segment padded to ``width``, and which of them are entries.
@@ -190,22 +242,24 @@ class RaggedStore:
     def padded(self, pad_at: int = 0, width: int | None = None) -> dict[str, torch.Tensor | None]:
         """Dense (b, h, w, ...) copies (see :meth:`padded_index`); ``valid`` is ``None`` when nothing is padding."""
         index, valid = self.padded_index(self.width if width is None else width, pad_at)
-        out = {"keys": self.keys[index], "values": self.values[index], "positions": self.positions[index],
-               "valid": None if bool(valid.all()) else valid,
-               "attention": None if self.attention is None else self.attention[index].masked_fill(~valid, 0.0),
-               "scores": None if self.scores is None else self.scores[index].masked_fill(~valid, 0.0)}
-        return out
+        return {"keys": self.keys[index], "values": self.values[index], "positions": self.positions[index],
+                "valid": None if bool(valid.all()) else valid,
+                "attention": None if self.attention is None else self.attention[index].masked_fill(~valid, 0.0),
+                "scores": None if self.scores is None else self.scores[index].masked_fill(~valid, 0.0)}
 
     # -- writing -------------------------------------------------------------------------------------
     def writable(self, extra: int = 0, spare: int | None = None) -> RaggedStore:
-        """This store, or a copy of it, that can take ``extra`` more entries per segment in place; a segment that
-        must grow gets ``spare`` more (default :func:`spare_for` its new length)."""
+        """This store, or a copy of it, that can take ``extra`` more entries per segment in place. When a
+        segment must grow, every segment gets room for ``spare`` more (default :func:`spare_for` its length):
+        all of them grow by one entry a step."""
         need = self.lengths + extra
-        if self.shared or bool((need > self.capacity).any()):
-            room = torch.tensor([spare_for(int(x)) for x in need]) if spare is None else spare
-            grown = torch.where(need > self.capacity, need + room, self.capacity)
-            return self.repacked(grown)
-        return self
+        grow = bool((need > self.capacity).any())
+        if not (self.shared or grow):
+            return self
+        if not grow:
+            return self.repacked(self.capacity.clone())
+        room = torch.tensor([spare_for(int(x)) for x in need]) if spare is None else spare
+        return self.repacked(torch.maximum(need + room, self.capacity))
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                spare: int | None = None) -> RaggedStore:
@@ -228,7 +282,7 @@ class RaggedStore:
         return store
 
     def select_rows(self, rows: torch.Tensor) -> RaggedStore:
-        """Only the batch rows ``rows`` (a copy, capacities kept)."""
+        """Only the batch rows ``rows`` (a copy, each segment keeping its room)."""
         rows = rows.to("cpu", torch.int64)
         segments = (rows[:, None] * self.heads + torch.arange(self.heads)[None, :]).reshape(-1)
         return self.repacked(self.capacity[segments].clone(), segments)
@@ -236,6 +290,5 @@ class RaggedStore:
     def clone_shared(self) -> RaggedStore:
         """A second handle on the same buffer; both copy it before their next in-place write."""
         self.shared = True
-        twin = RaggedStore(self.keys, self.values, self.positions, self.rows, self.heads, self.starts.clone(),
-                           self.capacity.clone(), self.lengths.clone(), self.attention, self.scores, shared=True)
-        return twin
+        return RaggedStore(self.keys, self.values, self.positions, self.rows, self.heads, self.lengths.clone(),
+                           self.buckets, self.starts.clone(), self.attention, self.scores, shared=True)
