@@ -7,7 +7,15 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import kvsieve
 from kvsieve.engine.attention import _varlen_attention, stored_attention
-from kvsieve.engine.cache import SieveLayer, clone_cache, sieve_layers
+from kvsieve.engine.cache import (
+    SieveLayer,
+    cache_allocated_bytes,
+    cache_bytes,
+    clone_cache,
+    reserve_room,
+    sieve_layers,
+    stack_caches,
+)
 from kvsieve.engine.ragged import BUCKETS, RaggedStore
 from kvsieve.policies import FullCache, get
 from kvsieve.selection import Selection
@@ -153,3 +161,31 @@ def test_varlen_packing_matches_the_padded_path(seqused, gqa_flag, q_len):
     expected = stored_attention(query, layer, 0.3)  # on the CPU: the padded sdpa path
     got = _varlen_attention(query, layer.store, 0.3, (reference_varlen, seqused, gqa_flag))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_reserved_room_holds_a_whole_answer_and_a_batch_allocates_what_its_requests_do():
+    model = model_with(4, 8)
+    caches = []
+    for seed, ratio in ((6, 0.5), (7, 0.875)):
+        ids = torch.randint(1, 128, (1, 96 + 40 * seed % 3), generator=torch.Generator().manual_seed(seed))
+        policy = get("snapkv", window=8, selection=Selection(recent=8, allocation="global", normalization="zscore"))
+        with kvsieve.attach(model, policy, ratio=ratio):
+            caches.append(reserve_room(model(input_ids=ids, use_cache=True).cache, 10))
+    alone = [cache_allocated_bytes(c) for c in caches]
+    for cache in caches:
+        held = cache_bytes(cache)
+        assert held < cache_allocated_bytes(cache)
+        for _, layer in sieve_layers(cache):  # every segment has room for 10 more
+            assert bool((layer.store.capacity - layer.store.lengths >= 10).all())
+    batch = stack_caches(caches)
+    assert cache_allocated_bytes(batch) == sum(alone)  # nothing rounded across requests
+    buffers = [layer.store.keys.data_ptr() for _, layer in sieve_layers(batch)]
+    with kvsieve.attach(model, FullCache(window=4), ratio=0.0):
+        for step in range(10):
+            model(input_ids=torch.tensor([[3 + step], [4 + step]]), cache=batch, use_cache=True,
+                  position_ids=torch.tensor([[200 + step], [200 + step]]))
+    assert [layer.store.keys.data_ptr() for _, layer in sieve_layers(batch)] == buffers  # appended in place
+    assert cache_allocated_bytes(batch) == sum(alone)
+    batch.batch_select_indices(torch.tensor([1]))  # the first request leaves: the second keeps its own room
+    assert cache_allocated_bytes(batch) == alone[1]

@@ -41,7 +41,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from kvsieve.engine.ragged import RaggedStore, spare_for
 
 __all__ = ["HeadEntries", "SieveLayer", "clone_cache", "install", "sieve_layers", "cache_bytes",
-           "cache_allocated_bytes", "full_cache_bytes", "stack_caches", "attached"]
+           "cache_allocated_bytes", "full_cache_bytes", "stack_caches", "attached", "reserve_room"]
 
 _attached = [0]  # how many kvsieve.attach blocks are open (a ragged layer needs kvsieve's attention)
 
@@ -341,6 +341,20 @@ def install(cache: DynamicCache, window: int, track_attention: bool) -> DynamicC
             if layer.get_seq_length() > 0:
                 raise ValueError("kvsieve needs a fresh cache: this one already holds tokens from outside attach()")
             cache.layers[i] = SieveLayer(window=window, track_attention=track_attention)
+    return cache
+
+
+def reserve_room(cache: DynamicCache, tokens: int) -> DynamicCache:
+    """Give every (row, KV head) of every kvsieve layer room for ``tokens`` more entries, so decoding that many
+    tokens appends in place and allocates nothing: a server reserves each request's ``max_tokens`` this way and
+    charges :func:`cache_allocated_bytes`, which then holds for the whole request. Returns ``cache``."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise ValueError(f"tokens must be an int >= 0, got {tokens!r}")
+    for _, layer in sieve_layers(cache):
+        if layer.store is not None:
+            layer.store = layer.store.with_room(tokens)
+        elif layer.physical_length:
+            layer._to_store(spare=tokens)
     return cache
 
 

@@ -2,8 +2,8 @@
 
 A segment holds its entries first and spare room after them, so a decode step appends every segment's new token
 with one ``index_copy_`` (no copy of the layer), and the entries a prune drops are freed. Segments are grouped into
-at most :data:`BUCKETS` *buckets* of equal capacity (the segments sorted by length and cut into groups of equal
-count, each group as long as its longest), laid out back to back: a bucket is then a (segments, capacity, d) view
+at most :data:`BUCKETS` *buckets* of equal capacity (the segments sorted by length and cut where the length jumps
+most, each group as long as its longest), laid out back to back: a bucket is then a (segments, capacity, d) view
 of the buffer, and attention reads it without gathering, one call per bucket, so the calls per layer never grow
 with the number of heads. The price is the rounding up within a bucket (:meth:`RaggedStore.allocated_bytes`
 counts it). A cache whose segments are all alike (full, uniform) is one bucket: a (b, h, capacity, d) view.
@@ -23,7 +23,7 @@ import torch
 
 __all__ = ["BUCKETS", "Bucket", "RaggedStore", "spare_for"]
 
-BUCKETS = 4  # capacity groups per layer: attention calls per layer and step, at most
+BUCKETS = 4  # capacity groups per layer and request: attention calls per layer and step (CPU), at most
 _MIN_SPARE = 64  # entries of spare room a growing segment gets at least (a copy every >= 64 decode steps)
 
 
@@ -51,23 +51,22 @@ class Bucket:
                                                                               *buffer.shape[1:])
 
 
-def _layout(needs: torch.Tensor, device) -> tuple[list[Bucket], torch.Tensor]:
-    """Buckets for segments needing ``needs`` (S,) entries of room each, and every segment's start.
-
-    Sorted by need (stable, so equal needs keep their row-major order) and cut into groups of equal count;
-    neighbouring groups of one capacity are one bucket."""
+def _groups(needs: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """At most :data:`BUCKETS` groups of segments, as (capacity, segment ids): the segments sorted by need (stable,
+    so equal needs keep their row-major order), cut where the need jumps by the largest factors; each group as
+    long as its longest need. Segments of equal need are one group."""
     order = torch.sort(needs, stable=True).indices
-    groups = [g for g in torch.tensor_split(order, min(BUCKETS, max(1, order.numel()))) if g.numel()]
-    merged: list[tuple[int, list[torch.Tensor]]] = []
-    for group in groups:
-        capacity = int(needs[group].max())
-        if merged and merged[-1][0] == capacity:
-            merged[-1][1].append(group)
-        else:
-            merged.append((capacity, [group]))
-    buckets, starts, base = [], torch.empty_like(needs), 0
-    for capacity, parts in merged:
-        segments = torch.cat(parts)
+    sorted_needs = needs[order].double()
+    jumps = sorted_needs[1:] / sorted_needs[:-1].clamp(min=1)
+    cut = torch.topk(jumps, min(BUCKETS - 1, jumps.numel())) if jumps.numel() else None
+    cuts = sorted(int(i) + 1 for i, jump in zip(cut.indices, cut.values) if jump > 1) if cut is not None else []
+    return [(int(needs[part].max()), part) for part in torch.tensor_split(order, cuts) if part.numel()]
+
+
+def _place(groups: list[tuple[int, torch.Tensor]], count: int, device) -> tuple[list[Bucket], torch.Tensor]:
+    """Buckets for ``groups`` laid out one after the other, and the start of each of ``count`` segments."""
+    buckets, starts, base = [], torch.zeros(count, dtype=torch.int64), 0
+    for capacity, segments in groups:
         starts[segments] = base + torch.arange(segments.numel()) * capacity
         buckets.append(Bucket(base, capacity, segments, segments.to(device)))
         base += segments.numel() * capacity
@@ -100,13 +99,18 @@ class RaggedStore:
         device = self.keys.device
         self.device_starts = self.starts.to(device, copy=True)  # copies even on the CPU: updated in place
         self.device_lengths = self.lengths.to(device, copy=True)
-        self.capacity = torch.empty_like(self.lengths)
-        for bucket in self.buckets:
-            self.capacity[bucket.segments] = bucket.capacity
+        self.capacity = self.capacity_in(self.buckets)
         # every segment at one length and capacity, in row-major order: the buffer is a (b, h, cap, d) tensor
         # (appends keep it so: every segment grows alike)
         self.uniform = (len(self.buckets) == 1 and bool((self.lengths == self.lengths[0]).all())
                         and bool((self.buckets[0].segments == torch.arange(self.lengths.numel())).all()))
+
+    def capacity_in(self, buckets: list[Bucket]) -> torch.Tensor:
+        """(S,) each segment's room under ``buckets``."""
+        capacity = torch.zeros_like(self.lengths)
+        for bucket in buckets:
+            capacity[bucket.segments] = bucket.capacity
+        return capacity
 
     # -- building ------------------------------------------------------------------------------------
     @classmethod
@@ -118,7 +122,7 @@ class RaggedStore:
         b, h, n = positions.shape
         lengths = (valid.sum(-1) if valid is not None else torch.full((b, h), n, device=keys.device)).reshape(-1)
         lengths = lengths.to("cpu", torch.int64)
-        buckets, starts = _layout(lengths + (spare or 0), keys.device)
+        buckets, starts = _place(_groups(lengths + (spare or 0)), lengths.numel(), keys.device)
         total = sum(bucket.count * bucket.capacity for bucket in buckets)
         if valid is None and not spare:  # one bucket in row-major order: the tensors are the buffer already
             flat = lambda t: None if t is None else t.reshape(b * h * n, *t.shape[3:]).contiguous()  # noqa: E731
@@ -141,18 +145,20 @@ class RaggedStore:
 
     @classmethod
     def concat(cls, stores: list[RaggedStore]) -> RaggedStore:
-        """The rows of several stores (same heads), one after the other (one copy into a fresh layout)."""
+        """The rows of several stores (same heads), one after the other: their buffers joined, each keeping its
+        own buckets (no rounding across stores: a batch of requests holds what each of them would alone)."""
         offsets = torch.tensor([0] + [s.keys.shape[0] for s in stores[:-1]], dtype=torch.int64).cumsum(0).tolist()
+        first = torch.tensor([0] + [s.lengths.numel() for s in stores[:-1]], dtype=torch.int64).cumsum(0).tolist()
         keep_attention = all(s.attention is not None for s in stores)
         keep_scores = all(s.scores is not None for s in stores)
-        lengths = torch.cat([s.lengths for s in stores])
-        starts = torch.cat([s.starts + offset for s, offset in zip(stores, offsets)])
-        joined = cls(torch.cat([s.keys for s in stores]), torch.cat([s.values for s in stores]),
-                     torch.cat([s.positions for s in stores]), sum(s.rows for s in stores), stores[0].heads,
-                     lengths, [], starts,
-                     torch.cat([s.attention for s in stores]) if keep_attention else None,
-                     torch.cat([s.scores for s in stores]) if keep_scores else None)
-        return joined.repacked(torch.cat([s.capacity for s in stores]))
+        buckets = [Bucket(b.base + offset, b.capacity, b.segments + shift, b.device_segments + shift)
+                   for s, offset, shift in zip(stores, offsets, first) for b in s.buckets]
+        return cls(torch.cat([s.keys for s in stores]), torch.cat([s.values for s in stores]),
+                   torch.cat([s.positions for s in stores]), sum(s.rows for s in stores), stores[0].heads,
+                   torch.cat([s.lengths for s in stores]), buckets,
+                   torch.cat([s.starts + offset for s, offset in zip(stores, offsets)]),
+                   torch.cat([s.attention for s in stores]) if keep_attention else None,
+                   torch.cat([s.scores for s in stores]) if keep_scores else None)
 
     def _entries(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(segment of each held entry, its flat index), every segment's entries in order."""
@@ -163,19 +169,21 @@ class RaggedStore:
         within = torch.arange(segment.numel(), device=device) - first[segment]
         return segment, self.device_starts[segment] + within
 
-    def repacked(self, needs: torch.Tensor, segments: torch.Tensor | None = None) -> RaggedStore:
-        """A new buffer holding the entries of ``segments`` (default all, in that order), each with room for at
-        least ``needs`` entries."""
+    def repacked(self, needs: torch.Tensor | None = None, segments: torch.Tensor | None = None,
+                 groups: list[tuple[int, torch.Tensor]] | None = None) -> RaggedStore:
+        """A new buffer holding the entries of ``segments`` (default all, in that order; numbered 0.. in the new
+        store), in ``groups`` (capacity, new segment ids), or in new buckets for segments needing ``needs``."""
         if segments is None:
             segments = torch.arange(self.lengths.numel())
         lengths = self.lengths[segments]
-        if bool((needs < lengths).any()):
-            raise ValueError("a segment's room is below its length")
+        groups = groups if groups is not None else _groups(needs)
         chosen = RaggedStore(self.keys, self.values, self.positions, 0, self.heads, lengths, [],
                              self.starts[segments])  # the old buffer seen through the chosen segments
         segment, source = chosen._entries()
         device = self.keys.device
-        buckets, starts = _layout(needs, device)
+        buckets, starts = _place(groups, segments.numel(), device)
+        if bool((chosen.capacity_in(buckets) < lengths).any()):
+            raise ValueError("a segment's room is below its length")
         first = torch.cumsum(chosen.device_lengths, 0) - chosen.device_lengths
         destination = starts.to(device)[segment] + (torch.arange(segment.numel(), device=device) - first[segment])
         total = sum(bucket.count * bucket.capacity for bucket in buckets)
@@ -282,10 +290,18 @@ class RaggedStore:
         return store
 
     def select_rows(self, rows: torch.Tensor) -> RaggedStore:
-        """Only the batch rows ``rows`` (a copy, each segment keeping its room)."""
+        """Only the batch rows ``rows`` (a copy; each segment keeps its bucket's capacity, so nothing is rounded)."""
         rows = rows.to("cpu", torch.int64)
         segments = (rows[:, None] * self.heads + torch.arange(self.heads)[None, :]).reshape(-1)
-        return self.repacked(self.capacity[segments].clone(), segments)
+        renumber = torch.full((self.lengths.numel(),), -1, dtype=torch.int64)
+        renumber[segments] = torch.arange(segments.numel())
+        groups = [(b.capacity, renumber[b.segments][renumber[b.segments] >= 0]) for b in self.buckets]
+        return self.repacked(segments=segments, groups=[(c, g) for c, g in groups if g.numel()])
+
+    def with_room(self, tokens: int) -> RaggedStore:
+        """This store, or a copy, in which every segment can take ``tokens`` more entries without growing."""
+        need = self.lengths + tokens
+        return self if bool((need <= self.capacity).all()) else self.repacked(torch.maximum(need, self.capacity))
 
     def clone_shared(self) -> RaggedStore:
         """A second handle on the same buffer; both copy it before their next in-place write."""

@@ -10,16 +10,16 @@ What a request is charged (exact bytes, at the model's dtype; ``b`` is one token
 
 * while it is prefilled: ``b x prompt tokens`` (twice that for a policy that rebuilds the context, KVzip)
   plus the reserve below, so both of its phases fit before it starts;
-* once it decodes: the bytes of the entries its compressed cache holds (its ``usage.kv_cache.bytes_kept``,
-  plus the question read after a query-agnostic compression) plus ``b x max_tokens``, the most its entries
-  can grow while it decodes.
+* once it decodes: the bytes its cache allocates (``cache_allocated_bytes``) after ``reserve_room`` gave every
+  segment room for ``max_tokens`` more entries: its compressed entries (``usage.kv_cache.bytes_kept``), the
+  question read after a query-agnostic compression, and ``b x max_tokens``. Decoding then appends in place
+  and allocates nothing more; stacking keeps each request's own layout, so a batch allocates what its
+  requests would alone.
 
 A request is admitted (first come, first served) only when the charges of the running requests plus its own
 fit the budget; the sum of charges never exceeds it. A request arriving when the budget (counting those
 already waiting) cannot hold it waits, at most ``max_queue`` of them; beyond that it is refused at once with
-a Retry-After (the app answers 429). The budget counts each request's own entries: the padding that stacking
-rows of different lengths adds to the batch, and the spare room the engine allocates after each segment so
-that decoding appends in place, are not charged.
+a Retry-After (the app answers 429). Not charged: the brief copy ``stack_caches`` makes when a request joins.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvsieve.engine.attach import attach
-from kvsieve.engine.cache import stack_caches
+from kvsieve.engine.cache import cache_allocated_bytes, reserve_room, stack_caches
 from kvsieve.policy import FullCache
 from kvsieve.prompt import Prompt
 from kvsieve.serve.generation import CacheInfo, Cancelled, Completion, bytes_per_token, eos_ids, prefill
@@ -135,15 +135,6 @@ class Scheduler:
         reserve = self.token_bytes * max_tokens
         return prefill_bytes + reserve, reserve
 
-    def entry_bytes(self, info: CacheInfo, prompt_bytes: int) -> int:
-        """The bytes of the entries a prefilled request holds: the compressed prompt (measured right after the
-        compressing forward) plus the question read after it. Not the allocation: the engine's spare room after
-        each segment, like the padding between stacked rows, is not charged."""
-        chosen = info.chosen
-        question_aware = chosen is not None and chosen.compresses and chosen.point.question_aware
-        question = 0 if question_aware else self.token_bytes * (info.prompt_tokens - info.context_tokens)
-        return min(info.bytes_kept + question, prompt_bytes)  # never more than the whole prompt's entries
-
     def submit(self, job: Job) -> Job:
         job.need, job.reserve = self.need_of(job.prompt, job.chosen, job.max_tokens)
         if job.need > self.budget:
@@ -230,8 +221,9 @@ class Scheduler:
         job.info = done.info
         job.position = done.info.prompt_tokens
         job.stream = IncrementalText(self.tokenizer, job.stops)
-        # from the prefill charge down to the entries it holds, plus room to grow by max_tokens
-        charge = self.entry_bytes(done.info, job.need - job.reserve) + job.reserve
+        # from the prefill charge down to what its cache allocates once every segment has room for max_tokens
+        # more (so decoding appends in place and allocates nothing): its entries, its question and that room
+        charge = cache_allocated_bytes(reserve_room(done.cache, job.max_tokens))
         self._charge(charge - job.need)
         job.charge = charge
         if job.on_prefilled is not None:
