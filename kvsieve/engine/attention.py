@@ -210,18 +210,17 @@ def stored_attention(query: torch.Tensor, layer: SieveLayer, scaling: float) -> 
     rows = query.view(b, h, groups, q_len, d).reshape(b * h, groups * q_len, d)
     only = len(store.buckets) == 1 and store.uniform
     out = None if only else rows.new_empty(b * h, groups * q_len, store.values.shape[-1])
-    for bucket in store.buckets:
-        lengths = store.lengths[bucket.segments]
-        width = int(lengths.max())
+    for bucket, width, even in zip(store.buckets, store.bucket_widths, store.bucket_even):
         keys, values = bucket.view(store.keys)[:, :width], bucket.view(store.values)[:, :width]
         q = rows if only else rows[bucket.device_segments]
-        key_at = torch.arange(width, device=query.device)
-        seg_lengths = store.device_lengths[bucket.device_segments].view(-1, 1, 1, 1)
         mask = None
-        if q_len > 1:  # entry j of a segment is seen by its query t iff j <= length - q + t (implies j < length)
-            mask = key_at <= seg_lengths - q_len + torch.arange(q_len, device=query.device)[:, None]  # (n,1,q,w)
-        elif not bool((lengths == width).all()):
-            mask = key_at < seg_lengths  # (n, 1, 1, w)
+        if q_len > 1 or not even:
+            key_at = torch.arange(width, device=query.device)
+            seg_lengths = store.device_lengths[bucket.device_segments].view(-1, 1, 1, 1)
+            if q_len > 1:  # entry j of a segment is seen by its query t iff j <= length - q + t (so j < length)
+                mask = key_at <= seg_lengths - q_len + torch.arange(q_len, device=query.device)[:, None]  # (n,1,q,w)
+            else:
+                mask = key_at < seg_lengths  # (n, 1, 1, w)
         if mask is not None:
             mask = mask.expand(-1, groups, q_len, width).reshape(-1, groups * q_len, width)
         if layer.track_attention:

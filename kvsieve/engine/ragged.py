@@ -100,6 +100,11 @@ class RaggedStore:
         self.device_starts = self.starts.to(device, copy=True)  # copies even on the CPU: updated in place
         self.device_lengths = self.lengths.to(device, copy=True)
         self.capacity = self.capacity_in(self.buckets)
+        # per bucket, its longest segment and whether all its segments are that long (read every step: kept on
+        # the host, moved along by append, never recomputed from tensors)
+        self.bucket_widths = [int(self.lengths[b.segments].max()) for b in self.buckets]
+        self.bucket_even = [bool((self.lengths[b.segments] == width).all())
+                            for b, width in zip(self.buckets, self.bucket_widths)]
         # every segment at one length and capacity, in row-major order: the buffer is a (b, h, cap, d) tensor
         # (appends keep it so: every segment grows alike)
         self.uniform = (len(self.buckets) == 1 and bool((self.lengths == self.lengths[0]).all())
@@ -287,6 +292,7 @@ class RaggedStore:
             store.scores.index_fill_(0, index, math.nan)
         store.lengths += q
         store.device_lengths += q
+        store.bucket_widths = [w + q for w in store.bucket_widths]
         return store
 
     def select_rows(self, rows: torch.Tensor) -> RaggedStore:
