@@ -14,9 +14,10 @@ and cache, in one run so the ratios sit side by side:
 
 Printed per row: prefill seconds (CUDA-synchronised; compression included), compression ms and its share of
 the prefill, decode tokens/s (all rows of the batch; the median of ``--tokens`` greedy steps timed one by
-one), the bandwidth limit of one step (weights + cache read once, at the copy bandwidth measured at
-start-up), the cache MiB after the prompt (entries held, and allocated: with the room segments keep to grow in place and
-the rounding within a capacity bucket), and the device's peak allocated memory over the row (CUDA only).
+one, the caches of one context and batch decoded in turn), the bandwidth limit of one step (weights + cache
+read once, at the copy bandwidth measured at start-up), the cache MiB after the prompt (entries held, and
+allocated: with the room segments keep to grow in place and the rounding within a capacity bucket), and the
+device's peak allocated memory over the row's prefill (CUDA).
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def caches(ratios: list[float]):
 
 
 @torch.no_grad()
-def row(model, ids: torch.Tensor, policy, ratio: float, tokens: int, device: torch.device) -> dict:
+def prefill(model, ids: torch.Tensor, policy, ratio: float, device: torch.device) -> dict:
+    """The prompt's forward under ``policy`` (compression included), timed; the cache and the first token."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -85,22 +87,26 @@ def row(model, ids: torch.Tensor, policy, ratio: float, tokens: int, device: tor
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
         sync(device)
         prefill_s = time.perf_counter() - start
-        cache, token = out.cache, out.logits[:, -1:].argmax(-1)
-        held, allocated = cache_bytes(cache), cache_allocated_bytes(cache)
-        del out
-        token = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)  # warm-up
-        steps = []
-        for _ in range(tokens):  # each step alone: the median shrugs off what else runs on a shared machine
-            sync(device)
-            start = time.perf_counter()
-            token = model(input_ids=token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-            sync(device)
-            steps.append(time.perf_counter() - start)
-        decode_s = statistics.median(steps)
-        compress_s = session.report.seconds if session.report is not None else 0.0
+    compress_s = session.report.seconds if session.report is not None else 0.0
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return dict(prefill_s=prefill_s, compress_s=compress_s, tokens_per_s=ids.shape[0] / decode_s,
-                cache_bytes=held, allocated_bytes=allocated, peak_bytes=peak)
+    return dict(cache=out.cache, token=out.logits[:, -1:].argmax(-1), prefill_s=prefill_s, compress_s=compress_s,
+                cache_bytes=cache_bytes(out.cache), allocated_bytes=cache_allocated_bytes(out.cache),
+                prefill_peak=peak, steps=[])
+
+
+@torch.no_grad()
+def decode_round_robin(model, rows: list[dict], tokens: int, device: torch.device) -> None:
+    """``tokens`` greedy steps of every row's cache, one step of each in turn, each step timed alone: whatever else
+    runs on a shared machine slows every row alike, and the median step shrugs off its spikes."""
+    with kvsieve.attach(model, FullCache(window=64)):
+        for step in range(tokens + 1):
+            for r in rows:
+                sync(device)
+                start = time.perf_counter()
+                r["token"] = model(input_ids=r["token"], cache=r["cache"], use_cache=True).logits[:, -1:].argmax(-1)
+                sync(device)
+                if step:  # the first step of each row is a warm-up (it also gives segments their room)
+                    r["steps"].append(time.perf_counter() - start)
 
 
 def machine(device: torch.device) -> str:
@@ -157,19 +163,28 @@ def main() -> None:
         for batch in (int(x) for x in args.batches.split(",")):
             ids = torch.randint(1, config.vocab_size, (batch, length),
                                 generator=torch.Generator().manual_seed(length)).to(device)
+            rows = []
             for label, policy, ratio in caches([float(x) for x in args.ratios.split(",")]):
                 try:
-                    r = row(model, ids, policy, ratio, args.tokens, device)
+                    rows.append(dict(prefill(model, ids, policy, ratio, device), label=label, ratio=ratio))
                 except torch.OutOfMemoryError:
-                    print(f"| {length} | {batch} | {label} | {ratio} | out of memory |||||||", flush=True)
-                    continue
+                    print(f"| {length} | {batch} | {label} | {ratio} | out of memory |||||||||", flush=True)
+            try:
+                decode_round_robin(model, rows, args.tokens, device)
+            except torch.OutOfMemoryError:
+                print(f"| {length} | {batch} | decoding every cache together ran out of memory |", flush=True)
+                continue
+            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+            for r in rows:
+                tokens_per_s = batch / statistics.median(r["steps"])
                 limit = batch * bandwidth / (weights + r["cache_bytes"])  # one step reads weights + cache
-                peak = "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f}"
-                print(f"| {length} | {batch} | {label} | {ratio} | {r['prefill_s']:.2f} | {1000 * r['compress_s']:.1f} "
-                      f"| {100 * r['compress_s'] / r['prefill_s']:.1f} | {r['tokens_per_s']:.1f} | {limit:.0f} | "
-                      f"{100 * r['tokens_per_s'] / limit:.0f} | {r['cache_bytes'] / 2**20:.1f} | "
-                      f"{r['allocated_bytes'] / 2**20:.1f} | {peak} |", flush=True)
-
+                peak_text = "n/a" if peak is None else f"{r['prefill_peak'] / 2**30:.2f}"
+                print(f"| {length} | {batch} | {r['label']} | {r['ratio']} | {r['prefill_s']:.2f} | "
+                      f"{1000 * r['compress_s']:.1f} | {100 * r['compress_s'] / r['prefill_s']:.1f} | "
+                      f"{tokens_per_s:.1f} | {limit:.0f} | {100 * tokens_per_s / limit:.0f} | "
+                      f"{r['cache_bytes'] / 2**20:.1f} | {r['allocated_bytes'] / 2**20:.1f} | {peak_text} |",
+                      flush=True)
+            del rows
 
 if __name__ == "__main__":
     main()
