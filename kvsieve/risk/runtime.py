@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from kvsieve.bundled import canonical_name
 from kvsieve.engine.attach import Session, attach
 from kvsieve.engine.generate import Generation, generate
-from kvsieve.models import bundled
 from kvsieve.policies import Policy, PolicySpec
 from kvsieve.policy import FullCache
 from kvsieve.prompt import build_prompt
@@ -18,13 +18,7 @@ from kvsieve.risk.contract import ContractFile
 from kvsieve.risk.losses import length_bucket, split_label
 from kvsieve.tasks import task_family
 
-__all__ = ["OperatingPoint", "CertifiedPolicy", "CertifiedSession", "canonical_model"]
-
-
-def canonical_model(name: str) -> str:
-    """A bundled model's canonical name for any of its aliases; other names as given."""
-    entry = bundled(name)
-    return entry.name if entry is not None else name
+__all__ = ["OperatingPoint", "CertifiedPolicy", "CertifiedSession"]
 
 
 @dataclass(frozen=True)
@@ -130,7 +124,7 @@ class CertifiedPolicy:
         self._bound = id(model)
 
     def check_model(self, model: str) -> None:
-        if canonical_model(model) != canonical_model(self.contract.model):
+        if canonical_name(model) != canonical_name(self.contract.model):
             raise ValueError(f"the contract was certified for model {self.contract.model!r}, not {model!r}: "
                              "its guarantee does not carry over to another model; certify one for it")
 

@@ -19,8 +19,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvsieve.bundled import canonical_name
 from kvsieve.prompt import Prompt
-from kvsieve.risk.runtime import OperatingPoint, canonical_model
+from kvsieve.risk.runtime import OperatingPoint
 from kvsieve.serve.errors import APIError, error_body
 from kvsieve.serve.generation import CacheInfo, Cancelled, Completion
 from kvsieve.serve.points import ChosenPoint
@@ -268,7 +269,7 @@ class _Call:
 
 
 def _check_model(state: ServerState, name: str) -> None:
-    if name != state.model_name and canonical_model(name) != canonical_model(state.model_name):
+    if name != state.model_name and canonical_name(name) != canonical_name(state.model_name):
         raise APIError(400, f"model {name!r} is not served here; this server serves {state.model_name!r}", "model",
                        "model_not_found")
 

@@ -11,9 +11,10 @@ from pathlib import Path
 import torch
 import uvicorn
 
-from kvsieve.models import bundled, context_length, load
+from kvsieve.bundled import canonical_name
+from kvsieve.models import context_length, load
 from kvsieve.risk.contract import ContractFile
-from kvsieve.risk.runtime import CertifiedPolicy, canonical_model
+from kvsieve.risk.runtime import CertifiedPolicy
 from kvsieve.serve.app import create_app
 from kvsieve.serve.arguments import add_arguments
 from kvsieve.serve.points import PointSource
@@ -116,7 +117,7 @@ def run(args) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"kvsieve serve: error: {err}", file=sys.stderr)
         return 2
-    name = bundled(args.model).name if bundled(args.model) else canonical_model(args.model)
+    name = canonical_name(args.model)
     model, tokenizer = load(args.model, args.dtype)  # once: every request shares it
     try:
         state = build_state(model, tokenizer, name, points, args.max_queue, None, args.max_tokens_limit,
