@@ -103,3 +103,16 @@ def test_write_pick_without_a_gap(tmp_path):
     a = database(tmp_path / "a.sqlite", [(50.0, None)])
     p = pick(load_rule(rule_file(tmp_path, [a])), "smollm2-135m")
     assert "gap nan" in write_pick(p, tmp_path).read_text()
+
+
+def test_the_demo_runs_the_rules_smollm2_pick():
+    from kvsieve.cli import DEMO, DEMO_PICK
+    from kvsieve.harness.grid import GridConfig
+
+    rule = load_rule(REPO / "configs" / "selection.toml")
+    if not all((REPO / d).is_file() for d in rule.databases["smollm2-135m-instruct"]):
+        pytest.skip("program databases not in this checkout")
+    p = pick(rule, "smollm2-135m-instruct")
+    shipped = (REPO / DEMO_PICK.removeprefix("program:")).read_text()
+    assert shipped.split("\n", 1)[1].strip() == (p.program.source or "").strip()  # the header aside, the same program
+    assert DEMO_PICK in [spec.text for spec in GridConfig(**DEMO).policies]
