@@ -136,7 +136,8 @@ class KvsieveLM(LM):
     several parameters needs the Python API); ``ratio``: the fraction of the cache removed; ``qa``: ``auto``
     (the split rule) or ``always``; ``store``: the results store, or ``none``; ``length``: the row length of
     documents without ``max_length``; ``threads``: torch threads; ``tokenizer``: read by lm-eval's RULER
-    generators, ignored here.
+    generators, ignored here. Of lm-eval's own options ``device`` is honoured; requests are answered one at a
+    time whatever ``batch_size`` says (each has its own compressed cache).
     """
 
     def __init__(self, model: str, policy: str = "full", ratio: float = 0.0, qa: str = "auto",
@@ -156,7 +157,8 @@ class KvsieveLM(LM):
         self.cell = Cell(spec, ratio if spec.compresses else 0.0)  # the full cache: once, at ratio 0
         split_prompt("x", qa=qa)  # checks qa before the model loads
         self.qa, self.length = qa, int(length)
-        self.model, self.tokenizer = load(self.model_name, dtype=dtype)
+        # lm-eval's --device (cpu, cuda, cuda:N) is where the model runs; None: kvsieve's default (KVSIEVE_DEVICE)
+        self.model, self.tokenizer = load(self.model_name, dtype=dtype, device=lm_eval_options.get("device"))
         self.store = None if store in (None, "", "none", "None") else ResultsStore(Path(str(store)))
         if self.store is not None:
             try:
