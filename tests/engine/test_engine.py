@@ -10,7 +10,7 @@ from kvsieve.engine.cache import SieveLayer, sieve_layers
 from kvsieve.engine.compress import layer_signals
 from kvsieve.policies import get, names
 
-# kvzip needs a tokenizer and a reconstruction forward, and refuses decode mode: tests/test_kvzip.py covers it
+# kvzip needs a tokenizer and a reconstruction forward, and refuses decode mode: tests/policies/test_kvzip.py covers it
 COMPRESSING = [n for n in names(kinds=("policy",)) if n not in ("full", "kvzip")]
 
 

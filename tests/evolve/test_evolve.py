@@ -153,7 +153,8 @@ def test_evolution_runs_end_to_end_and_resumes_after_kill(tmp_path):
 
     killed = tmp_path / "killed"
     killed.mkdir()
-    code = f"import sys; sys.path.insert(0, {HERE!r}); from test_evolve import run_tiny; run_tiny(sys.argv[1], 8)"
+    paths = [HERE, os.path.dirname(HERE)]  # test_evolve's folder, and the tests' root for conftest
+    code = f"import sys; sys.path[:0] = {paths!r}; from test_evolve import run_tiny; run_tiny(sys.argv[1], 8)"
     proc = subprocess.Popen([sys.executable, "-c", code, str(killed)], stderr=subprocess.PIPE)
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
@@ -716,7 +717,7 @@ def test_evolve_compare_pairs_the_best_programs_at_equal_budgets(tmp_path):
                               "2/0.875": 0.0})]
     _comparison_db(tmp_path / "run.sqlite", "evolve", run)
     _comparison_db(tmp_path / "control.sqlite", "best_of_n", control)
-    script = Path(__file__).parents[1] / "benchmarks" / "evolve_compare.py"
+    script = Path(__file__).parents[2] / "benchmarks" / "evolve_compare.py"
     out = subprocess.run([sys.executable, str(script), "--run", str(tmp_path / "run.sqlite"), "--control",
                           str(tmp_path / "control.sqlite"), "--every", "2"], capture_output=True, text=True,
                          check=True).stdout
@@ -742,7 +743,7 @@ def test_evolve_compare_refuses_runs_on_other_dev_sets(tmp_path):
     db = ProgramDatabase(tmp_path / "control.sqlite")
     db.check_config(dict(EvolveConfig(strategy="best_of_n", dev_seed=1500).identity()))
     db.close()
-    script = Path(__file__).parents[1] / "benchmarks" / "evolve_compare.py"
+    script = Path(__file__).parents[2] / "benchmarks" / "evolve_compare.py"
     result = subprocess.run([sys.executable, str(script), "--run", str(tmp_path / "run.sqlite"), "--control",
                              str(tmp_path / "control.sqlite")], capture_output=True, text=True)
     assert result.returncode != 0 and "dev_seed: 1000 vs 1500" in result.stderr

@@ -343,7 +343,7 @@ def test_program_file_errors_name_the_file(tmp_path):
 #
 # Every case runs against (a) the interpreter alone (in this process, no static check, no sandbox),
 # (b) the process layer alone (the sandbox with the interpreter bypassed: the program runs as plain
-# Python through tests/sandbox_raw_loader.py, builtins and all) and (c) both (the sandbox as evolution
+# Python through tests/evolve/sandbox_raw_loader.py, builtins and all) and (c) both (the sandbox as evolution
 # uses it, static check skipped). Each level asserts the specific reason. docs/security.md has the
 # table these tests produce; a case whose layer does not stop it says so here (None) and there.
 
@@ -548,7 +548,7 @@ def test_full_isolation_alone_hides_the_machine(tmp_path):
     and runs as an unprivileged uid."""
     job = tmp_path / "job"
     sandbox._make_job_dirs(job)
-    project = Path(__file__).resolve().parents[1]
+    project = Path(__file__).resolve().parents[2]
     # the home folder may hold the Python installation (pyenv): that path is bound, nothing else of home
     home = [p for p in Path.home().iterdir() if not sys.base_prefix.startswith(str(p))] or [Path.home() / "x"]
     script = (f'echo $(id -u); [ -e "{project}/tests" ] && echo project; [ -e "{home[0]}" ] && echo home; '

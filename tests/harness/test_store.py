@@ -16,7 +16,7 @@ import pytest
 
 from kvsieve.harness.store import SCHEMA_VERSION, CellKey, CellResult, ResultsStore, SchemaVersionError
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def key(sample: str = "s0", policy: str = "snapkv", ratio: float = 0.5, task: str = "qa", model: str = "m",

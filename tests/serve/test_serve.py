@@ -395,7 +395,7 @@ def test_one_message_splits_like_build_prompt():
 
 SERVER = textwrap.dedent("""
     import socket, sys, time
-    sys.path.insert(0, sys.argv[1])
+    sys.path[:0] = [sys.argv[1], sys.argv[2]]  # test_serve's folder, and the tests' root for conftest
     from test_serve import ChatTokenizer, NAME
     from conftest import tiny_model
     from kvsieve.serve.command import build_state, point_source, serve
@@ -413,7 +413,8 @@ SERVER = textwrap.dedent("""
 
 def test_sigterm_drains_in_flight_requests_then_exits(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(TESTS)], stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(TESTS), str(TESTS.parent)], stdout=subprocess.PIPE,
+                            text=True, env=env)
     try:
         port = int(proc.stdout.readline())
         url = f"http://127.0.0.1:{port}"
@@ -453,7 +454,7 @@ def test_smollm2_chat_end_to_end_with_a_contract_from_the_shipped_store(tmp_path
     from kvsieve.models import load
     from kvsieve.risk import certify_buckets, loss_table
 
-    store = Path(__file__).parents[1] / "results" / "smollm2-2k.sqlite"
+    store = Path(__file__).parents[2] / "results" / "smollm2-2k.sqlite"
     with ResultsStore(store) as s:
         table = loss_table(s, "smollm2-135m-instruct", [Candidate("knorm", 0.25), Candidate("tova", 0.25)])
     contract = certify_buckets(table, Contract(alpha=0.3, delta=0.1), "smollm2-135m-instruct")

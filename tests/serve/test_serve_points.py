@@ -327,7 +327,7 @@ def test_the_shipped_surrogate_best_serves_on_smollm2_under_a_contract(tmp_path)
     from kvsieve.models import load
     from kvsieve.serve.command import build_state
 
-    program = Path(__file__).parents[1] / "results" / "evolve" / "smollm2-surrogate-best.py"
+    program = Path(__file__).parents[2] / "results" / "evolve" / "smollm2-surrogate-best.py"
     spec = f"program:{program}"
     contract = ContractFile(Contract(), "smollm2-135m-instruct", "none", [], {"all": _cert(Candidate(spec, 0.75))})
     path = contract.write(tmp_path / "contract.json")
