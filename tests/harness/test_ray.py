@@ -26,6 +26,9 @@ from kvsieve.harness.store import TIMING_CONFIG_KEYS, ResultsStore
 pytestmark = pytest.mark.ray
 
 HERE = os.path.dirname(__file__)
+# where actors and a driver subprocess find this module, test_evolve (tests/evolve) and conftest (tests)
+TEST_PATHS = [HERE, os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "evolve")]
+sys.path.extend(p for p in TEST_PATHS if p not in sys.path)  # this process too, when this file runs alone
 GRID = dict(model="smollm2-135m-instruct", tasks=["niah_single_1"], lengths=[384], policies=["full", "snapkv", "knorm"],
             ratios=[0.5], samples=4)
 CELLS = 4 * 3
@@ -74,7 +77,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def cluster():
     with pytest.MonkeyPatch.context() as patch:  # workers (started by the raylet) import test modules by name
-        patch.setenv("PYTHONPATH", os.pathsep.join([HERE, *filter(None, [os.environ.get("PYTHONPATH")])]))
+        patch.setenv("PYTHONPATH", os.pathsep.join([*TEST_PATHS, *filter(None, [os.environ.get("PYTHONPATH")])]))
         ray.init(address="local", num_cpus=2, include_dashboard=False)  # never a stale recorded cluster
         try:
             yield ray.get_runtime_context().gcs_address
@@ -148,13 +151,14 @@ def test_an_interrupted_driver_resumes_with_only_the_missing_cells(cluster, loca
     # a process started in the background of a non-interactive shell inherits SIGINT ignored (POSIX), and so
     # would the driver: restore Python's handler so Ctrl-C raises KeyboardInterrupt wherever the test runs
     code = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
-            "import sys, time; sys.path.insert(0, sys.argv[3]); from test_ray import tiny_factory; "
+            "import sys, time; sys.path[:0] = sys.argv[3].split(':'); from test_ray import tiny_factory; "
             "from kvsieve.harness.grid import GridConfig; from kvsieve.harness.run import run_grid; "
             "from kvsieve.harness.ray_executor import RayGridExecutor; "
             f"run_grid(GridConfig(**{grid!r}, store=sys.argv[1]), progress=False, "
             "executor=RayGridExecutor(address=sys.argv[2], workers=1, factory=tiny_factory, "
             "on_dispatch=lambda pid, sample: time.sleep(0.3)))")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(path), cluster, HERE], stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-c", code, str(path), cluster, ":".join(TEST_PATHS)],
+                            stderr=subprocess.PIPE)
     # generous: on two cores busy with other work the driver's first samples took over 2 minutes
     deadline, saved = time.time() + 600, {}
     while len(saved) < 6 and proc.poll() is None and time.time() < deadline:
