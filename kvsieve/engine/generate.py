@@ -14,11 +14,12 @@ from kvsieve.engine.compress import CompressionReport
 from kvsieve.policy import FullCache, Policy
 from kvsieve.prompt import Prompt, build_prompt
 
-__all__ = ["Generation", "greedy_decode", "prefill_prompt", "generate", "check_context_length",
+__all__ = ["Generation", "eos_ids", "greedy_decode", "prefill_prompt", "generate", "check_context_length",
            "model_context_length"]
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
+def eos_ids(model, tokenizer) -> set[int]:
+    """Token ids that end an answer: the generation config's, the model config's and the tokenizer's."""
     ids = set()
     for source in (getattr(model, "generation_config", None), model.config, tokenizer):
         value = getattr(source, "eos_token_id", None)
@@ -46,7 +47,7 @@ def greedy_decode(
     if positions is not None and tuple(positions.shape) != (logits.shape[0],):
         raise ValueError(f"positions must hold one position per row ({logits.shape[0]}), got shape "
                          f"{tuple(positions.shape)}")
-    eos = _eos_ids(model, tokenizer)
+    eos = eos_ids(model, tokenizer)
     tokens: list[list[int]] = [[] for _ in range(logits.shape[0])]
     active = list(range(logits.shape[0]))  # original row of each row still in the cache
     for step in range(max_new_tokens):

@@ -21,7 +21,7 @@ from kvsieve.prompt import Prompt
 from kvsieve.risk.runtime import OperatingPoint
 from kvsieve.serve.points import ChosenPoint
 
-__all__ = ["Cancelled", "CacheInfo", "Completion", "Prefilled", "bytes_per_token", "eos_ids", "prefill"]
+__all__ = ["Cancelled", "CacheInfo", "Completion", "Prefilled", "bytes_per_token", "prefill"]
 
 
 class Cancelled(Exception):
@@ -57,18 +57,6 @@ class Prefilled:
     cache: DynamicCache
     logits: torch.Tensor  # (vocab,) the next-token logits after the prompt
     info: CacheInfo
-
-
-def eos_ids(model, tokenizer) -> set[int]:
-    """Token ids that end an answer: the generation config's, the model config's and the tokenizer's."""
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    return ids
 
 
 def bytes_per_token(model) -> int:

@@ -36,9 +36,10 @@ import torch
 
 from kvsieve.engine.attach import attach
 from kvsieve.engine.cache import cache_allocated_bytes, reserve_room, stack_caches
+from kvsieve.engine.generate import eos_ids
 from kvsieve.policy import FullCache
 from kvsieve.prompt import Prompt
-from kvsieve.serve.generation import CacheInfo, Cancelled, Completion, bytes_per_token, eos_ids, prefill
+from kvsieve.serve.generation import CacheInfo, Cancelled, Completion, bytes_per_token, prefill
 from kvsieve.serve.points import ChosenPoint
 from kvsieve.serve.text_stream import IncrementalText, cut_at_stop
 
