@@ -271,7 +271,7 @@ class RaggedStore:
             return self
         if not grow:
             return self.repacked(self.capacity.clone())
-        room = torch.tensor([spare_for(int(x)) for x in need]) if spare is None else spare
+        room = torch.clamp(need // 8, min=_MIN_SPARE) if spare is None else spare  # spare_for, every segment
         return self.repacked(torch.maximum(need + room, self.capacity))
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,

@@ -34,20 +34,23 @@ KEY_COLUMNS = ("model", "task", "length", "sample_id", "policy", "ratio", "quest
 # sample's cells share and the cell's own compression, both timed in one process (the headline's overhead)
 TIMING_CONFIG_KEYS = ("prefill_only_seconds", "compress_seconds")
 
-_SCHEMA = f"""
-CREATE TABLE IF NOT EXISTS schema_version (
-    version INTEGER NOT NULL
-);
-CREATE TABLE IF NOT EXISTS cells (
-    id INTEGER PRIMARY KEY,
-    model TEXT NOT NULL,
+# the columns that identify a cell, as both tables declare them (in KEY_COLUMNS' order)
+_KEY_DDL = """    model TEXT NOT NULL,
     task TEXT NOT NULL,
     length INTEGER NOT NULL,
     sample_id TEXT NOT NULL,
     policy TEXT NOT NULL,
     ratio REAL NOT NULL,
     question_aware INTEGER NOT NULL,
-    prediction TEXT NOT NULL,
+"""
+
+_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS schema_version (
+    version INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS cells (
+    id INTEGER PRIMARY KEY,
+{_KEY_DDL}    prediction TEXT NOT NULL,
     score REAL NOT NULL,
     answers TEXT NOT NULL,
     kept_tokens INTEGER NOT NULL,
@@ -132,14 +135,7 @@ class FailedCell:
 _FAILED_SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS failed_cells (
     id INTEGER PRIMARY KEY,
-    model TEXT NOT NULL,
-    task TEXT NOT NULL,
-    length INTEGER NOT NULL,
-    sample_id TEXT NOT NULL,
-    policy TEXT NOT NULL,
-    ratio REAL NOT NULL,
-    question_aware INTEGER NOT NULL,
-    reason TEXT NOT NULL,
+{_KEY_DDL}    reason TEXT NOT NULL,
     config TEXT NOT NULL,
     created_at REAL NOT NULL,
     UNIQUE ({", ".join(KEY_COLUMNS)})
