@@ -230,3 +230,18 @@ def test_ruler_niah_on_smollm2_through_lm_eval(tmp_path):
     # the store's scores are lm-eval's own per-request metric (x100)
     assert sum(r.score for r in rows if r.key.policy == "full") / 2 == pytest.approx(
         100 * full["results"]["niah_single_1"]["1024,none"])
+
+
+@pytest.mark.model
+def test_ruler_export_is_the_same_whatever_the_task_list_and_limit(tmp_path):
+    # RULER's generators draw from the global generators (and importing them draws too): unseeded, two exports
+    # of one task differ, and a task's samples depend on the tasks listed before it
+    def ids(tasks, limit, name):
+        out = tmp_path / f"{name}.jsonl"
+        export_samples("smollm2-135m-instruct", tasks, [1024], limit, out)
+        return {(s.task, s.id, tuple(s.answers)) for s in read_jsonl(out)}
+
+    alone = ids(["ruler_fwe"], 2, "alone")
+    after = ids(["niah_single_1", "ruler_fwe"], 3, "after")
+    assert len(alone) == 2 and alone <= after
+    assert ids(["niah_single_1"], 1, "first") <= after

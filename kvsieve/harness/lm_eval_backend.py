@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
+import random
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import lm_eval
+import numpy as np
 import torch
 from lm_eval.__main__ import cli_evaluate
 from lm_eval.api.model import LM
@@ -75,6 +78,9 @@ from kvsieve.tasks.sample import Sample, write_jsonl
 __all__ = ["KvsieveLM", "Split", "TASK_PREFIX", "evaluate", "export_samples", "main", "ruler_metadata",
            "sample_for", "split_prompt"]
 
+RULER_GENERATORS = tuple(f"lm_eval.tasks.ruler.{name}" for name in
+                         ("common_utils", "prepare_niah", "niah_utils", "vt_utils", "cwe_utils", "fwe_utils"))
+LM_EVAL_RANDOM_SEED, LM_EVAL_NUMPY_SEED = 0, 1234  # simple_evaluate's defaults (random_seed, numpy_random_seed)
 TASK_PREFIX = "lmeval:"  # rows of lm-eval's tasks never share a table with kvsieve's own generator's
 DEFAULT_STORE = "results/lmeval.sqlite"
 METRIC = "string_match_all"  # RULER's metric, as lm-eval's ruler tasks score it (x100 here)
@@ -247,25 +253,38 @@ def export_samples(model: str, tasks: Sequence[str], lengths: Sequence[int], lim
 
     Only prompts the rule splits query-agnostically, with reference answers, are written: ``kvsieve eval`` runs a
     file's samples in one mode, and scores them against their answers. Others raise ``ValueError``.
-    ``include_path``: a folder of further task YAMLs (lm-eval's ``--include_path``)."""
+    ``include_path``: a folder of further task YAMLs (lm-eval's ``--include_path``).
+
+    RULER's generators draw from Python's and numpy's global generators, which only ``simple_evaluate`` seeds,
+    and importing them draws too: they are imported first, then each task is built after seeding both as
+    lm-eval's defaults do (``random`` 0, numpy 1234). A task's samples are then the same whatever other tasks
+    are listed, and a larger ``limit`` extends a smaller one's file."""
+    for module in RULER_GENERATORS:
+        importlib.import_module(module)
     manager = TaskManager(include_path=include_path, metadata=ruler_metadata(model, lengths))
-    loaded = manager.load(list(tasks))["tasks"]
     per_task = []
-    for name, task in loaded.items():
-        task.build_all_requests(limit=limit)
-        samples = []
-        for instance in task.instances:
-            prompt, gen_kwargs = instance.args
-            sample, split = sample_for(prompt, dict(gen_kwargs), instance.doc, name, instance.doc_id)
-            if split.question_aware or _answers(instance.doc) is None:
-                raise ValueError(f"{name} document {instance.doc_id}: "
-                                 f"{split.rule if split.question_aware else 'no reference answers (outputs)'}; "
-                                 "run this task through the backend (kvsieve-lm-eval) instead")
-            samples.append(sample)
-        per_task.append(samples)
+    for requested in tasks:
+        random.seed(LM_EVAL_RANDOM_SEED)
+        np.random.seed(LM_EVAL_NUMPY_SEED)
+        for name, task in manager.load([requested])["tasks"].items():
+            per_task.append(_task_samples(name, task, limit))
     ordered = [s for i in range(max(map(len, per_task), default=0)) for samples in per_task
                if i < len(samples) for s in [samples[i]]]
     return write_jsonl(ordered, out)
+
+
+def _task_samples(name: str, task: Any, limit: int) -> list[Sample]:
+    task.build_all_requests(limit=limit)
+    samples = []
+    for instance in task.instances:
+        prompt, gen_kwargs = instance.args
+        sample, split = sample_for(prompt, dict(gen_kwargs), instance.doc, name, instance.doc_id)
+        if split.question_aware or _answers(instance.doc) is None:
+            raise ValueError(f"{name} document {instance.doc_id}: "
+                             f"{split.rule if split.question_aware else 'no reference answers (outputs)'}; "
+                             "run this task through the backend (kvsieve-lm-eval) instead")
+        samples.append(sample)
+    return samples
 
 
 def ruler_metadata(model: str, lengths: Sequence[int]) -> dict[str, Any]:
