@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from kvsieve.evolve.evaluate import DevSet, evaluate_program
-from kvsieve.evolve.program import Program
+from kvsieve.evolve.cascade import DevSet, evaluate_program
 from kvsieve.evolve.seeds import SEEDS
+from kvsieve.language.program_source import Program
 from kvsieve.models import dtype_name, load
 from kvsieve.tasks.load import SampleSpec, load_samples
 

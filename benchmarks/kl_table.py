@@ -25,9 +25,9 @@ import torch
 
 import kvsieve
 from kvsieve.harness.headline import bootstrap_interval
-from kvsieve.learn.config import episodes_from_samples
 from kvsieve.learn.reward import kl_per_position
 from kvsieve.learn.rollout import continuation_logits, teacher_for
+from kvsieve.learn.train_config import episodes_from_samples
 from kvsieve.models import load
 from kvsieve.policies import from_spec, split_specs
 from kvsieve.tasks.load import SampleSpec, load_samples

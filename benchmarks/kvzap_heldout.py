@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
-from kvsieve.learn.kvzap import load_kvzap, resolve_kvzap_checkpoint
 from kvsieve.learn.kvzap_train import KVzapTrainConfig, collect_rows, heldout_count, split_rows
 from kvsieve.models import load
+from kvsieve.networks.kvzap_net import load_kvzap
+from kvsieve.networks.shipped import resolve_checkpoint
 
 
 def main() -> None:
@@ -44,7 +45,7 @@ def main() -> None:
     print("|---|---|---:|")
     print(f"| constant (the run's training means) | | {float(((y.mean(1, keepdim=True) - y_held) ** 2).mean()):.3f} |")
     for spec in filter(None, (s.strip() for s in args.checkpoints.split(","))):
-        net, meta = load_kvzap(resolve_kvzap_checkpoint(spec))
+        net, meta = load_kvzap(resolve_checkpoint("kvzap", spec))
         if meta.get("inputs", "kv") != config.inputs:
             raise SystemExit(f"{spec} reads {meta.get('inputs')!r} inputs and the run's rows hold {config.inputs!r}")
         with torch.no_grad():

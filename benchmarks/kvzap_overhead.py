@@ -24,9 +24,9 @@ from kvzip_cost import context_text  # benchmarks/, run as a script
 import kvsieve
 from kvsieve.engine.cache import sieve_layers
 from kvsieve.engine.compress import layer_signals
-from kvsieve.learn.kvzap import KVzap
 from kvsieve.models import load
 from kvsieve.policies import FullCache, from_spec
+from kvsieve.policies.kvzap import KVzap
 from kvsieve.prompt import build_prompt
 
 

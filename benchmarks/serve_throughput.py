@@ -28,9 +28,9 @@ import openai
 import torch
 
 from kvsieve.models import load
+from kvsieve.serve.chat_prompt import chat_prompt
 from kvsieve.serve.command import build_state, point_source, serve
 from kvsieve.serve.generation import bytes_per_token
-from kvsieve.serve.prompt import chat_prompt
 from kvsieve.serve.schemas import ChatMessage
 from kvsieve.tasks.ruler import generate as ruler_sample
 

@@ -260,8 +260,8 @@ def cmd_certify(args) -> int:
 
 
 def cmd_evolve(args) -> int:
-    from kvsieve.evolve.config import load_config
-    from kvsieve.evolve.run import run_evolution
+    from kvsieve.evolve.evolution import run_evolution
+    from kvsieve.evolve.evolve_config import load_config
     from kvsieve.evolve.sandbox import SandboxUnavailable
     from kvsieve.models import check_length
 
@@ -287,8 +287,8 @@ def cmd_evolve(args) -> int:
 def cmd_train(args) -> int:
     import dataclasses
 
-    from kvsieve.learn.config import load_config
     from kvsieve.learn.train import train
+    from kvsieve.learn.train_config import load_config
     from kvsieve.models import check_length
 
     top_k = args.teacher_top_k
@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_executor_flags(p)  # with --run
     p.set_defaults(func=cmd_certify)
     p = sub.add_parser("evolve", help="discover an eviction policy by program evolution (resumes from --db)")
-    p.add_argument("--config", help="TOML, JSON or YAML file with EvolveConfig keys (kvsieve/evolve/config.py)")
+    p.add_argument("--config", help="TOML, JSON or YAML file with EvolveConfig keys (kvsieve/evolve/evolve_config.py)")
     p.add_argument("--model")
     p.add_argument("--candidates", type=int, help="programs to evaluate in all (a resumed run may raise it)")
     p.add_argument("--time-budget", type=float, help="stop starting new candidates after this many seconds")
@@ -441,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_evolve)
     p = sub.add_parser("train", help="train a learned eviction policy (REINFORCE on a per-step KL reward; resumes "
                        "from --out)")
-    p.add_argument("--config", help="TOML, JSON or YAML file with TrainConfig keys (kvsieve/learn/config.py); "
+    p.add_argument("--config", help="TOML, JSON or YAML file with TrainConfig keys (kvsieve/learn/train_config.py); "
                    "flags override")
     p.add_argument("--model", help="bundled name, local folder or hub id")
     p.add_argument("--tasks", help="comma-separated RULER tasks to generate training samples from")

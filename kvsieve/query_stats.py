@@ -2,7 +2,7 @@
 
 Expected Attention (Devoto et al., arXiv:2510.00636) models the queries not yet seen as Gaussian with
 the mean and covariance of those the layer computed so far, before the rotary embedding. The engine
-fills these statistics (``kvsieve/engine/query_stats.py`` hooks the query projections); a policy reads
+fills these statistics (``kvsieve/engine/query_hooks.py`` hooks the query projections); a policy reads
 them through :attr:`kvsieve.signals.Signals.query_stats`. This module holds only the data, so the
 signals a policy sees do not depend on the engine.
 """

@@ -13,9 +13,9 @@ from transformers import (
     Qwen3Config,
 )
 
-from kvsieve.learn.kvzap import KVzapNet, KVzapNetConfig, save_kvzap
 from kvsieve.learn.kvzap_train import rope_tables
-from kvsieve.learn.policy import ModelShape
+from kvsieve.networks.kvzap_net import KVzapNet, KVzapNetConfig, save_kvzap
+from kvsieve.networks.model_shape import ModelShape
 
 torch.set_flush_denormal(True)
 

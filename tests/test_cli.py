@@ -106,7 +106,7 @@ def test_train_passes_network_and_temperature_and_refuses_kvzap_in_decode_mode(c
                                          (("--objective", "kvzap"), "kvzap")])
 def test_train_says_how_to_evaluate_what_it_trained(capsys, tmp_path, monkeypatch, flags, kind):
     import kvsieve.learn.train as train_module
-    from kvsieve.learn.config import TrainResult
+    from kvsieve.learn.train_config import TrainResult
 
     out = tmp_path / "r"
     monkeypatch.setattr(train_module, "train", lambda config: TrainResult(
@@ -188,16 +188,16 @@ def test_program_rows_are_keyed_by_the_file_contents(tmp_path):
 
 
 def test_learned_rows_are_keyed_by_the_checkpoint_bytes():
-    from kvsieve.learn.policy import resolve_checkpoint
+    from kvsieve.networks.shipped import resolve_checkpoint
 
     spec = "learned(checkpoint='smollm2-135m-instruct')"
-    path = resolve_checkpoint("smollm2-135m-instruct")
+    path = resolve_checkpoint("learned", "smollm2-135m-instruct")
     assert parse(spec).digest == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_a_program_reading_the_surrogate_is_keyed_by_the_surrogate_bytes_too(tmp_path):
     """Rows of a program reading f.surrogate depend on the surrogate's weights as much as on the program."""
-    from kvsieve.learn.kvzap import CHECKPOINT_DIR, SHIPPED
+    from kvsieve.networks.shipped import CHECKPOINT_DIR, SHIPPED
 
     def sha(path) -> str:
         return hashlib.sha256(path.read_bytes()).hexdigest()
@@ -213,7 +213,7 @@ def test_a_program_reading_the_surrogate_is_keyed_by_the_surrogate_bytes_too(tmp
     weights.write_bytes(b"retrained weights")
     assert parse(named).digest != digest  # same program, another surrogate: not the same rows
     # none named: the harness binds the model's shipped surrogate, so every shipped one counts
-    shipped = [CHECKPOINT_DIR / SHIPPED[name] for name in sorted(SHIPPED)]
+    shipped = [CHECKPOINT_DIR / SHIPPED[kind, name] for kind, name in sorted(SHIPPED) if kind == "kvzap"]
     assert all(p.is_file() for p in shipped)
     expected = hashlib.sha256("".join([sha(program), *map(sha, shipped)]).encode()).hexdigest()
     assert parse(f"program:{program}").digest == expected

@@ -2,7 +2,7 @@
 
 Ray is an optional dependency (``pip install 'kvsieve[ray]'``); nothing here imports it until used. The
 executors that use these pieces live with their work: ``harness/executor.py`` (grids) and
-``evolve/ray_executor.py`` (evolution candidates).
+``evolve/ray_candidate_executor.py`` (evolution candidates).
 """
 
 from kvsieve.distributed.cluster import RayConnection, connect

@@ -30,7 +30,7 @@ from kvsieve.engine.cache import attached, cache_bytes, install, sieve_layers
 from kvsieve.engine.compress import CompressionReport, compress_cache, layer_occupancy
 from kvsieve.engine.hidden_states import hidden_states_hooks
 from kvsieve.engine.modules import attention_modules
-from kvsieve.engine.query_stats import query_stats_hooks
+from kvsieve.engine.query_hooks import query_stats_hooks
 from kvsieve.engine.reconstruct import compress_with_reconstruction
 from kvsieve.policy import Policy
 from kvsieve.selection import Budget

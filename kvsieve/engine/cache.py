@@ -112,7 +112,7 @@ class SieveLayer(DynamicLayer):
         self.spare: int | None = None
         self.seen = 0
         self.recent_queries: torch.Tensor | None = None
-        self.query_stats = None  # kvsieve.engine.query_stats fills it (pre-RoPE query statistics)
+        self.query_stats = None  # kvsieve.engine.query_hooks fills it (pre-RoPE query statistics)
         self.rope: tuple[torch.Tensor, float] | None = None
         self.hidden_states: torch.Tensor | None = None
 

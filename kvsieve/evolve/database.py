@@ -15,8 +15,8 @@ import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvsieve.evolve.features import HELPERS_VERSION, TENSOR_FIELDS
-from kvsieve.evolve.program import fields_read
+from kvsieve.language.program_features import HELPERS_VERSION, TENSOR_FIELDS
+from kvsieve.language.program_source import fields_read
 
 __all__ = ["ProgramRecord", "ProgramDatabase", "behaviour_cell", "rank_key"]
 
@@ -118,7 +118,7 @@ class ProgramDatabase:
         recorded = self.meta("helpers_version") or 1  # databases before the version was recorded: 1
         if recorded != HELPERS_VERSION:
             raise ValueError(f"{self.path} was evaluated with version {recorded} of the program helpers and this "
-                             f"kvsieve interprets version {HELPERS_VERSION} (kvsieve/evolve/features.py: "
+                             f"kvsieve interprets version {HELPERS_VERSION} (kvsieve/language/program_features.py: "
                              "HELPERS_VERSION), so its stored scores may not be what its programs compute now; start "
                              "another db (reports and `benchmarks/evolve_compare.py` still read this one)")
         stored = json.loads(row[0])

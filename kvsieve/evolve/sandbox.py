@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from kvsieve.evolve import seccomp
-from kvsieve.evolve.static import StaticCheckError, check_source
+from kvsieve.language.static_check import StaticCheckError, check_source
 
 __all__ = ["SandboxLimits", "SandboxResult", "SandboxUnavailable", "run_in_sandbox", "sandbox_env",
            "isolation_level", "isolation_report", "require_isolation", "STATUSES", "ISOLATION_LEVELS"]

@@ -16,14 +16,14 @@ import statistics
 import time
 from pathlib import Path
 
-from kvsieve.evolve.config import EvolveConfig
+from kvsieve.evolve.candidate_executor import Executor
+from kvsieve.evolve.cascade import Evaluation, KnownKept
 from kvsieve.evolve.database import ProgramDatabase, ProgramRecord, behaviour_cell, rank_key
-from kvsieve.evolve.evaluate import Evaluation, KnownKept
-from kvsieve.evolve.executor import Executor
+from kvsieve.evolve.evolve_config import EvolveConfig
 from kvsieve.evolve.mutators.base import Mutator
-from kvsieve.evolve.program import Program
 from kvsieve.evolve.seeds import SEEDS
-from kvsieve.evolve.static import StaticCheckError, check_source
+from kvsieve.language.program_source import Program
+from kvsieve.language.static_check import StaticCheckError, check_source
 
 __all__ = ["evolve", "export_best", "max_gap", "generation_summary"]
 

@@ -24,8 +24,7 @@ from pathlib import Path
 import torch
 
 from kvsieve.evolve import seccomp
-from kvsieve.evolve.features import TENSOR_FIELDS, Features, synthetic_features
-from kvsieve.evolve.interpreter import (
+from kvsieve.language.interpreter import (
     MAX_WORK_EXPONENT,
     InterpreterError,
     LimitExceeded,
@@ -33,7 +32,8 @@ from kvsieve.evolve.interpreter import (
     ScoreProgram,
     work_growth,
 )
-from kvsieve.evolve.program import Program, ProgramError
+from kvsieve.language.program_features import TENSOR_FIELDS, Features, synthetic_features
+from kvsieve.language.program_source import Program, ProgramError
 from kvsieve.selection import ALLOCATIONS, Selection
 
 __all__ = ["check_invariants", "install_guards", "invariant_cases", "main", "INVARIANTS", "features_from_bytes",
@@ -450,7 +450,7 @@ def _warm_up(window: int) -> None:
     """Run every allowed helper and torch function once on synthetic features through the interpreter's
     own tables, so lazy imports and first-call initialisation inside torch happen before the guards
     refuse new imports."""
-    from kvsieve.evolve import features as feats
+    from kvsieve.language import program_features as feats
 
     f = synthetic_features(0, group=3, n=window + 5, window=window)
     x = feats.HELPERS["group_mean"](f.attn)

@@ -9,10 +9,10 @@ selection, so the target of an entry is its ``log`` score standardised over the 
 (neither the chat-template header, which KVzip always keeps, nor the observation window, which every
 learned policy keeps), and the loss is the mean squared error on those entries.
 
-One run (``kvsieve train --objective imitate``, same :class:`~kvsieve.learn.config.TrainConfig`):
+One run (``kvsieve train --objective imitate``, same :class:`~kvsieve.learn.train_config.TrainConfig`):
 
 1. for every training episode, prefill the context with the full cache, run the reconstruction and
-   record each layer's features (:func:`kvsieve.learn.features.extract`) and targets; the collected
+   record each layer's features (:func:`kvsieve.networks.keep_features.extract`) and targets; the collected
    set is saved in ``out/imitation-data.safetensors`` so a rerun does not compute it again;
 2. ``steps`` Adam steps, one episode (all its layers) per step, in a seeded order per epoch; gradient
    norm clipped at ``grad_clip``.
@@ -37,13 +37,13 @@ from kvsieve.engine.cache import sieve_layers
 from kvsieve.engine.compress import layer_signals
 from kvsieve.engine.reconstruct import ReconstructionPrompt, reconstruction_scores
 from kvsieve.files import save_safetensors
-from kvsieve.learn.checkpoint import load_checkpoint, save_checkpoint
-from kvsieve.learn.config import TrainResult, derived_seed, episode_index
-from kvsieve.learn.features import FEATURES, extract
-from kvsieve.learn.network import KeepNet, NetConfig
-from kvsieve.learn.policy import ModelShape
 from kvsieve.learn.rollout import Episode, context_cache_for
+from kvsieve.learn.train_config import TrainResult, derived_seed, episode_index
 from kvsieve.models import dtype_name
+from kvsieve.networks.checkpoint import load_checkpoint, save_checkpoint
+from kvsieve.networks.keep_features import FEATURES, extract
+from kvsieve.networks.keep_net import KeepNet, NetConfig
+from kvsieve.networks.model_shape import ModelShape
 
 __all__ = ["imitation_targets", "kvzip_reconstruction", "collect", "imitate", "LOG_FIELDS"]
 
@@ -133,7 +133,7 @@ def imitation_loss(net: KeepNet, layers: list[tuple[torch.Tensor, torch.Tensor, 
 
 def imitate(config, model, tokenizer, episodes: list[Episode], progress: bool = True):
     """Train ``config``'s network by regression on KVzip scores; returns a
-    :class:`~kvsieve.learn.config.TrainResult`."""
+    :class:`~kvsieve.learn.train_config.TrainResult`."""
     if tokenizer is None:
         raise ValueError("the imitation objective needs the model's tokenizer (KVzip prompts the model to repeat "
                          "the context)")

@@ -1,6 +1,6 @@
 """REINFORCE on top of the KVzip surrogate: its rollouts are one Plackett-Luce draw over the whole model.
 
-The shipped surrogate (:mod:`kvsieve.learn.kvzap`) spends its budget globally, as KVzip does: after the
+The shipped surrogate (:mod:`kvsieve.policies.kvzap`) spends its budget globally, as KVzip does: after the
 header every layer and head keeps, the model's whole budget goes to the best predicted scores of any
 layer and head. A stochastic rollout keeps that rule and perturbs the scores: with the keep logits
 ``s / temperature`` (``s`` the predicted log KVzip score) plus independent Gumbel noise, the global
@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvsieve.learn.kvzap import KVzap, KVzapNet
 from kvsieve.learn.rollout import Decision
 from kvsieve.learn.sampling import gumbel_noise
+from kvsieve.networks.kvzap_net import KVzapNet
+from kvsieve.policies.kvzap import KVzap
 from kvsieve.selection import Selection
 from kvsieve.signals import Signals
 

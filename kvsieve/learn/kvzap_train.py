@@ -1,4 +1,4 @@
-"""Training the KVzip surrogate (:mod:`kvsieve.learn.kvzap`): ``kvsieve train --objective kvzap``.
+"""Training the KVzip surrogate (:mod:`kvsieve.policies.kvzap`): ``kvsieve train --objective kvzap``.
 
 1. **Data.** ``samples`` generated RULER-style samples per task of ``tasks`` (sample seeds from ``seed``,
    5000 by default: disjoint from the evaluation grids' 0+ and the evolution dev sets' 1000+/2000+) and
@@ -9,7 +9,7 @@
    (:func:`kvsieve.learn.imitate.kvzip_reconstruction`, the collection the imitation objective uses):
    target = ``log(max(score, 1e-8))`` of every KV head at ``positions`` positions drawn (seeded) after
    the chat template's header, whose entries KVzip never scores (it always keeps them).
-   Inputs at the same positions (``inputs``): ``"kv"``, :func:`~kvsieve.learn.kvzap.kvzap_inputs` (pre-RoPE keys
+   Inputs at the same positions (``inputs``): ``"kv"``, :func:`~kvsieve.policies.kvzap.kvzap_inputs` (pre-RoPE keys
    and values, read off the cache), or ``"hidden"``, KVzap's own: the hidden state entering each layer's
    attention (:mod:`kvsieve.engine.hidden_states`). Each sequence is saved
    as it is collected (``out/kvzap-data/NNN.safetensors``), so an interrupted run resumes where it
@@ -40,14 +40,14 @@ import torch
 
 from kvsieve.engine.cache import sieve_layers
 from kvsieve.engine.compress import layer_signals
-from kvsieve.engine.query_stats import rope_of
+from kvsieve.engine.query_hooks import rope_of
 from kvsieve.engine.reconstruct import ReconstructionPrompt
 from kvsieve.files import save_safetensors
 from kvsieve.learn.imitate import kvzip_reconstruction
-from kvsieve.learn.kvzap import INPUTS, KVzapNet, KVzapNetConfig, kvzap_inputs, save_kvzap
-from kvsieve.learn.policy import ModelShape
 from kvsieve.learn.rollout import Episode
 from kvsieve.models import dtype_name, load
+from kvsieve.networks.kvzap_net import INPUTS, KVzapNet, KVzapNetConfig, kvzap_inputs, save_kvzap
+from kvsieve.networks.model_shape import ModelShape
 from kvsieve.prompt import build_prompt
 from kvsieve.tasks import TASKS
 from kvsieve.tasks.load import SampleSpec, load_samples
@@ -99,7 +99,7 @@ class KVzapTrainConfig:
 
     @classmethod
     def from_train_config(cls, config) -> KVzapTrainConfig:
-        """The fields of a :class:`~kvsieve.learn.config.TrainConfig` that mean the same here; as many text
+        """The fields of a :class:`~kvsieve.learn.train_config.TrainConfig` that mean the same here; as many text
         excerpts as generated samples."""
         return cls(model=config.model, tasks=list(config.tasks), length=config.length, samples=config.samples,
                    text_docs=config.samples * len(config.tasks), seed=config.seed, hidden=config.hidden,

@@ -49,19 +49,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvsieve.learn.checkpoint import load_checkpoint, save_checkpoint
-from kvsieve.learn.config import (
-    RESUMABLE,
-    TrainConfig,
-    TrainResult,
-    derived_seed,
-    episode_index,
-    seeded_generator,
-)
-from kvsieve.learn.kvzap import load_kvzap, resolve_kvzap_checkpoint, save_kvzap
 from kvsieve.learn.kvzap_rollout import KVzapRolloutPolicy, kvzap_decision_logits
-from kvsieve.learn.network import KeepNet, NetConfig
-from kvsieve.learn.policy import ModelShape, resolve_checkpoint
 from kvsieve.learn.reward import Teacher
 from kvsieve.learn.rollout import (
     Decision,
@@ -74,7 +62,20 @@ from kvsieve.learn.rollout import (
     step_returns,
     teacher_for,
 )
+from kvsieve.learn.train_config import (
+    RESUMABLE,
+    TrainConfig,
+    TrainResult,
+    derived_seed,
+    episode_index,
+    seeded_generator,
+)
 from kvsieve.models import dtype_name
+from kvsieve.networks.checkpoint import load_checkpoint, save_checkpoint
+from kvsieve.networks.keep_net import KeepNet, NetConfig
+from kvsieve.networks.kvzap_net import load_kvzap, save_kvzap
+from kvsieve.networks.model_shape import ModelShape
+from kvsieve.networks.shipped import resolve_checkpoint
 from kvsieve.selection import Budget
 
 __all__ = ["reinforce", "reinforce_loss", "initial_weights", "check_budget", "plot_curve", "Trainer"]
@@ -95,7 +96,7 @@ def check_budget(config: TrainConfig, episode: Episode, kept: int, ratio: float)
 
 def initial_weights(spec: str, shape: ModelShape, net: NetConfig) -> dict[str, torch.Tensor]:
     """The network weights of checkpoint ``spec``, checked against the model and the network being trained."""
-    loaded = load_checkpoint(resolve_checkpoint(spec))
+    loaded = load_checkpoint(resolve_checkpoint("learned", spec))
     if _other_model(loaded.meta["model"], shape):
         raise ValueError(f"init checkpoint {spec!r} was trained for {loaded.meta['model']}, not {shape.to_dict()}")
     if loaded.meta["net"] != net.to_dict():
@@ -107,7 +108,7 @@ def initial_weights(spec: str, shape: ModelShape, net: NetConfig) -> dict[str, t
 def initial_kvzap(spec: str, shape: ModelShape) -> tuple[torch.nn.Module, dict]:
     """The KVzip surrogate ``spec`` names (shipped name, file or run folder) and its metadata, checked against
     the model being trained on."""
-    net, meta = load_kvzap(resolve_kvzap_checkpoint(spec))
+    net, meta = load_kvzap(resolve_checkpoint("kvzap", spec))
     trained_for = ModelShape(**meta["model"])
     problem = trained_for.mismatch(shape)
     if problem:

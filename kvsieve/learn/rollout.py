@@ -34,10 +34,11 @@ import torch
 from kvsieve.engine.attach import attach
 from kvsieve.engine.cache import clone_cache
 from kvsieve.engine.compress import compress_cache
-from kvsieve.learn.network import KeepNet
-from kvsieve.learn.policy import LearnedPolicy, ModelShape
 from kvsieve.learn.reward import Teacher, kl_per_position, teacher_from_logits
 from kvsieve.learn.sampling import first_choice_entropy, gumbel_noise, log_prob_of_ordered
+from kvsieve.networks.keep_net import KeepNet
+from kvsieve.networks.model_shape import ModelShape
+from kvsieve.policies.learned import LearnedPolicy
 from kvsieve.policy import FullCache
 from kvsieve.selection import Budget, Selection
 

@@ -10,11 +10,11 @@ checkpoint), which ``learned(checkpoint=...)`` / ``kvzap(checkpoint=...)`` load.
 
 from __future__ import annotations
 
-from kvsieve.learn.config import TrainConfig, TrainResult, load_episodes
 from kvsieve.learn.imitate import imitate
 from kvsieve.learn.kvzap_train import KVzapTrainConfig, train_kvzap
 from kvsieve.learn.reinforce import reinforce
 from kvsieve.learn.rollout import Episode
+from kvsieve.learn.train_config import TrainConfig, TrainResult, load_episodes
 from kvsieve.models import load
 
 __all__ = ["train"]

@@ -6,15 +6,15 @@
 
 from __future__ import annotations
 
-from kvsieve.learn.kvzap import KVzap
-from kvsieve.learn.policy import LearnedPolicy
 from kvsieve.policies.adakv import AdaKV
 from kvsieve.policies.chunkkv import ChunkKV
 from kvsieve.policies.expected_attention import ExpectedAttention
 from kvsieve.policies.frc import FRC
 from kvsieve.policies.h2o import H2O
 from kvsieve.policies.knorm import KNorm
+from kvsieve.policies.kvzap import KVzap
 from kvsieve.policies.kvzip import KVzip
+from kvsieve.policies.learned import LearnedPolicy
 from kvsieve.policies.oracle import Oracle
 from kvsieve.policies.program import ProgramPolicy
 from kvsieve.policies.pyramidkv import PyramidKV

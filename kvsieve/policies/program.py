@@ -1,15 +1,15 @@
 """A policy read from a program file: what ``kvsieve evolve`` exports (``--policies program:best.py``).
 
-The file is an evolved program (``kvsieve/evolve/program.py`` format). It is never run as Python: it
+The file is an evolved program (``kvsieve/language/program_source.py`` format). It is never run as Python: it
 passes the same static check as a candidate's stage 0 and is then interpreted
-(``kvsieve/evolve/interpreter.py``) against the compact interface
-(:class:`kvsieve.evolve.features.Features`), every operation costed against budgets that scale with
+(``kvsieve/language/interpreter.py``) against the compact interface
+(:class:`kvsieve.language.program_features.Features`), every operation costed against budgets that scale with
 the layer before it runs, so a program that misbehaves on long inputs (a "sleeper") stops with an error
 naming the limit instead of hanging or exhausting memory. ``deadline_s=`` bounds the wall-clock time of
 one layer's scoring; ``max_elements=`` the size of any tensor it creates (an absolute backstop).
 
 Everything a program can cause while scoring (a refused operation, a budget, its own error, scores of
-the wrong shape or not finite) raises one exception type, :class:`~kvsieve.evolve.interpreter.InterpreterError`
+the wrong shape or not finite) raises one exception type, :class:`~kvsieve.language.interpreter.InterpreterError`
 (a ``ValueError``): a caller (the harness, the server) catches it and fails that cell or request alone.
 
 A program that reads ``f.surrogate`` gets the predictions of a KVzip surrogate (``kvzap``):
@@ -25,10 +25,11 @@ from pathlib import Path
 
 import torch
 
-from kvsieve.evolve.features import Features
-from kvsieve.evolve.interpreter import InterpreterError, Limits, ProgramFailed, ScoreProgram, run_budget
-from kvsieve.evolve.program import Program, ProgramError
-from kvsieve.learn.kvzap import KVzap, resolve_kvzap_checkpoint, shipped_kvzap_files, shipped_kvzap_for
+from kvsieve.language.interpreter import InterpreterError, Limits, ProgramFailed, ScoreProgram, run_budget
+from kvsieve.language.program_features import Features
+from kvsieve.language.program_source import Program, ProgramError
+from kvsieve.networks.shipped import resolve_checkpoint, shipped_files
+from kvsieve.policies.kvzap import KVzap, shipped_kvzap_for
 from kvsieve.policy import Policy
 from kvsieve.selection import Selection
 from kvsieve.signals import Signals
@@ -96,8 +97,8 @@ class ProgramPolicy(Policy):
         if not _reads_surrogate(Path(path)):
             return (Path(path),)
         if surrogate is not None:
-            return (Path(path), resolve_kvzap_checkpoint(surrogate))
-        return (Path(path), *shipped_kvzap_files())
+            return (Path(path), resolve_checkpoint("kvzap", surrogate))
+        return (Path(path), *shipped_files("kvzap"))
 
     def default_selection(self) -> Selection:
         return self.program.selection(self.window)

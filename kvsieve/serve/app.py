@@ -22,10 +22,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvsieve.bundled import canonical_name
 from kvsieve.prompt import Prompt
 from kvsieve.risk.runtime import OperatingPoint
+from kvsieve.serve.chat_prompt import chat_prompt, completion_prompt
 from kvsieve.serve.errors import APIError, error_body
 from kvsieve.serve.generation import CacheInfo, Cancelled, Completion
 from kvsieve.serve.points import ChosenPoint
-from kvsieve.serve.prompt import chat_prompt, completion_prompt
 from kvsieve.serve.scheduler import Job, QueueFull, TooLarge
 from kvsieve.serve.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 from kvsieve.serve.state import ServerState

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kvsieve.serve.metrics import Metrics
 from kvsieve.serve.points import PointSource
 from kvsieve.serve.scheduler import Scheduler
+from kvsieve.serve.server_metrics import Metrics
 
 __all__ = ["ServerState"]
 

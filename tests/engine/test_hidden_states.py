@@ -11,11 +11,12 @@ import kvsieve
 from kvsieve.engine.cache import sieve_layers
 from kvsieve.engine.compress import layer_signals
 from kvsieve.engine.reconstruct import ReconstructionPrompt
-from kvsieve.learn.config import TrainConfig
-from kvsieve.learn.kvzap import KVzap, load_kvzap
 from kvsieve.learn.kvzap_train import KVzapTrainConfig, train_kvzap
 from kvsieve.learn.rollout import Episode
+from kvsieve.learn.train_config import TrainConfig
+from kvsieve.networks.kvzap_net import load_kvzap
 from kvsieve.policies import FullCache, get
+from kvsieve.policies.kvzap import KVzap
 
 TOKENIZER = CharTokenizer()
 HEADER = ReconstructionPrompt.from_tokenizer(TOKENIZER).header

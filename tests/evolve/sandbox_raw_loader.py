@@ -9,7 +9,7 @@ import builtins
 
 import torch
 
-from kvsieve.evolve import features
+from kvsieve.language import program_features as features
 
 
 def load(source: str):

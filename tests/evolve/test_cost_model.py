@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvsieve.evolve.features import synthetic_features
-from kvsieve.evolve.interpreter import (
+from kvsieve.evolve.seeds import SEEDS
+from kvsieve.language.interpreter import (
     MAX_WORK_EXPONENT,
     InterpreterError,
     LimitExceeded,
@@ -26,8 +26,8 @@ from kvsieve.evolve.interpreter import (
     run_budget,
     work_growth,
 )
-from kvsieve.evolve.seeds import SEEDS
-from kvsieve.evolve.static import check_source
+from kvsieve.language.program_features import synthetic_features
+from kvsieve.language.static_check import check_source
 
 torch.set_num_threads(1)
 

@@ -18,14 +18,14 @@ import torch
 from conftest import COMMON, CharTokenizer, tiny_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from kvsieve.evolve.config import EvolveConfig, dev_samples, load_config
 from kvsieve.evolve.database import SCHEMA, ProgramDatabase, behaviour_cell
-from kvsieve.evolve.features import HELPERS, HELPERS_VERSION, synthetic_features
-from kvsieve.evolve.interpreter import ScoreProgram
+from kvsieve.evolve.evolve_config import EvolveConfig, dev_samples, load_config
 from kvsieve.evolve.mutators.structural import OPERATIONS, StructuralMutator
-from kvsieve.evolve.program import Program, ProgramError, parse_selection
 from kvsieve.evolve.seeds import SEEDS
-from kvsieve.evolve.static import check_source
+from kvsieve.language.interpreter import ScoreProgram
+from kvsieve.language.program_features import HELPERS, HELPERS_VERSION, synthetic_features
+from kvsieve.language.program_source import Program, ProgramError, parse_selection
+from kvsieve.language.static_check import check_source
 
 HERE = os.path.dirname(__file__)
 
@@ -52,7 +52,7 @@ def tiny_model_and_tokenizer():
 
 def run_tiny(tmp: str, candidates: int) -> None:
     """Entry point of the subprocess the kill test starts."""
-    from kvsieve.evolve.run import run_evolution
+    from kvsieve.evolve.evolution import run_evolution
 
     model, tokenizer = tiny_model_and_tokenizer()
     run_evolution(tiny_run_config(Path(tmp), candidates), progress=False, model=model, tokenizer=tokenizer)
@@ -133,7 +133,7 @@ def test_config_files_reject_unknown_keys_and_bad_values(tmp_path):
 @pytest.mark.model
 def test_evolution_runs_end_to_end_and_resumes_after_kill(tmp_path):
     """A run killed with SIGKILL mid-run and resumed stores exactly the rows of an uninterrupted run."""
-    from kvsieve.evolve.run import run_evolution
+    from kvsieve.evolve.evolution import run_evolution
 
     model, tokenizer = tiny_model_and_tokenizer()
     straight = tmp_path / "straight"
@@ -265,7 +265,7 @@ class _FakeExecutor:
     entries are one of 40, so some children keep an earlier program's and take its results from ``known``."""
 
     def evaluate(self, programs, max_gap=None, on_result=None, known=None):
-        from kvsieve.evolve.evaluate import Evaluation
+        from kvsieve.evolve.cascade import Evaluation
 
         out = []
         for i, program in enumerate(programs):
@@ -343,7 +343,7 @@ def test_resume_is_exact_across_migrations(tmp_path):
 
 def test_plateaus_follow_one_rule_mid_run_and_at_the_end(tmp_path):
     """A best score flat for exactly ``plateau_generations`` counts as a plateau wherever it falls."""
-    from kvsieve.evolve.report import diagnostics
+    from kvsieve.evolve.evolution_report import diagnostics
 
     config = tiny_run_config(tmp_path, 5, plateau_generations=3)
     db = ProgramDatabase(tmp_path / "p.sqlite")
@@ -357,7 +357,7 @@ def test_plateaus_follow_one_rule_mid_run_and_at_the_end(tmp_path):
 
 
 def test_proxy_better_task_worse_fires_for_a_low_seed(tmp_path):
-    from kvsieve.evolve.report import diagnostics
+    from kvsieve.evolve.evolution_report import diagnostics
 
     config = tiny_run_config(tmp_path, 5)
     db = ProgramDatabase(tmp_path / "d.sqlite")
@@ -375,7 +375,7 @@ def test_proxy_better_task_worse_fires_for_a_low_seed(tmp_path):
 def test_held_out_scores_go_to_the_programs_ranked_as_the_best_is_chosen(tmp_path):
     """Programs tied on the dev score are ranked by the smaller proxy gap, as the exported best is: the best
     is held out even when earlier rows share its score (the v2 run's #325 at 93.8 came after seven others)."""
-    from kvsieve.evolve.run import heldout_programs
+    from kvsieve.evolve.evolution import heldout_programs
 
     db = ProgramDatabase(tmp_path / "h.sqlite")
     seed = db.add(dict(generation=0, island=0, slot=0, mutator="seed", status="ok", stage=3, score=5.0, proxy=0.5,
@@ -426,7 +426,7 @@ def test_code_hash_ignores_docstrings():
 
 
 def test_the_proxy_answer_keeps_its_leading_space():
-    from kvsieve.evolve.evaluate import answer_token_ids
+    from kvsieve.evolve.cascade import answer_token_ids
     from kvsieve.tasks.sample import Sample
 
     seen = []
@@ -449,7 +449,7 @@ def test_the_proxy_answer_keeps_its_leading_space():
 def test_a_selection_too_big_for_a_dev_budget_is_rejected_not_fatal(tmp_path):
     """``SELECTION = {"sink": 64}`` passes stage 0 (in range) but, with the window, protects more entries
     than a dev cell keeps at ratio 0.9: it is rejected with that reason and the run carries on."""
-    from kvsieve.evolve.run import run_evolution
+    from kvsieve.evolve.evolution import run_evolution
 
     crashing = tmp_path / "sink64.py"
     crashing.write_text('SELECTION = {"chunk_size": 1, "sink": 64}\n\n\ndef score(f):\n    return group_mean(f.attn)\n')
@@ -560,7 +560,7 @@ def test_a_dev_samples_ratios_decode_as_one_batch_and_each_row_as_it_would_alone
     # stage 3 decodes a sample's ratios together (one weight read per step for every row)
     import torch
 
-    from kvsieve.evolve.evaluate import DevSet
+    from kvsieve.evolve.cascade import DevSet
     from kvsieve.policies import get
     from kvsieve.tasks.sample import Sample
 
@@ -589,7 +589,7 @@ def test_stage3_stops_a_row_once_its_score_is_settled_and_scores_it_as_a_decode_
     from kvsieve.engine.attach import attach
     from kvsieve.engine.cache import clone_cache, stack_caches
     from kvsieve.engine.generate import greedy_decode
-    from kvsieve.evolve.evaluate import DevSet
+    from kvsieve.evolve.cascade import DevSet
     from kvsieve.policies import get
     from kvsieve.tasks.metrics import score as metric_score
     from kvsieve.tasks.sample import Sample
@@ -636,7 +636,7 @@ def test_each_dev_cell_reads_the_question_once_and_its_gap_is_the_teacher_forced
 
     from kvsieve.engine.attach import attach
     from kvsieve.engine.cache import clone_cache, sieve_layers
-    from kvsieve.evolve.evaluate import DevSet, evaluate_program
+    from kvsieve.evolve.cascade import DevSet, evaluate_program
     from kvsieve.policies.program import ProgramPolicy
     from kvsieve.policy import FullCache
     from kvsieve.tasks.metrics import score as metric_score
@@ -755,7 +755,7 @@ def test_a_candidate_keeping_an_earlier_programs_entries_takes_its_results(tmp_p
     cell (a monotone transform of the scores does, another signal does not); such a candidate takes the earlier
     results, re-judged by this generation's stage-2 threshold, without reading a question or decoding."""
     from kvsieve.engine.cache import sieve_layers
-    from kvsieve.evolve.evaluate import DevSet, KnownKept, evaluate_program, kept_fingerprint
+    from kvsieve.evolve.cascade import DevSet, KnownKept, evaluate_program, kept_fingerprint
     from kvsieve.policies.program import ProgramPolicy
     from kvsieve.tasks.sample import Sample
 
@@ -834,8 +834,8 @@ def test_a_dev_set_reads_its_saved_prefills_back_and_a_candidate_scores_the_same
     import dataclasses
 
     from kvsieve.engine.cache import sieve_layers
-    from kvsieve.evolve.evaluate import DevSet, evaluate_program
-    from kvsieve.evolve.features import load_features
+    from kvsieve.evolve.cascade import DevSet, evaluate_program
+    from kvsieve.language.program_features import load_features
     from kvsieve.tasks.sample import Sample
 
     samples = [Sample(id=f"d{i}", task="niah_single_1", context=f"the number is {n}. " * 6 + "and so on. " * i,
@@ -879,7 +879,7 @@ def test_a_dev_set_reads_its_saved_prefills_back_and_a_candidate_scores_the_same
 def test_a_second_evolution_on_the_same_database_is_refused_while_the_first_runs(tmp_path):
     import fcntl
 
-    from kvsieve.evolve.run import run_evolution
+    from kvsieve.evolve.evolution import run_evolution
 
     config = tiny_run_config(tmp_path, 2)
     with open(tmp_path / "run.sqlite.lock", "a") as held:  # what a running `kvsieve evolve` holds
@@ -897,7 +897,7 @@ def test_cells_of_several_samples_decode_as_one_batch_each_row_as_it_would_alone
     cache, its own limit and stop strings, positions from the cache)."""
     from kvsieve.engine.attach import attach
     from kvsieve.engine.generate import greedy_decode
-    from kvsieve.evolve.evaluate import DevSet
+    from kvsieve.evolve.cascade import DevSet
     from kvsieve.policies import get
     from kvsieve.tasks.metrics import score as metric_score
     from kvsieve.tasks.metrics import settled as metric_settled

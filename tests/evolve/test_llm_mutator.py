@@ -12,11 +12,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from kvsieve.evolve import features as feats
 from kvsieve.evolve.mutators.local_model import LocalLLMMutator, _SeededSampler
 from kvsieve.evolve.mutators.openai_compatible import OpenAIMutator
 from kvsieve.evolve.mutators.prompting import apply_search_replace, build_messages, extract_program, interface_doc
-from kvsieve.evolve.program import SELECTION_RANGES, Program
+from kvsieve.language import program_features as feats
+from kvsieve.language.program_source import SELECTION_RANGES, Program
 
 PARENT = Program('"""Window attention."""\nSELECTION = {"chunk_size": 1, "sink": 0}\n\n\ndef score(f):\n'
                  '    a = group_mean(f.attn)\n    return pool(a, 5)\n')

@@ -17,9 +17,6 @@ import pytest
 import torch
 
 from kvsieve.evolve import sandbox, seccomp
-from kvsieve.evolve.features import load_features, save_features, synthetic_features
-from kvsieve.evolve.interpreter import InterpreterError, LimitExceeded, ScoreProgram
-from kvsieve.evolve.program import Program
 from kvsieve.evolve.sandbox import (
     ISOLATION_LEVELS,
     SandboxLimits,
@@ -32,8 +29,11 @@ from kvsieve.evolve.sandbox import (
     sandbox_env,
 )
 from kvsieve.evolve.seeds import SEEDS
-from kvsieve.evolve.static import StaticCheckError, check_source
 from kvsieve.evolve.worker import INVARIANTS, check_invariants
+from kvsieve.language.interpreter import InterpreterError, LimitExceeded, ScoreProgram
+from kvsieve.language.program_features import load_features, save_features, synthetic_features
+from kvsieve.language.program_source import Program
+from kvsieve.language.static_check import StaticCheckError, check_source
 from kvsieve.policies.program import ProgramPolicy
 from kvsieve.selection import Selection
 from kvsieve.signals import Signals
@@ -624,7 +624,7 @@ def test_job_dirs_are_removed_kept_on_request_and_orphans_swept(monkeypatch, tmp
 def test_the_interpreters_size_prediction_follows_torch_broadcasting():
     import random
 
-    from kvsieve.evolve.interpreter import _broadcast_numel
+    from kvsieve.language.interpreter import _broadcast_numel
 
     rng = random.Random(0)
     for _ in range(2000):

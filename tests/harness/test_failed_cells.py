@@ -13,13 +13,13 @@ import pytest
 import torch
 from conftest import CharTokenizer, tiny_model
 
-from kvsieve.evolve.interpreter import InterpreterError, LimitExceeded, ProgramFailed
 from kvsieve.harness.evaluate import evaluate_sample
 from kvsieve.harness.executor import LocalGridExecutor
 from kvsieve.harness.grid import Cell, GridConfig
 from kvsieve.harness.report import report_text
 from kvsieve.harness.run import run_grid
 from kvsieve.harness.store import CellResult, FailedCell
+from kvsieve.language.interpreter import InterpreterError, LimitExceeded, ProgramFailed
 from kvsieve.policies.program import ProgramPolicy
 from kvsieve.signals import Signals
 from kvsieve.tasks.ruler import generate

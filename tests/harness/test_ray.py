@@ -227,7 +227,7 @@ def _program_rows(path) -> list[tuple]:
 def evolve_executor(cluster, tmp_path_factory):
     from test_evolve import tiny_run_config
 
-    from kvsieve.evolve.ray_executor import RayExecutor
+    from kvsieve.evolve.ray_candidate_executor import RayExecutor
     from kvsieve.evolve.sandbox import SandboxLimits
 
     _free_cpus()
@@ -241,10 +241,10 @@ def evolve_executor(cluster, tmp_path_factory):
 def test_evolution_on_ray_stores_the_local_executors_rows(evolve_executor, tmp_path):
     from test_evolve import tiny_model_and_tokenizer, tiny_run_config
 
-    from kvsieve.evolve.config import dev_samples
+    from kvsieve.evolve.candidate_executor import LocalExecutor
+    from kvsieve.evolve.cascade import DevSet
     from kvsieve.evolve.database import ProgramDatabase
-    from kvsieve.evolve.evaluate import DevSet
-    from kvsieve.evolve.executor import LocalExecutor
+    from kvsieve.evolve.evolve_config import dev_samples
     from kvsieve.evolve.mutators.structural import StructuralMutator
     from kvsieve.evolve.search import evolve
 
@@ -275,8 +275,8 @@ def test_a_candidate_that_kills_its_sandbox_leaves_the_actor_alive(evolve_execut
     worker that ran it answers the next candidate, in the same process."""
     from dataclasses import replace
 
-    from kvsieve.evolve.program import Program
     from kvsieve.evolve.seeds import SEEDS
+    from kvsieve.language.program_source import Program
 
     pids = evolve_executor.pids()
     limits = evolve_executor.limits
@@ -295,7 +295,7 @@ def test_a_candidate_that_kills_its_sandbox_leaves_the_actor_alive(evolve_execut
 
 def test_executor_flags_are_checked():
     from kvsieve.cli import main
-    from kvsieve.evolve.config import EvolveConfig
+    from kvsieve.evolve.evolve_config import EvolveConfig
     from kvsieve.harness.run import make_grid_executor
 
     assert isinstance(make_grid_executor("ray", "auto", 3), RayGridExecutor)

@@ -10,14 +10,14 @@ import torch
 from conftest import CharTokenizer
 
 from kvsieve.engine.reconstruct import ReconstructionPrompt
-from kvsieve.learn.checkpoint import load_checkpoint
-from kvsieve.learn.config import TrainConfig
-from kvsieve.learn.features import FEATURES
 from kvsieve.learn.imitate import collect, imitation_loss, imitation_targets
-from kvsieve.learn.network import KeepNet
-from kvsieve.learn.policy import LearnedPolicy
 from kvsieve.learn.rollout import Episode
 from kvsieve.learn.train import train
+from kvsieve.learn.train_config import TrainConfig
+from kvsieve.networks.checkpoint import load_checkpoint
+from kvsieve.networks.keep_features import FEATURES
+from kvsieve.networks.keep_net import KeepNet
+from kvsieve.policies.learned import LearnedPolicy
 
 TOKENIZER = CharTokenizer()
 HEADER = ReconstructionPrompt.from_tokenizer(TOKENIZER).header
@@ -115,8 +115,8 @@ def test_the_regression_recovers_a_target_that_is_a_feature():
 
 
 def test_reinforce_can_start_from_an_imitation_checkpoint(llama, tmp_path):
-    from kvsieve.learn.policy import ModelShape
     from kvsieve.learn.reinforce import Trainer as _Trainer
+    from kvsieve.networks.model_shape import ModelShape
 
     episodes = [_episode(i) for i in range(2)]
     imitated = train(TrainConfig(model="tiny-llama", objective="imitate", steps=5, window=8, out=str(tmp_path / "a")),

@@ -1,4 +1,4 @@
-"""The KVzip surrogate (kvsieve.learn.kvzap, kvzap_train): inputs, targets, training, checkpoints, policy."""
+"""The KVzip surrogate (kvsieve.policies.kvzap, kvzap_train): inputs, targets, training, checkpoints, policy."""
 
 from __future__ import annotations
 
@@ -15,11 +15,9 @@ import kvsieve
 from kvsieve.engine.cache import sieve_layers
 from kvsieve.engine.compress import layer_signals
 from kvsieve.engine.reconstruct import ReconstructionPrompt
-from kvsieve.evolve.evaluate import DevSet
-from kvsieve.evolve.features import load_features
+from kvsieve.evolve.cascade import DevSet
 from kvsieve.evolve.seeds import SEEDS
-from kvsieve.learn import kvzap as kvzap_module
-from kvsieve.learn.kvzap import KVzap, kvzap_inputs, load_kvzap, pre_rope_keys, shipped_kvzap_for
+from kvsieve.language.program_features import load_features
 from kvsieve.learn.kvzap_train import (
     KVzapTrainConfig,
     collect_rows,
@@ -29,7 +27,10 @@ from kvsieve.learn.kvzap_train import (
     train_kvzap,
 )
 from kvsieve.learn.rollout import Episode
+from kvsieve.networks import shipped as shipped_module
+from kvsieve.networks.kvzap_net import kvzap_inputs, load_kvzap, pre_rope_keys
 from kvsieve.policies import FullCache
+from kvsieve.policies.kvzap import KVzap, shipped_kvzap_for
 from kvsieve.policies.program import ProgramPolicy
 from kvsieve.tasks.sample import Sample
 
@@ -303,8 +304,8 @@ def test_evolved_programs_read_the_surrogate_as_a_feature(trained, monkeypatch):
     with pytest.raises(ValueError, match="reads f.surrogate but has no surrogate"):
         bare.score(signals)
     # a shipped surrogate is found by the model it was trained for (name, geometry, config) and bound
-    monkeypatch.setattr(kvzap_module, "CHECKPOINT_DIR", result.policy.parent)
-    monkeypatch.setattr(kvzap_module, "SHIPPED", {"tiny-llama": result.policy.name})
+    monkeypatch.setattr(shipped_module, "CHECKPOINT_DIR", result.policy.parent)
+    monkeypatch.setattr(shipped_module, "SHIPPED", {("kvzap", "tiny-llama"): result.policy.name})
     assert shipped_kvzap_for(tiny_model("qwen2")) is None
     assert shipped_kvzap_for(model, "another-model") is None
     bare.check_model(model, "tiny-llama")
@@ -313,8 +314,8 @@ def test_evolved_programs_read_the_surrogate_as_a_feature(trained, monkeypatch):
 
 def test_dev_sets_carry_the_shipped_surrogates_predictions(trained, monkeypatch, tmp_path):
     model, _, _, result = trained
-    monkeypatch.setattr(kvzap_module, "CHECKPOINT_DIR", result.policy.parent)
-    monkeypatch.setattr(kvzap_module, "SHIPPED", {"tiny-llama": result.policy.name})
+    monkeypatch.setattr(shipped_module, "CHECKPOINT_DIR", result.policy.parent)
+    monkeypatch.setattr(shipped_module, "SHIPPED", {("kvzap", "tiny-llama"): result.policy.name})
     sample = Sample(id="d0", task="niah_single_1", context="the number is 4711. " * 4, question="Which number?",
                     answer_prefix="It is", answers=["4711"], max_new_tokens=4, length=0, seed=0,
                     metric="string_match_all")
@@ -325,7 +326,7 @@ def test_dev_sets_carry_the_shipped_surrogates_predictions(trained, monkeypatch,
         signals = layer_signals(layer, idx, 3, window=4)
         torch.testing.assert_close(features[f"s0-l{idx}"].surrogate, linear.score(signals))
         assert features[f"s0-l{idx}"].surrogate.abs().sum() > 0
-    monkeypatch.setattr(kvzap_module, "SHIPPED", {})  # no surrogate for the model: the feature is zeros
+    monkeypatch.setattr(shipped_module, "SHIPPED", {})  # no surrogate for the model: the feature is zeros
     plain = load_features(DevSet(model, TOKENIZER, [sample], ratios=[0.5], window=4, workdir=tmp_path / "b")
                           .features_path)
     assert all(float(f.surrogate.abs().sum()) == 0.0 for f in plain.values())

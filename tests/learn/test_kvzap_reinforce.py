@@ -13,13 +13,14 @@ from conftest import random_kvzap, tiny_model
 import kvsieve
 from kvsieve.engine.cache import sieve_layers
 from kvsieve.learn import reinforce as reinforce_module
-from kvsieve.learn.config import TrainConfig
-from kvsieve.learn.kvzap import KVzap, load_kvzap
 from kvsieve.learn.kvzap_rollout import KVzapRolloutPolicy, kvzap_decision_logits
-from kvsieve.learn.policy import ModelShape
 from kvsieve.learn.rollout import Episode, decision_terms
 from kvsieve.learn.sampling import gumbel_noise
 from kvsieve.learn.train import train
+from kvsieve.learn.train_config import TrainConfig
+from kvsieve.networks.kvzap_net import load_kvzap
+from kvsieve.networks.model_shape import ModelShape
+from kvsieve.policies.kvzap import KVzap
 
 HEADER = 3
 LAYERS, HEADS, HEAD_DIM = 3, 2, 16

@@ -16,11 +16,6 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 import kvsieve
 from kvsieve.engine.cache import sieve_layers
 from kvsieve.engine.compress import layer_signals
-from kvsieve.learn.checkpoint import load_checkpoint, save_checkpoint
-from kvsieve.learn.config import TrainConfig
-from kvsieve.learn.features import FEATURES, extract
-from kvsieve.learn.network import KeepNet
-from kvsieve.learn.policy import LearnedPolicy, ModelShape
 from kvsieve.learn.reinforce import reinforce_loss
 from kvsieve.learn.reward import kl_per_position, teacher_from_logits
 from kvsieve.learn.rollout import (
@@ -40,7 +35,13 @@ from kvsieve.learn.sampling import (
     log_prob_of_set_bruteforce,
 )
 from kvsieve.learn.train import train
+from kvsieve.learn.train_config import TrainConfig
+from kvsieve.networks.checkpoint import load_checkpoint, save_checkpoint
+from kvsieve.networks.keep_features import FEATURES, extract
+from kvsieve.networks.keep_net import KeepNet
+from kvsieve.networks.model_shape import ModelShape
 from kvsieve.policies import FullCache, from_spec
+from kvsieve.policies.learned import LearnedPolicy
 
 # ---------------------------------------------------------------------------------------------- sampling
 

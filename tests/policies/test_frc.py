@@ -20,8 +20,8 @@ from test_reference_policies import (
     window_attention,
 )
 
-from kvsieve.evolve.features import Features
 from kvsieve.evolve.seeds import SEEDS
+from kvsieve.language.program_features import Features
 from kvsieve.policies import from_spec, get, parse_spec
 
 

@@ -23,9 +23,9 @@ from conftest import CharTokenizer, tiny_model
 from kvsieve.engine.generate import generate
 from kvsieve.policies import from_spec, get
 from kvsieve.risk import Candidate, Certification, CertifiedPolicy, Contract, ContractFile
+from kvsieve.serve.chat_prompt import chat_prompt
 from kvsieve.serve.command import build_state, point_source, serve
 from kvsieve.serve.points import PointSource
-from kvsieve.serve.prompt import chat_prompt
 from kvsieve.serve.schemas import ChatMessage
 
 TESTS = Path(__file__).parent

@@ -23,8 +23,8 @@ from test_serve import BYTES_PER_TOKEN, DOC, NAME, ChatTokenizer, _cert, client,
 
 import kvsieve.policies.program as program_module
 from kvsieve.engine.generate import generate
-from kvsieve.learn.kvzap import KVzap
 from kvsieve.policies import get, parse
+from kvsieve.policies.kvzap import KVzap
 from kvsieve.risk import Candidate, CertifiedPolicy, Contract, ContractFile
 from kvsieve.serve.command import point_source
 
@@ -310,8 +310,8 @@ def test_a_request_larger_than_the_whole_budget_is_refused_with_both_figures(mod
 
 def test_kvzip_points_are_charged_twice_their_prefill(model):
     state = make_state(model, point_source(NAME, policy="kvzip", ratio=0.5))
+    from kvsieve.serve.chat_prompt import completion_prompt
     from kvsieve.serve.points import ChosenPoint
-    from kvsieve.serve.prompt import completion_prompt
 
     prompt = completion_prompt(ChatTokenizer(), DOC + "\nq")
     need, reserve = state.scheduler.need_of(prompt, state.points.base(None, 100), 4)

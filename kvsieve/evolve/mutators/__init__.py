@@ -10,7 +10,7 @@ back ends share. :func:`make_mutator` builds the one a config names.
 
 from __future__ import annotations
 
-from kvsieve.evolve.config import EvolveConfig
+from kvsieve.evolve.evolve_config import EvolveConfig
 from kvsieve.evolve.mutators.base import Mutator
 from kvsieve.evolve.mutators.local_model import LocalLLMMutator
 from kvsieve.evolve.mutators.openai_compatible import OpenAIMutator

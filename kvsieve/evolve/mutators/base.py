@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from typing import Protocol
 
-from kvsieve.evolve.program import Program
+from kvsieve.language.program_source import Program
 
 __all__ = ["Mutator"]
 

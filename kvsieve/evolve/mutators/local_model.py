@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from kvsieve.evolve.mutators.prompting import DEFAULT_LOCAL_MODEL, CountingMutator, ScoreLookup, build_messages
-from kvsieve.evolve.program import Program
+from kvsieve.language.program_source import Program
 from kvsieve.models import load
 
 __all__ = ["LocalLLMMutator"]

@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 
 from kvsieve.evolve.mutators.prompting import CountingMutator, ScoreLookup, build_messages, check_edit_format
-from kvsieve.evolve.program import Program
+from kvsieve.language.program_source import Program
 
 __all__ = ["OpenAIMutator"]
 

@@ -14,8 +14,8 @@ import textwrap
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 
-from kvsieve.evolve import features as feats
-from kvsieve.evolve.program import SELECTION_CHOICES, SELECTION_RANGES, Program
+from kvsieve.language import program_features as feats
+from kvsieve.language.program_source import SELECTION_CHOICES, SELECTION_RANGES, Program
 
 __all__ = ["EDIT_FORMATS", "DEFAULT_LOCAL_MODEL", "CountingMutator", "ScoreLookup", "check_edit_format",
            "interface_doc", "build_messages", "extract_program", "apply_search_replace"]

@@ -12,7 +12,7 @@ import ast
 import copy
 import random
 
-from kvsieve.evolve.program import SELECTION_CHOICES, Program, ProgramError
+from kvsieve.language.program_source import SELECTION_CHOICES, Program, ProgramError
 
 __all__ = ["StructuralMutator", "OPERATIONS"]
 

@@ -47,11 +47,11 @@ from kvsieve.engine.cache_file import FORMAT_VERSION as CACHE_FORMAT
 from kvsieve.engine.cache_file import load_cache, save_cache
 from kvsieve.engine.compress import compress_cache, layer_signals
 from kvsieve.engine.generate import greedy_decode
-from kvsieve.evolve.features import Features, load_features, save_features
-from kvsieve.evolve.program import Program, ProgramError
 from kvsieve.evolve.sandbox import SandboxLimits, run_in_sandbox
-from kvsieve.learn.kvzap import shipped_kvzap_for
+from kvsieve.language.program_features import Features, load_features, save_features
+from kvsieve.language.program_source import Program, ProgramError
 from kvsieve.models import weights_digest
+from kvsieve.policies.kvzap import shipped_kvzap_for
 from kvsieve.policy import FullCache, Policy
 from kvsieve.prompt import Prompt, build_prompt
 from kvsieve.selection import Budget, Selection

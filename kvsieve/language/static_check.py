@@ -13,8 +13,8 @@ from __future__ import annotations
 import ast
 import math
 
-from kvsieve.evolve import features as feats
-from kvsieve.evolve.program import ProgramError, parse_selection
+from kvsieve.language import program_features as feats
+from kvsieve.language.program_source import ProgramError, parse_selection
 
 __all__ = ["StaticCheckError", "check_source", "MAX_SOURCE_CHARS", "MAX_NODES", "MAX_INT", "MAX_LOOP_ITERATIONS"]
 

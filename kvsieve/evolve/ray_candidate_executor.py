@@ -1,9 +1,9 @@
 """Candidate evaluation on Ray: the evolve ``Executor`` interface (``executor.py``) over long-lived actors.
 
-Each actor builds the model and its own :class:`~kvsieve.evolve.evaluate.DevSet` once (the dev samples
+Each actor builds the model and its own :class:`~kvsieve.evolve.cascade.DevSet` once (the dev samples
 prefilled on the full cache, read from the run's dev cache folder where the driver saved them, else prefilled
 there and saved), then runs
-:func:`~kvsieve.evolve.evaluate.evaluate_program` for one candidate at a time. So a candidate's code
+:func:`~kvsieve.evolve.cascade.evaluate_program` for one candidate at a time. So a candidate's code
 still runs only inside the sandbox subprocess, started by the actor on the worker's machine: a candidate
 that crashes or hangs its sandbox costs that sandbox, not the actor. The loop, the mutator and the
 program database stay with the driver; results reach it through ``on_result(i, evaluation)`` as they
@@ -19,10 +19,10 @@ from collections.abc import Callable, Mapping
 
 from kvsieve.distributed import WorkerPool
 from kvsieve.distributed.actors import RayActors
-from kvsieve.evolve.config import EvolveConfig, dev_samples
-from kvsieve.evolve.evaluate import DevSet, Evaluation, KnownKept, evaluate_program
-from kvsieve.evolve.program import Program
+from kvsieve.evolve.cascade import DevSet, Evaluation, KnownKept, evaluate_program
+from kvsieve.evolve.evolve_config import EvolveConfig, dev_samples
 from kvsieve.evolve.sandbox import SandboxLimits
+from kvsieve.language.program_source import Program
 from kvsieve.models import load, resolve_dtype
 
 __all__ = ["RayExecutor", "EvolveWorker"]

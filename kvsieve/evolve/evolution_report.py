@@ -9,8 +9,8 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-from kvsieve.evolve.config import EvolveConfig
 from kvsieve.evolve.database import ProgramDatabase
+from kvsieve.evolve.evolve_config import EvolveConfig
 from kvsieve.evolve.search import generation_summary
 
 __all__ = ["diagnostics", "write_report", "plot_progress"]

@@ -10,16 +10,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvsieve.evolve.config import EvolveConfig, dev_samples
+from kvsieve.evolve.candidate_executor import LocalExecutor
+from kvsieve.evolve.cascade import DevSet, evaluate_program
 from kvsieve.evolve.database import ProgramDatabase, ProgramRecord, rank_key
-from kvsieve.evolve.evaluate import DevSet, evaluate_program
-from kvsieve.evolve.executor import LocalExecutor
+from kvsieve.evolve.evolution_report import write_report
+from kvsieve.evolve.evolve_config import EvolveConfig, dev_samples
 from kvsieve.evolve.mutators import make_mutator
-from kvsieve.evolve.program import Program
-from kvsieve.evolve.ray_executor import RayExecutor
-from kvsieve.evolve.report import write_report
+from kvsieve.evolve.ray_candidate_executor import RayExecutor
 from kvsieve.evolve.sandbox import SandboxLimits, require_isolation
 from kvsieve.evolve.search import evolve, export_best
+from kvsieve.language.program_source import Program
 from kvsieve.models import dtype_name, load
 
 __all__ = ["EvolveResult", "heldout_programs", "run_evolution"]

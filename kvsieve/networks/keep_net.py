@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from kvsieve.learn.features import NUM_FLOAT_FEATURES
+from kvsieve.networks.keep_features import NUM_FLOAT_FEATURES
 
 __all__ = ["NetConfig", "KeepNet"]
 

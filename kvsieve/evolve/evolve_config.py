@@ -58,7 +58,7 @@ class EvolveConfig:
     # evolution and its best-of-N control) can share one folder; not part of the run's identity
     dev_cache: str | None = None
     sandbox: str = "default"  # "strict": refuse below full isolation (docs/security.md); not part of the identity
-    executor: str = "local"  # "local" (this process) or "ray" (evolve/ray_executor.py); not part of the run's identity
+    executor: str = "local"  # "local" (this process) or "ray" (ray_candidate_executor.py); not the run's identity
     ray_address: str | None = None  # with executor "ray": None starts a local Ray instance; "auto" or "HOST:PORT"
     workers: int | None = None  # with executor "ray": actors (default: the cluster's CPUs)
 

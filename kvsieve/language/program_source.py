@@ -8,7 +8,7 @@ The file has exactly two parts, the editable block and the selection parameters:
     def score(f):
         return pool(group_mean(f.attn), 5)
 
-``score(f)`` maps a :class:`~kvsieve.evolve.features.Features` to (b, h, n) scores, higher kept
+``score(f)`` maps a :class:`~kvsieve.language.program_features.Features` to (b, h, n) scores, higher kept
 first; ``SELECTION`` is a literal dict of the selection parameters a candidate may set (the
 observation window, always kept, is the engine's).
 """

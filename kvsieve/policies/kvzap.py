@@ -32,237 +32,40 @@ How this one differs from KVzap:
 
 Checkpoints (one safetensors file, metadata key ``kvsieve_kvzap``) hold both variants, ``linear`` and
 ``mlp``, the per-layer input standardisation, the rotary frequencies, the header length, the held-out
-losses and the model they were trained for (:class:`~kvsieve.learn.policy.ModelShape`: name, geometry and
+losses and the model they were trained for (:class:`~kvsieve.networks.model_shape.ModelShape`: name, geometry and
 config fingerprint); the policy refuses another model. ``kvzap(checkpoint=NAME)`` loads a shipped one
-(:data:`SHIPPED`), ``kvzap(checkpoint=PATH)`` a file or a ``kvsieve train --objective kvzap`` folder.
+(:mod:`kvsieve.networks.shipped`), ``kvzap(checkpoint=PATH)`` a file or a ``kvsieve train --objective kvzap`` folder.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from kvsieve.bundled import canonical_name
-from kvsieve.files import save_safetensors
-from kvsieve.learn.policy import ModelShape
+from kvsieve.networks.kvzap_net import (
+    INPUTS,
+    VARIANTS,
+    KVzapNet,
+    kvzap_inputs,
+    load_kvzap,
+    pre_rope_keys,
+    rotary_tables,
+    shared_positions,
+)
+from kvsieve.networks.model_shape import ModelShape
+from kvsieve.networks.shipped import HOW_TO_TRAIN, resolve_checkpoint, shipped_names
 from kvsieve.policy import Policy
 from kvsieve.selection import ALLOCATIONS, Selection
 from kvsieve.signals import Signals
 
-__all__ = ["SHIPPED", "VARIANTS", "INPUTS", "KVzapNetConfig", "KVzapNet", "KVzap", "rotary_tables", "pre_rope_keys",
-           "shared_positions", "kvzap_inputs",
-           "save_kvzap", "load_kvzap", "resolve_kvzap_checkpoint", "shipped_kvzap_names", "shipped_kvzap_files",
-           "shipped_kvzap_for"]
+__all__ = ["KVzap", "shipped_kvzap_for"]
 
-CHECKPOINT_DIR = Path(__file__).parent / "checkpoints"
-# shipped name (the model it was trained for) -> file in CHECKPOINT_DIR; how each was trained: docs/kvzap.md
-SHIPPED: dict[str, str] = {
-    "smollm2-135m-instruct": "kvzap-smollm2-135m-instruct.safetensors",
-    "qwen2.5-coder-0.5b-instruct": "kvzap-qwen2.5-coder-0.5b-instruct.safetensors",
-}
-VARIANTS = ("mlp", "linear")
-INPUTS = ("kv", "hidden")  # what the network reads per position: pre-RoPE keys and values, or the hidden state
-METADATA_KEY = "kvsieve_kvzap"
-FORMAT = 1
-_HOW_TO_TRAIN = ("train one with `kvsieve train --objective kvzap --model MODEL --out DIR` and use "
-                 "kvzap(checkpoint='DIR')")
+_HOW_TO_TRAIN = HOW_TO_TRAIN["kvzap"]
 
 
-def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos t, sin t) with ``t = position * inv_freq``: (..., n) positions -> two (..., n, r/2) tables."""
-    angle = positions.float()[..., None] * inv_freq.float().to(positions.device)
-    return angle.cos(), angle.sin()
-
-
-def pre_rope_keys(keys: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-                  attention_scaling: float = 1.0,
-                  tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Undo the rotary embedding: (b, h, n, d) rotated keys at (b, h, n) positions -> the keys before it.
-
-    transformers' ``rotate_half`` convention: with ``r = 2 * len(inv_freq)`` rotated dims, halves
-    ``x1 = x[:r/2]``, ``x2 = x[r/2:r]`` and ``t = position * inv_freq``, the model stores
-    ``y1 = a (x1 cos t - x2 sin t)``, ``y2 = a (x2 cos t + x1 sin t)``; a rotation's inverse is its
-    transpose, so ``x1 = (y1 cos t + y2 sin t) / a``, ``x2 = (y2 cos t - y1 sin t) / a``. Dims past ``r``
-    are not rotated (partial rotary). ``positions`` may be (b, 1, n) when every head holds the same ones;
-    ``tables`` are :func:`rotary_tables` of them, when the caller already has them (every layer shares them).
-    """
-    half = inv_freq.shape[-1]
-    if 2 * half > keys.shape[-1]:
-        raise ValueError(f"{2 * half} rotary dims do not fit keys of head dim {keys.shape[-1]}")
-    cos, sin = rotary_tables(positions, inv_freq) if tables is None else tables
-    y = keys.float()
-    y1, y2 = y[..., :half], y[..., half: 2 * half]
-    x1 = (y1 * cos + y2 * sin) / attention_scaling
-    x2 = (y2 * cos - y1 * sin) / attention_scaling
-    return torch.cat([x1, x2, y[..., 2 * half:]], dim=-1)
-
-
-def shared_positions(signals: Signals) -> torch.Tensor:
-    """(b, 1, n): the positions every KV head of the layer holds; a cache pruned per head is refused."""
-    positions = signals.positions
-    if signals.num_kv_heads > 1 and not bool((positions == positions[:, :1]).all()):
-        raise ValueError("kvzap concatenates a layer's KV heads at each cached position, but this layer's heads hold "
-                         "different positions (a cache pruned per head, e.g. decode-time eviction): only the kvzap "
-                         "policy itself evicts in decode mode (the engine keeps its scores with the entries); a "
-                         "program reading f.surrogate runs in prefill mode")
-    return positions[:, :1]
-
-
-def kvzap_inputs(signals: Signals, inv_freq: torch.Tensor | None, attention_scaling: float = 1.0,
-                 tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """(b, n, 2 h d) per position: every KV head's pre-RoPE key, then every head's value (float32)."""
-    positions = shared_positions(signals)
-    keys = signals.keys.float() if inv_freq is None else pre_rope_keys(signals.keys, positions, inv_freq,
-                                                                        attention_scaling, tables)
-    b, h, n, d = keys.shape
-    both = torch.cat([keys, signals.values.float()], dim=1)  # (b, 2h, n, d)
-    return both.permute(0, 2, 1, 3).reshape(b, n, 2 * h * d)
-
-
-@dataclass(frozen=True)
-class KVzapNetConfig:
-    num_layers: int
-    num_kv_heads: int
-    input_dim: int
-    hidden: int = 64
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "input_dim", "hidden"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"KVzapNetConfig.{name} must be a positive int, got {value!r}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-class KVzapNet(nn.Module):
-    """Per layer: standardise the input, then a linear map (``linear``) and, for ``mlp``, the linear map plus a
-    one-hidden-layer GELU MLP on top of it (a residual: trained after the ridge fit, it starts where the linear
-    variant ends, so little data cannot leave it far worse), to ``h`` outputs.
-
-    Parameters are stacked over layers ((L, D, H) ...), so training fits every layer at once with batched
-    matmuls; the layers share nothing, so that is the same as fitting each alone.
-    """
-
-    def __init__(self, config: KVzapNetConfig) -> None:
-        super().__init__()
-        self.config = c = config
-        L, D, H, M = c.num_layers, c.input_dim, c.num_kv_heads, c.hidden
-        self.register_buffer("mean", torch.zeros(L, D))
-        self.register_buffer("std", torch.ones(L, D))
-        self.linear_weight = nn.Parameter(torch.zeros(L, D, H))
-        self.linear_bias = nn.Parameter(torch.zeros(L, H))
-        self.mlp_w1 = nn.Parameter(torch.randn(L, D, M) / D ** 0.5)
-        self.mlp_b1 = nn.Parameter(torch.zeros(L, M))
-        self.mlp_w2 = nn.Parameter(torch.randn(L, M, H) / M ** 0.5)
-        self.mlp_b2 = nn.Parameter(torch.zeros(L, H))
-
-    def standardise(self, x: torch.Tensor, layers: slice | int) -> torch.Tensor:
-        return (x - self.mean[layers, None, :]) / self.std[layers, None, :] if isinstance(layers, slice) else \
-            (x - self.mean[layers]) / self.std[layers]
-
-    def forward_all(self, x: torch.Tensor, variant: str) -> torch.Tensor:
-        """(L, N, D) raw inputs, one row set per layer -> (L, N, H) predicted log scores."""
-        z = self.standardise(x, slice(None))
-        linear = torch.baddbmm(self.linear_bias[:, None, :], z, self.linear_weight)
-        if variant == "linear":
-            return linear
-        hidden = nn.functional.gelu(torch.baddbmm(self.mlp_b1[:, None, :], z, self.mlp_w1))
-        return linear + torch.baddbmm(self.mlp_b2[:, None, :], hidden, self.mlp_w2)
-
-    def forward(self, x: torch.Tensor, layer: int, variant: str = "mlp") -> torch.Tensor:
-        """(..., D) raw inputs of ``layer`` -> (..., H) predicted log KVzip scores."""
-        if variant not in VARIANTS:
-            raise ValueError(f"kvzap variant {variant!r} is not one of {', '.join(map(repr, VARIANTS))}")
-        if not 0 <= layer < self.config.num_layers:
-            raise ValueError(f"layer {layer} is outside the surrogate's {self.config.num_layers} layers")
-        z = self.standardise(x, layer)
-        linear = z @ self.linear_weight[layer] + self.linear_bias[layer]
-        if variant == "linear":
-            return linear
-        hidden = nn.functional.gelu(z @ self.mlp_w1[layer] + self.mlp_b1[layer])
-        return linear + hidden @ self.mlp_w2[layer] + self.mlp_b2[layer]
-
-    def num_parameters(self, variant: str) -> int:
-        names = ("linear_weight", "linear_bias") if variant == "linear" else ("mlp_w1", "mlp_b1", "mlp_w2", "mlp_b2")
-        return sum(getattr(self, n).numel() for n in names)
-
-
-# -- checkpoints ----------------------------------------------------------------------------------------
-def _digest(tensors: dict[str, torch.Tensor]) -> str:
-    sha = hashlib.sha256()
-    for name in sorted(tensors):
-        tensor = tensors[name].contiguous()
-        sha.update(name.encode() + str(tensor.dtype).encode() + str(tuple(tensor.shape)).encode())
-        sha.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
-    return sha.hexdigest()
-
-
-def save_kvzap(path: str | Path, net: KVzapNet, meta: dict) -> Path:
-    """Write the network (weights as float16: the file stays small) and ``meta`` atomically to ``path``.
-
-    ``meta`` must hold ``model`` (a :meth:`ModelShape.to_dict`), ``header``, ``rope`` ({"inv_freq": per
-    layer list or None, "attention_scaling": per layer}) and ``variant`` (the default one)."""
-    for key in ("model", "header", "rope", "variant"):
-        if key not in meta:
-            raise ValueError(f"kvzap checkpoint metadata needs {key!r}")
-    tensors = {k: v.detach().to(torch.float16).contiguous().cpu() for k, v in net.state_dict().items()}
-    meta = dict(meta, format=FORMAT, net=net.config.to_dict(), sha256=_digest(tensors))
-    return save_safetensors(tensors, path, metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
-
-
-def load_kvzap(path: str | Path) -> tuple[KVzapNet, dict]:
-    """(network in float32, metadata) of a kvzap checkpoint; every problem is a ValueError naming the file."""
-    from safetensors import SafetensorError, safe_open
-
-    path = Path(path)
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            header = handle.metadata() or {}
-            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-    except (SafetensorError, OSError, RuntimeError, ValueError) as err:
-        raise ValueError(f"kvzap checkpoint {str(path)!r} is not a readable safetensors file: {err}") from err
-    if METADATA_KEY not in header:
-        raise ValueError(f"{str(path)!r} is not a kvzap checkpoint (no {METADATA_KEY!r} metadata); {_HOW_TO_TRAIN}")
-    meta = json.loads(header[METADATA_KEY])
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"kvzap checkpoint {str(path)!r} has format {meta.get('format')!r}; this kvsieve reads "
-                         f"format {FORMAT}")
-    if meta.get("sha256") != _digest(tensors):
-        raise ValueError(f"kvzap checkpoint {str(path)!r} is corrupt: its tensors do not match their checksum")
-    net = KVzapNet(KVzapNetConfig(**meta["net"]))
-    try:
-        net.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
-    except RuntimeError as err:
-        raise ValueError(f"kvzap checkpoint {str(path)!r} does not hold the network its metadata describes: "
-                         f"{err}") from err
-    return net.eval(), meta
-
-
-def resolve_kvzap_checkpoint(spec: str | Path) -> Path:
-    """A kvzap checkpoint from a shipped name, a file, or a ``kvsieve train --objective kvzap`` folder."""
-    if isinstance(spec, str) and canonical_name(spec) in SHIPPED:
-        path = CHECKPOINT_DIR / SHIPPED[canonical_name(spec)]
-        if path.is_file():
-            return path
-    path = Path(spec)
-    if path.is_dir() and (path / "policy.safetensors").is_file():
-        return path / "policy.safetensors"
-    if path.is_file():
-        return path
-    shipped = ", ".join(shipped_kvzap_names()) or "none yet"
-    raise ValueError(f"kvzap checkpoint {str(spec)!r} is neither a file nor a shipped name (shipped: {shipped}); "
-                     f"{_HOW_TO_TRAIN}")
-
-
-# -- the policy -----------------------------------------------------------------------------------------
 class KVzap(Policy):
     """Predicted log KVzip scores (see the module docstring).
 
@@ -283,12 +86,9 @@ class KVzap(Policy):
 
     def __init__(self, checkpoint: str | None = None, variant: str | None = None, allocation: str = "global",
                  model: str | None = None, selection: Selection | None = None, window: int = 1) -> None:
-        if checkpoint is None:
-            raise ValueError(f"kvzap needs checkpoint=NAME or PATH (shipped: {', '.join(sorted(SHIPPED))}); "
-                             f"{_HOW_TO_TRAIN}")
         if allocation not in ALLOCATIONS:
             raise ValueError(f"allocation {allocation!r} is not one of {', '.join(map(repr, ALLOCATIONS))}")
-        path = resolve_kvzap_checkpoint(checkpoint)
+        path = resolve_checkpoint("kvzap", checkpoint)
         net, meta = load_kvzap(path)
         self._setup(net, meta, str(path), variant, allocation, selection, window)
         self.trained_for.refuse_name(model, self._what, _HOW_TO_TRAIN)
@@ -334,7 +134,7 @@ class KVzap(Policy):
     @classmethod
     def content_paths(cls, checkpoint: str | None = None, **_) -> tuple[Path, ...]:
         """The checkpoint file: results of ``kvzap`` are keyed by its sha256."""
-        return (resolve_kvzap_checkpoint(checkpoint),) if checkpoint is not None else ()
+        return (resolve_checkpoint("kvzap", checkpoint),) if checkpoint is not None else ()
 
     def default_selection(self) -> Selection:
         if self.allocation == "uniform":
@@ -447,22 +247,12 @@ class KVzap(Policy):
                 f"selection={self.selection})")
 
 
-def shipped_kvzap_names() -> list[str]:
-    """The names of the shipped surrogates whose checkpoint file is present, sorted."""
-    return [n for n in sorted(SHIPPED) if (CHECKPOINT_DIR / SHIPPED[n]).is_file()]
-
-
-def shipped_kvzap_files() -> tuple[Path, ...]:
-    """The shipped surrogates' checkpoint files that are present, in the order of their names."""
-    return tuple(CHECKPOINT_DIR / SHIPPED[n] for n in shipped_kvzap_names())
-
-
 def shipped_kvzap_for(model, name: str | None = None) -> KVzap | None:
     """The shipped surrogate trained for ``model`` (a live model, loaded under ``name`` when known), or None.
 
     Matched as every checkpoint refuses another model: name (aliases resolve), geometry and config fingerprint.
     """
-    for shipped in shipped_kvzap_names():
+    for shipped in shipped_names("kvzap"):
         surrogate = KVzap(checkpoint=shipped)
         try:
             surrogate.check_model(model, name)

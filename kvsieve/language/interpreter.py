@@ -37,9 +37,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvsieve.evolve import features as feats
-from kvsieve.evolve.program import fields_read
-from kvsieve.evolve.static import REFUSED_KEYWORDS, StaticCheckError, check_source
+from kvsieve.language import program_features as feats
+from kvsieve.language.program_source import fields_read
+from kvsieve.language.static_check import REFUSED_KEYWORDS, StaticCheckError, check_source
 
 __all__ = ["Limits", "ScoreProgram", "InterpreterError", "LimitExceeded", "ProgramFailed", "REFUSED_KEYWORDS",
            "Budgets", "Cost", "Growth", "budgets", "work_growth", "run_budget", "MAX_WORK_EXPONENT"]
@@ -205,7 +205,8 @@ def _literal_number(node: ast.expr) -> bool:
 
 
 class ScoreProgram:
-    """A program's ``score(f)`` as data; calling it on :class:`~kvsieve.evolve.features.Features` interprets it.
+    """A program's ``score(f)`` as data; calling it on :class:`~kvsieve.language.program_features.Features`
+    interprets it.
 
     ``static_check=False`` skips stage 0 (tests use it to show this layer holds alone); the
     interpreter then still refuses, at the node, whatever it has no rule for.

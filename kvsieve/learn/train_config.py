@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from kvsieve.config import load_config as load_config_file
-from kvsieve.learn.kvzap import INPUTS as KVZAP_INPUTS
 from kvsieve.learn.rollout import Episode
+from kvsieve.networks.kvzap_net import INPUTS as KVZAP_INPUTS
 from kvsieve.prompt import build_prompt
 from kvsieve.tasks import TASKS
 from kvsieve.tasks.load import SampleSpec, load_samples, read_samples

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from kvsieve.evolve.evaluate import DevSet, Evaluation, KnownKept, evaluate_program
-from kvsieve.evolve.program import Program
+from kvsieve.evolve.cascade import DevSet, Evaluation, KnownKept, evaluate_program
 from kvsieve.evolve.sandbox import SandboxLimits
+from kvsieve.language.program_source import Program
 
 __all__ = ["Executor", "LocalExecutor"]
 
