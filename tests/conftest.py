@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny randomly initialised models of every supported architecture."""
+"""Shared fixtures: tiny randomly initialised models of every supported architecture, the character tokenizer,
+the bundled SmolLM2 (loaded once per session, float32), and helpers several test folders use."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from transformers import (
     Qwen3Config,
 )
 
+from kvsieve.engine.reconstruct import ReconstructionPrompt
 from kvsieve.learn.kvzap_train import rope_tables
+from kvsieve.learn.rollout import Episode
+from kvsieve.models import load
 from kvsieve.networks.kvzap_net import KVzapNet, KVzapNetConfig, save_kvzap
 from kvsieve.networks.model_shape import ModelShape
 
@@ -44,6 +48,36 @@ class CharTokenizer:
 
     def decode(self, ids, **_):
         return "".join(chr(i) for i in ids)
+
+
+TOKENIZER = CharTokenizer()
+HEADER = ReconstructionPrompt.from_tokenizer(TOKENIZER).header  # the toy template's header, as KVzip reads it
+
+
+def header_ids(seed: int, n: int) -> torch.Tensor:
+    """(1, len(HEADER) + n) ids: the chat header, then ``n`` random printable characters."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.cat([torch.tensor([HEADER]), torch.randint(32, 127, (1, n), generator=g)], dim=1)
+
+
+def episode(seed: int, n: int, m: int, header: bool = False) -> Episode:
+    """A training episode: ``n`` context ids (after the chat header when ``header``) and ``m`` continuation ids."""
+    g = torch.Generator().manual_seed(seed)
+    low, high = (32, 127) if header else (1, 128)  # printable characters after a header, any id otherwise
+    context = torch.randint(low, high, (1, n), generator=g)
+    if header:
+        context = torch.cat([torch.tensor([HEADER]), context], dim=1)
+    return Episode(context, torch.randint(low, high, (1, m), generator=g), f"ep{seed}")
+
+
+def sharpened(model):
+    """Random init gives near-uniform attention, under which a wrongly scaled query or a score that ignores the
+    keys goes unseen: scale queries and keys up so attention is peaked."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(12.0)
+            layer.self_attn.k_proj.weight.mul_(12.0)
+    return model
 
 
 def tiny_config(arch: str):
@@ -83,6 +117,12 @@ def random_kvzap(model, path, name: str = "tiny-llama", header: int = 3, seed: i
     meta = {"model": ModelShape.of(model, name).to_dict(), "header": header,
             "rope": {"inv_freq": freqs, "attention_scaling": scales}, "variant": "linear"}
     return save_kvzap(path, net, meta)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer) of the bundled SmolLM2-135M-Instruct in float32, loaded once for the session."""
+    return load("smollm2-135m-instruct", dtype="float32")
 
 
 @pytest.fixture(scope="session")

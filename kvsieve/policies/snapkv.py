@@ -13,7 +13,7 @@ always kept; its scores are its summed attention, unpooled (they never decide an
 
 GQA: the original code is written for one query head per KV head; averaging the group's scores
 follows the authors' answer in SnapKV issue #22 (as NVIDIA kvpress does). Pooling, summing and
-averaging are linear, so their order does not matter (``tests/test_snapkv_derivation.py`` checks the
+averaging are linear, so their order does not matter (``tests/policies/test_snapkv_derivation.py`` checks the
 score against a from-scratch numpy derivation).
 
 The window: kvsieve's default observation window is 64 queries for every policy; the paper's code

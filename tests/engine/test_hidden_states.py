@@ -5,12 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import CharTokenizer, tiny_model
+from conftest import TOKENIZER, header_ids, tiny_model
 
 import kvsieve
 from kvsieve.engine.cache import sieve_layers
 from kvsieve.engine.compress import layer_signals
-from kvsieve.engine.reconstruct import ReconstructionPrompt
 from kvsieve.learn.kvzap_train import KVzapTrainConfig, train_kvzap
 from kvsieve.learn.rollout import Episode
 from kvsieve.learn.train_config import TrainConfig
@@ -18,13 +17,9 @@ from kvsieve.networks.kvzap_net import load_kvzap
 from kvsieve.policies import FullCache, get
 from kvsieve.policies.kvzap import KVzap
 
-TOKENIZER = CharTokenizer()
-HEADER = ReconstructionPrompt.from_tokenizer(TOKENIZER).header
-
 
 def _ids(seed: int, n: int = 80) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.cat([torch.tensor([HEADER]), torch.randint(32, 127, (1, n), generator=g)], dim=1)
+    return header_ids(seed, n)
 
 
 def _capture(hidden: bool = True) -> FullCache:

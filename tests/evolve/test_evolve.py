@@ -39,10 +39,8 @@ def tiny_run_config(tmp, candidates: int, **changes) -> EvolveConfig:
     return EvolveConfig(**values)
 
 
-def tiny_model_and_tokenizer():
-    from kvsieve.models import load
-
-    _, tokenizer = load("smollm2-135m-instruct", dtype="float32")
+def tiny_model_and_tokenizer(tokenizer):
+    """A tiny random Llama over SmolLM2's vocabulary (the real tokenizer and chat template)."""
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
@@ -51,10 +49,11 @@ def tiny_model_and_tokenizer():
 
 
 def run_tiny(tmp: str, candidates: int) -> None:
-    """Entry point of the subprocess the kill test starts."""
+    """Entry point of the subprocess the kill test starts (no fixtures there: it loads SmolLM2's tokenizer)."""
     from kvsieve.evolve.evolution import run_evolution
+    from kvsieve.models import load
 
-    model, tokenizer = tiny_model_and_tokenizer()
+    model, tokenizer = tiny_model_and_tokenizer(load("smollm2-135m-instruct", dtype="float32")[1])
     run_evolution(tiny_run_config(Path(tmp), candidates), progress=False, model=model, tokenizer=tokenizer)
 
 
@@ -131,11 +130,11 @@ def test_config_files_reject_unknown_keys_and_bad_values(tmp_path):
 
 
 @pytest.mark.model
-def test_evolution_runs_end_to_end_and_resumes_after_kill(tmp_path):
+def test_evolution_runs_end_to_end_and_resumes_after_kill(smollm2, tmp_path):
     """A run killed with SIGKILL mid-run and resumed stores exactly the rows of an uninterrupted run."""
     from kvsieve.evolve.evolution import run_evolution
 
-    model, tokenizer = tiny_model_and_tokenizer()
+    model, tokenizer = tiny_model_and_tokenizer(smollm2[1])
     straight = tmp_path / "straight"
     result = run_evolution(tiny_run_config(straight, 8), progress=False, model=model, tokenizer=tokenizer)
     expected = rows(straight / "run.sqlite")
@@ -446,7 +445,7 @@ def test_the_proxy_answer_keeps_its_leading_space():
 
 
 @pytest.mark.model
-def test_a_selection_too_big_for_a_dev_budget_is_rejected_not_fatal(tmp_path):
+def test_a_selection_too_big_for_a_dev_budget_is_rejected_not_fatal(smollm2, tmp_path):
     """``SELECTION = {"sink": 64}`` passes stage 0 (in range) but, with the window, protects more entries
     than a dev cell keeps at ratio 0.9: it is rejected with that reason and the run carries on."""
     from kvsieve.evolve.evolution import run_evolution
@@ -454,7 +453,7 @@ def test_a_selection_too_big_for_a_dev_budget_is_rejected_not_fatal(tmp_path):
     crashing = tmp_path / "sink64.py"
     crashing.write_text('SELECTION = {"chunk_size": 1, "sink": 64}\n\n\ndef score(f):\n    return group_mean(f.attn)\n')
     check_source(crashing.read_text())
-    model, tokenizer = tiny_model_and_tokenizer()
+    model, tokenizer = tiny_model_and_tokenizer(smollm2[1])
     config = tiny_run_config(tmp_path, 4, ratios=[0.9], islands=1, per_island=2, heldout_samples=1,
                              seed_programs=["snapkv", str(crashing)])
     result = run_evolution(config, progress=False, model=model, tokenizer=tokenizer)

@@ -68,14 +68,13 @@ def niah_sample(smollm2):
 
 
 @pytest.mark.model
-def test_shared_path_matches_per_cell_path(niah_sample):
+def test_shared_path_matches_per_cell_path(smollm2, niah_sample):
     """Every cell of the shared path (one prefill, pruned copies, one decode batch per ratio) equals the
     naive per-cell path: same kept tokens, bytes, prediction and score. In float32: in bf16 a padded
     decode batch runs other kernels than one row and can flip near-tie tokens (the runner's comment;
     benchmarks/grid_speed.py measures it), which is a property of bf16 batching, not of the sharing."""
-    from kvsieve.models import load
 
-    model, tokenizer = load("smollm2-135m", dtype="float32")
+    model, tokenizer = smollm2
     cells = [Cell("full", 0.0), Cell("snapkv", 0.5), Cell("knorm", 0.5), Cell("streaming_llm", 0.5),
              Cell("h2o", 0.5), Cell("pyramidkv", 0.5), Cell("adakv", 0.5), Cell("chunkkv", 0.5), Cell("tova", 0.5),
              Cell("expected_attention", 0.5), Cell("snapkv", 0.5, True), Cell("h2o", 0.5, True),

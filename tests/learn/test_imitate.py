@@ -7,9 +7,8 @@ import copy
 import numpy as np
 import pytest
 import torch
-from conftest import CharTokenizer
+from conftest import HEADER, TOKENIZER, episode
 
-from kvsieve.engine.reconstruct import ReconstructionPrompt
 from kvsieve.learn.imitate import collect, imitation_loss, imitation_targets
 from kvsieve.learn.rollout import Episode
 from kvsieve.learn.train import train
@@ -18,9 +17,6 @@ from kvsieve.networks.checkpoint import load_checkpoint
 from kvsieve.networks.keep_features import FEATURES
 from kvsieve.networks.keep_net import KeepNet
 from kvsieve.policies.learned import LearnedPolicy
-
-TOKENIZER = CharTokenizer()
-HEADER = ReconstructionPrompt.from_tokenizer(TOKENIZER).header
 
 
 def test_targets_are_standardised_log_scores_of_the_free_entries():
@@ -40,9 +36,7 @@ def test_constant_scores_give_zero_targets_not_nan():
 
 
 def _episode(seed: int) -> Episode:
-    g = torch.Generator().manual_seed(seed)
-    context = torch.cat([torch.tensor([HEADER]), torch.randint(32, 127, (1, 80), generator=g)], dim=1)
-    return Episode(context, torch.randint(32, 127, (1, 8), generator=g), f"ep{seed}")
+    return episode(seed, 80, 8, header=True)
 
 
 def test_collect_gives_features_and_targets_for_every_layer(llama):

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import CharTokenizer, random_kvzap, tiny_model
+from conftest import HEADER, TOKENIZER, header_ids, random_kvzap, sharpened, tiny_model
 
 import kvsieve
 from kvsieve.engine.cache import sieve_layers
@@ -34,22 +34,9 @@ from kvsieve.policies.kvzap import KVzap, shipped_kvzap_for
 from kvsieve.policies.program import ProgramPolicy
 from kvsieve.tasks.sample import Sample
 
-TOKENIZER = CharTokenizer()
-HEADER = ReconstructionPrompt.from_tokenizer(TOKENIZER).header
-
 
 def _ids(seed: int, n: int = 90) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.cat([torch.tensor([HEADER]), torch.randint(32, 127, (1, n), generator=g)], dim=1)
-
-
-def sharpened(model):
-    """Random init gives near-uniform attention; peaked attention makes KVzip's scores depend on the keys."""
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(12.0)
-            layer.self_attn.k_proj.weight.mul_(12.0)
-    return model
+    return header_ids(seed, n)
 
 
 @torch.no_grad()

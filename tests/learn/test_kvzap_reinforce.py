@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import random_kvzap, tiny_model
+from conftest import episode, random_kvzap, tiny_model
 
 import kvsieve
 from kvsieve.engine.cache import sieve_layers
@@ -27,8 +27,7 @@ LAYERS, HEADS, HEAD_DIM = 3, 2, 16
 
 
 def _episode(seed: int, n: int = 80, m: int = 12) -> Episode:
-    g = torch.Generator().manual_seed(seed)
-    return Episode(torch.randint(1, 128, (1, n), generator=g), torch.randint(1, 128, (1, m), generator=g), f"ep{seed}")
+    return episode(seed, n, m)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import COMMON
+from conftest import COMMON, episode
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 import kvsieve
@@ -116,8 +116,7 @@ def test_kl_of_equal_logits_is_exactly_zero_and_positive_otherwise():
 
 
 def _episode(seed: int, n: int = 96, m: int = 24) -> Episode:
-    g = torch.Generator().manual_seed(seed)
-    return Episode(torch.randint(1, 128, (1, n), generator=g), torch.randint(1, 128, (1, m), generator=g), f"ep{seed}")
+    return episode(seed, n, m)
 
 
 @pytest.mark.parametrize("mode", ["prefill", "decode"])

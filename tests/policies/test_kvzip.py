@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import CharTokenizer, tiny_model
+from conftest import TOKENIZER, CharTokenizer, sharpened, tiny_model
 
 import kvsieve
 from kvsieve.engine import reconstruct
@@ -16,7 +16,6 @@ from kvsieve.signals import Signals
 CHUNK = 40  # context tokens per reconstruction forward: 96 (+ header) tokens take 3 chunks
 
 
-TOKENIZER = CharTokenizer()
 PROMPT = ReconstructionPrompt.from_tokenizer(TOKENIZER)
 
 
@@ -63,13 +62,6 @@ def test_prompt_and_chunks_follow_the_authors_strings(ids):
     assert reconstruction_chunks(ids, PROMPT, 5, 90, CHUNK)[-1].end == 90
 
 
-def sharpened(model):
-    """Random init gives near-uniform attention, under which a wrongly scaled query goes unseen: make it peaked."""
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(12.0)
-            layer.self_attn.k_proj.weight.mul_(12.0)
-    return model
 
 
 @pytest.mark.parametrize("sharp", [False, True])

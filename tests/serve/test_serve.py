@@ -449,9 +449,8 @@ def _up(url: str) -> bool:
 
 
 @pytest.mark.model
-def test_smollm2_chat_end_to_end_with_a_contract_from_the_shipped_store(tmp_path):
+def test_smollm2_chat_end_to_end_with_a_contract_from_the_shipped_store(smollm2, tmp_path):
     from kvsieve.harness.store import ResultsStore
-    from kvsieve.models import load
     from kvsieve.risk import certify_buckets, loss_table
 
     store = Path(__file__).parents[2] / "results" / "smollm2-2k.sqlite"
@@ -461,7 +460,7 @@ def test_smollm2_chat_end_to_end_with_a_contract_from_the_shipped_store(tmp_path
     chosen = contract.buckets["all"].chosen
     assert chosen is not None
     path = contract.write(tmp_path / "contract.json")
-    model, tokenizer = load("smollm2-135m-instruct", "float32")
+    model, tokenizer = smollm2
     state = build_state(model, tokenizer, "smollm2-135m-instruct", point_source("smollm2-135m", contract=str(path)),
                         max_tokens_limit=64)
     context = ("Notes from the archive. " * 12 + "The special magic number for the blue door is 7423. "

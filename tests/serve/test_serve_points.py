@@ -323,15 +323,14 @@ def test_kvzip_points_are_charged_twice_their_prefill(model):
 
 
 @pytest.mark.model
-def test_the_shipped_surrogate_best_serves_on_smollm2_under_a_contract(tmp_path):
-    from kvsieve.models import load
+def test_the_shipped_surrogate_best_serves_on_smollm2_under_a_contract(smollm2, tmp_path):
     from kvsieve.serve.command import build_state
 
     program = Path(__file__).parents[2] / "results" / "evolve" / "smollm2-surrogate-best.py"
     spec = f"program:{program}"
     contract = ContractFile(Contract(), "smollm2-135m-instruct", "none", [], {"all": _cert(Candidate(spec, 0.75))})
     path = contract.write(tmp_path / "contract.json")
-    model, tokenizer = load("smollm2-135m-instruct", "float32")
+    model, tokenizer = smollm2
     state = build_state(model, tokenizer, "smollm2-135m-instruct", point_source("smollm2-135m", contract=str(path)),
                         max_tokens_limit=64, kv_budget="1GiB")
     # long enough that a quarter of it holds more than the program's 64-entry window

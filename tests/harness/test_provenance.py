@@ -19,7 +19,7 @@ from kvsieve.harness.provenance import MIXED_FLAG, UNKNOWN, check_one_machine, c
 from kvsieve.harness.report import report_text
 from kvsieve.harness.store import CellKey, CellResult, ResultsStore
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # the schema of the stores written before rows recorded provenance (results/*.sqlite hold such rows)
 OLD_SCHEMA = """

@@ -12,7 +12,7 @@ from kvsieve.evolve.database import ProgramDatabase
 from kvsieve.evolve.pick import exploratory, load_rule, pick, write_pick
 from kvsieve.harness.store import CellKey, CellResult, ResultsStore
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEV = {"model": "smollm2-135m-instruct", "tasks": ["niah_single_1"], "length": 512, "ratios": [0.75], "dev_samples": 1,
        "dev_seed": 1000, "window": 64, "dev_max_new_tokens": None}
 
