@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from kvsieve.evolve import seccomp
+from kvsieve.language import program_features as feats
 from kvsieve.language.interpreter import (
     MAX_WORK_EXPONENT,
     InterpreterError,
@@ -450,8 +451,6 @@ def _warm_up(window: int) -> None:
     """Run every allowed helper and torch function once on synthetic features through the interpreter's
     own tables, so lazy imports and first-call initialisation inside torch happen before the guards
     refuse new imports."""
-    from kvsieve.language import program_features as feats
-
     f = synthetic_features(0, group=3, n=window + 5, window=window)
     x = feats.HELPERS["group_mean"](f.attn)
     for name, helper in feats.HELPERS.items():
