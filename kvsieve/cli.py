@@ -13,8 +13,8 @@ import sqlite3
 import sys
 from pathlib import Path
 
+from kvsieve.cli_arguments import build_parser
 from kvsieve.config import load_config
-from kvsieve.serve.arguments import add_arguments as add_serve_arguments
 from kvsieve.spec import split_specs
 
 DEMO_PICK = "program:results/evolve/picked/smollm2-135m-instruct-picked.py"  # `kvsieve pick`'s SmolLM2 program
@@ -66,41 +66,6 @@ def _grid(args):
     if args.per_cell:
         flags["shared"] = False
     return load_config(GridConfig, args.config, **flags)
-
-
-def _add_grid_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="TOML or YAML file with GridConfig fields; flags override it")
-    parser.add_argument("--model", help="bundled name (smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct, or their "
-                        "aliases smollm2-135m, qwen2.5-0.5b), local folder or hub id")
-    parser.add_argument("--tasks", help="comma-separated RULER tasks")
-    parser.add_argument("--lengths", help="comma-separated context lengths in tokens")
-    parser.add_argument("--policies", help="comma-separated policy specs, e.g. full,snapkv,snapkv(window=32)")
-    parser.add_argument("--qa-policies", help="policies also run question-aware (reference lines)")
-    parser.add_argument("--ratios", help="comma-separated compression ratios in [0, 1)")
-    parser.add_argument("--mode", choices=("prefill", "decode"), help="prefill (default: compress once after the "
-                        "context) or decode (evict while the context is read in chunks; stored as SPEC@decodeN)")
-    parser.add_argument("--chunk-size", type=int, help="decode mode: context tokens read between evictions "
-                        "(default 128)")
-    parser.add_argument("--samples", type=int, help="samples per task and length (default 5 generated; with "
-                        "--data, every sample of the file)")
-    parser.add_argument("--seed", type=int)
-    parser.add_argument("--store", help="SQLite results store")
-    parser.add_argument("--data", help="JSONL samples (kvsieve generate format or LongBench) instead of generating")
-    parser.add_argument("--dtype", help="auto (default: bfloat16 where the CPU runs it natively, else float32), "
-                        "bfloat16 or float32")
-    parser.add_argument("--question-aware", action="store_true", help="also run every policy question-aware")
-    parser.add_argument("--per-cell", action="store_true", help="naive loop: one prefill per cell (for checks)")
-    parser.add_argument("--program-budget", type=float, help="seconds program: policies may spend interpreting, in "
-                        "all, over the run in this process (default 3600); then their cells fail")
-
-
-def _add_executor_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--executor", choices=["local", "ray"], help="local (default: this process) or ray "
-                        "(long-lived worker processes that each load the model once; pip install 'kvsieve[ray]')")
-    parser.add_argument("--ray-address", help="with --executor ray: auto (the cluster this machine is a node of) or "
-                        "HOST:PORT of its head; default: start a local Ray instance with this machine's CPUs")
-    parser.add_argument("--workers", type=int, help="with --executor ray: worker processes, each holding one copy "
-                        "of the model (default: the cluster's CPUs)")
 
 
 def _run_grid(config, args):
@@ -357,132 +322,12 @@ def _set_threads(threads: int | None) -> None:
         os.environ["MKL_NUM_THREADS"] = str(threads)
 
 
+COMMANDS = {"eval": cmd_eval, "report": cmd_report, "pick": cmd_pick, "generate": cmd_generate,
+            "certify": cmd_certify, "evolve": cmd_evolve, "train": cmd_train, "serve": cmd_serve, "demo": cmd_demo}
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvsieve", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: one per core); OpenMP waits "
-                        "passively unless OMP_WAIT_POLICY is set")
-    parser.add_argument("--device", help="where models run: cpu (default) or cuda / cuda:N, for every verb (sets "
-                        "KVSIEVE_DEVICE, which Ray workers inherit); dtype auto then picks bf16 on a GPU that has it")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("eval", help="run an evaluation grid into the results store")
-    _add_grid_flags(p)
-    _add_executor_flags(p)
-    p.set_defaults(func=cmd_eval)
-    p = sub.add_parser("report", help="tables and plots from a results store")
-    p.add_argument("--store", default="results/results.sqlite")
-    p.add_argument("--model", help="only this model")
-    p.add_argument("--tasks", help="only these comma-separated tasks")
-    p.add_argument("--out", help="folder for PNG plots")
-    p.add_argument("--markdown", action="store_true")
-    p.add_argument("--headline", action="store_true",
-                   help="the headline table (markdown): per policy and ratio the mean over requests, its 95%% "
-                        "bootstrap interval, %% of full, bytes held and compression overhead, paired with full")
-    p.add_argument("--compare", action="append", default=[], metavar="A,B",
-                   help="with --headline: the paired difference A - B and its 95%% interval at every ratio both "
-                        "have (repeatable)")
-    p.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples for --headline")
-    p.add_argument("--mixed-machines", action="store_true", help="pair rows computed on different machines (or "
-                   "rows of unknown provenance with known ones); refused by default, named in the output when allowed")
-    p.set_defaults(func=cmd_report)
-    p = sub.add_parser("pick", help="the selection rule's evolved program per model, from the program databases")
-    p.add_argument("--config", default="configs/selection.toml", help="the rule (order of criteria, databases)")
-    p.add_argument("--model", help="only this model")
-    p.add_argument("--out", help="folder to write MODEL-picked.py into")
-    p.add_argument("--store", help="also count the policies scored on this results store's requests")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_pick)
-    p = sub.add_parser("generate", help="write RULER-style samples to JSONL")
-    p.add_argument("--model", default="smollm2-135m", help="whose tokenizer measures the length")
-    p.add_argument("--tasks", required=True)
-    p.add_argument("--lengths", required=True)
-    p.add_argument("--samples", type=int, default=5)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True)
-    p.set_defaults(func=cmd_generate)
-    p = sub.add_parser("certify", help="certify a retention operating point from calibration results; write a contract")
-    p.add_argument("--store", required=True, help="results store holding full-KV and candidate rows")
-    p.add_argument("--model", required=True)
-    p.add_argument("--policies", required=True, help="comma-separated candidate policy specs")
-    p.add_argument("--ratios", required=True, help="comma-separated compression ratios")
-    p.add_argument("--alpha", type=float, default=0.1, help="target risk: rate of material degradation")
-    p.add_argument("--delta", type=float, default=0.1, help="1 - confidence of the guarantee")
-    p.add_argument("--epsilon", type=float, default=0.0, help="tolerated utility drop, in metric points (0-100)")
-    p.add_argument("--loss", default="binary", help="binary (degradation > epsilon) or bounded (drop / 100)")
-    p.add_argument("--correction", default="bonferroni", help="across compressors: bonferroni, holm or split")
-    p.add_argument("--by", default="none", help="conditional contract: none, task, task_family or length")
-    p.add_argument("--length-edges", help="with --by length: comma-separated bucket upper edges in tokens")
-    p.add_argument("--tasks", help="only these tasks (required with --run)")
-    p.add_argument("--lengths", help="only these lengths (required with --run)")
-    p.add_argument("--question-aware", action="store_true", help="certify the question-aware variants")
-    p.add_argument("--run", action="store_true", help="evaluate missing calibration cells through the harness first")
-    p.add_argument("--samples", type=int, default=25, help="with --run: samples per task and length")
-    p.add_argument("--seed", type=int, default=0, help="with --run: first sample seed")
-    p.add_argument("--out", default="contract.json", help="contract file to write")
-    _add_executor_flags(p)  # with --run
-    p.set_defaults(func=cmd_certify)
-    p = sub.add_parser("evolve", help="discover an eviction policy by program evolution (resumes from --db)")
-    p.add_argument("--config", help="TOML, JSON or YAML file with EvolveConfig keys (kvsieve/evolve/evolve_config.py)")
-    p.add_argument("--model")
-    p.add_argument("--candidates", type=int, help="programs to evaluate in all (a resumed run may raise it)")
-    p.add_argument("--time-budget", type=float, help="stop starting new candidates after this many seconds")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--strategy", help="evolve (islands, MAP-Elites) or best_of_n (every child from the seed)")
-    p.add_argument("--llm", help="mutator: structural (default, offline), local (the bundled coder model) or openai")
-    p.add_argument("--llm-base-url", help="OpenAI-compatible endpoint, e.g. http://localhost:8000/v1")
-    p.add_argument("--llm-model", help="model name at that endpoint")
-    p.add_argument("--llm-api-key-env", help="environment variable holding the API key (default OPENAI_API_KEY)")
-    p.add_argument("--db", help="program database (SQLite); rerun the same command to resume")
-    p.add_argument("--out", help="folder for best.py, report.md, progress.png")
-    p.add_argument("--dev-cache", help="folder of the dev set's saved prefills (default OUT/dev-cache; runs on the "
-                   "same dev set may share one)")
-    p.add_argument("--sandbox", choices=("default", "strict"), help="strict: refuse to run unless the sandbox "
-                   "has full isolation (docs/security.md); default: warn loudly when it is weaker")
-    _add_executor_flags(p)
-    p.set_defaults(func=cmd_evolve)
-    p = sub.add_parser("train", help="train a learned eviction policy (REINFORCE on a per-step KL reward; resumes "
-                       "from --out)")
-    p.add_argument("--config", help="TOML, JSON or YAML file with TrainConfig keys (kvsieve/learn/train_config.py); "
-                   "flags override")
-    p.add_argument("--model", help="bundled name, local folder or hub id")
-    p.add_argument("--tasks", help="comma-separated RULER tasks to generate training samples from")
-    p.add_argument("--length", type=int, help="context length of the generated samples, in tokens")
-    p.add_argument("--samples", type=int, help="generated samples per task (0: only --data)")
-    p.add_argument("--seed", type=int, help="first sample seed and the seed of everything random (default 5000: "
-                   "disjoint from evaluation seeds)")
-    p.add_argument("--steps", type=int, help="total training steps (raise it to continue a finished run)")
-    p.add_argument("--lr", type=float, help="Adam learning rate")
-    p.add_argument("--ratios", help="comma-separated compression ratios in (0, 1), used in turn (0.75 keeps 25%%)")
-    p.add_argument("--mode", help="decode (evict after every chunk) or prefill (one eviction after the context)")
-    p.add_argument("--chunk-size", type=int, help="decode mode: tokens read between evictions")
-    p.add_argument("--window", type=int, help="observation window: last entries always kept, whose queries the "
-                   "features read")
-    p.add_argument("--rollouts", type=int, help="sampled keep sets per step")
-    p.add_argument("--entropy-coef", type=float, help="weight of the entropy bonus")
-    p.add_argument("--grad-clip", type=float, help="gradient norm clip")
-    p.add_argument("--baseline", help="greedy (the deterministic policy's reward) or mean (running mean)")
-    p.add_argument("--teacher-top-k", type=int, help="tokens kept per teacher distribution (0: the whole vocabulary)")
-    p.add_argument("--out", help="run folder: checkpoint, policy.safetensors, log.csv, curve.png")
-    p.add_argument("--data", help="JSONL samples (kvsieve generate format or LongBench) added to the generated ones")
-    p.add_argument("--dtype", help="auto, bfloat16 or float32")
-    p.add_argument("--save-every", type=int, help="steps between checkpoints")
-    p.add_argument("--objective", help="reinforce (the KL reward, default), imitate (regression on KVzip's "
-                   "scores: the supervised ablation) or kvzap (the per-layer KVzip surrogate, docs/kvzap.md)")
-    p.add_argument("--hidden", type=int, help="hidden units of the network")
-    p.add_argument("--init", help="start from this policy checkpoint's weights (path, run folder or shipped name), "
-                   "e.g. an --objective imitate run")
-    p.add_argument("--network", help="what REINFORCE trains: keepnet (DistillCache's network, default) or kvzap "
-                   "(fine-tunes the KVzip surrogate --init names, default the model's shipped one; prefill mode)")
-    p.add_argument("--temperature", type=float, help="keep logits = scores / temperature before the Gumbel noise "
-                   "(default 1; e.g. 0.25 for kvzap's log scores)")
-    p.add_argument("--kvzap-inputs", help="--objective kvzap: what the surrogate reads, kv (pre-RoPE keys and "
-                   "values, default) or hidden (the hidden state entering each layer, as KVzap)")
-    p.set_defaults(func=cmd_train)
-    p = sub.add_parser("serve", help="an OpenAI-compatible server applying a certified contract to every request")
-    add_serve_arguments(p)
-    p.set_defaults(func=cmd_serve)
-    p = sub.add_parser("demo", help="the default grid on the bundled SmolLM2 (a few minutes on 2 cores)")
-    p.set_defaults(func=cmd_demo)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         _set_threads(args.threads)
         if args.device is not None:
@@ -491,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             torch.set_num_threads(args.threads)  # OMP_NUM_THREADS is read only if torch was not loaded yet
-        return args.func(args)
+        return COMMANDS[args.command](args)
     except KeyboardInterrupt:
         print(f"\nkvsieve {args.command}: interrupted; everything finished before is saved (rerun the same "
               "command to resume)", file=sys.stderr)

@@ -16,7 +16,8 @@ FLOORS = {
     "harness": 3, "evolve": 3, "learn": 3,
     "risk": 4,
     "serve": 5,
-    "cli": 6,
+    "cli_arguments": 6,
+    "cli": 7,
 }
 BASE = 0  # policy.py, signals.py, selection.py, ... and the package's __init__
 

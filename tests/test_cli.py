@@ -152,7 +152,7 @@ def test_ctrl_c_says_what_was_kept_without_a_traceback(capsys, monkeypatch, tmp_
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "cmd_report", interrupted)
+    monkeypatch.setitem(cli.COMMANDS, "report", interrupted)
     code, err = _run(capsys, "report", "--store", str(tmp_path / "x.sqlite"))
     assert code == 130 and "interrupted" in err and "rerun the same command to resume" in err
 

@@ -39,8 +39,12 @@ def tiny_run_config(tmp, candidates: int, **changes) -> EvolveConfig:
     return EvolveConfig(**values)
 
 
-def tiny_model_and_tokenizer(tokenizer):
-    """A tiny random Llama over SmolLM2's vocabulary (the real tokenizer and chat template)."""
+def tiny_model_and_tokenizer(tokenizer=None):
+    """A tiny random Llama over SmolLM2's vocabulary (the real tokenizer and chat template); without a tokenizer
+    (a subprocess or a Ray actor, where there are no fixtures) SmolLM2's is loaded."""
+    from kvsieve.models import load
+
+    tokenizer = tokenizer or load("smollm2-135m-instruct", dtype="float32")[1]
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
@@ -51,9 +55,8 @@ def tiny_model_and_tokenizer(tokenizer):
 def run_tiny(tmp: str, candidates: int) -> None:
     """Entry point of the subprocess the kill test starts (no fixtures there: it loads SmolLM2's tokenizer)."""
     from kvsieve.evolve.evolution import run_evolution
-    from kvsieve.models import load
 
-    model, tokenizer = tiny_model_and_tokenizer(load("smollm2-135m-instruct", dtype="float32")[1])
+    model, tokenizer = tiny_model_and_tokenizer()
     run_evolution(tiny_run_config(Path(tmp), candidates), progress=False, model=model, tokenizer=tokenizer)
 
 
