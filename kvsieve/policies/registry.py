@@ -26,7 +26,8 @@ from kvsieve.policy import Policy
 from kvsieve.selection import Selection, check_allocation
 from kvsieve.spec import parse_spec
 
-__all__ = ["PolicySpec", "parse", "register", "families", "names", "get", "from_spec", "SELECTION_FIELDS"]
+__all__ = ["PolicySpec", "parse", "register", "families", "family_class", "names", "get", "from_spec",
+           "SELECTION_FIELDS"]
 
 _REGISTRY: dict[str, type[Policy]] = {}
 SELECTION_FIELDS = frozenset(f.name for f in fields(Selection))
@@ -52,6 +53,13 @@ def families() -> dict[str, str]:
     """Every family a user can call -> its kind: ``policy`` (ready to build), ``file`` (defined by a file:
     ``program:PATH``, ``learned(checkpoint=...)``) or ``reference`` (the answer-span oracle)."""
     return {name: _kind(cls) for name, cls in sorted(_REGISTRY.items())}
+
+
+def family_class(name: str) -> type[Policy]:
+    """The class registered as ``name``; ValueError naming the registered ones for an unknown name."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown policy {name!r}; available: {_listing()}")
+    return _REGISTRY[name]
 
 
 def names(kinds: tuple[str, ...] = ("policy", "file", "reference")) -> list[str]:
@@ -176,9 +184,7 @@ def content_digest(spec: str, paths: tuple[Path, ...]) -> str | None:
 def get(name: str, **params) -> Policy:
     """Build the policy registered as ``name``; unknown names and parameters raise ValueError. Selection fields
     compose as in a spec: ``get("tova", allocation="layer")``."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown policy {name!r}; available: {_listing()}")
-    return PolicySpec(name, name, params, None, _REGISTRY[name]).build()
+    return PolicySpec(name, name, params, None, family_class(name)).build()
 
 
 def from_spec(text: str) -> Policy:
