@@ -8,24 +8,20 @@ them ragged, each at its own length, so the cache holds exactly the budget's byt
 attention mass over the same entries, comparable across the heads of a layer (the paper's premise).
 """
 
-import torch
+from dataclasses import replace
 
-from kvsieve.policies.snapkv import snapkv_scores
-from kvsieve.policy import Policy
+from kvsieve.policies.snapkv import SnapKV
 from kvsieve.selection import Selection
-from kvsieve.signals import Signals
 
 
-class AdaKV(Policy):
+class AdaKV(SnapKV):
+    """SnapKV's scores under the layer's allocation: the spec ``snapkv(allocation='layer', adaptive_floor=0.2)``."""
+
     name = "adakv"
 
     def __init__(self, floor: float = 0.2, kernel_size: int = 5, **kwargs) -> None:
         self.floor = floor
-        self.kernel_size = kernel_size
-        super().__init__(**kwargs)
+        super().__init__(kernel_size=kernel_size, **kwargs)
 
     def default_selection(self) -> Selection:
-        return Selection(recent=self.window, allocation="layer", adaptive_floor=self.floor)
-
-    def score(self, signals: Signals) -> torch.Tensor:
-        return snapkv_scores(signals, self.kernel_size)
+        return replace(super().default_selection(), allocation="layer", adaptive_floor=self.floor)

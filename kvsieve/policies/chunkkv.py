@@ -17,23 +17,18 @@ unused; the paper's layer-wise index reuse (a speed optimisation) is not impleme
 
 import torch
 
-from kvsieve.policies.snapkv import snapkv_scores
-from kvsieve.policy import Policy
-from kvsieve.selection import Selection
+from kvsieve.policies.snapkv import SnapKV
 from kvsieve.signals import Signals
 
 
-class ChunkKV(Policy):
+class ChunkKV(SnapKV):
+    """SnapKV's scores averaged over the layer's heads, kept in whole chunks (SnapKV's own ``chunk_size``)."""
+
     name = "chunkkv"
 
     def __init__(self, chunk_size: int = 10, kernel_size: int = 5, **kwargs) -> None:
-        self.chunk_size = chunk_size
-        self.kernel_size = kernel_size
-        super().__init__(**kwargs)
-
-    def default_selection(self) -> Selection:
-        return Selection(recent=self.window, chunk_size=self.chunk_size)
+        super().__init__(kernel_size=kernel_size, chunk_size=chunk_size, **kwargs)
 
     def score(self, signals: Signals) -> torch.Tensor:
-        scores = snapkv_scores(signals, self.kernel_size)
+        scores = super().score(signals)
         return scores.mean(dim=1, keepdim=True).expand_as(scores)

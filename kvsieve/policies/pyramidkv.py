@@ -6,24 +6,20 @@ more), same mean budget. Layers end up with different cache lengths, which kvsie
 handles physically (no padding).
 """
 
-import torch
+from dataclasses import replace
 
-from kvsieve.policies.snapkv import snapkv_scores
-from kvsieve.policy import Policy
+from kvsieve.policies.snapkv import SnapKV
 from kvsieve.selection import Selection
-from kvsieve.signals import Signals
 
 
-class PyramidKV(Policy):
+class PyramidKV(SnapKV):
+    """SnapKV's scores under pyramid layer budgets: the spec ``snapkv(layer_budgets='pyramid', pyramid_beta=20.0)``."""
+
     name = "pyramidkv"
 
     def __init__(self, beta: float = 20.0, kernel_size: int = 5, **kwargs) -> None:
         self.beta = beta
-        self.kernel_size = kernel_size
-        super().__init__(**kwargs)
+        super().__init__(kernel_size=kernel_size, **kwargs)
 
     def default_selection(self) -> Selection:
-        return Selection(recent=self.window, layer_budgets="pyramid", pyramid_beta=self.beta)
-
-    def score(self, signals: Signals) -> torch.Tensor:
-        return snapkv_scores(signals, self.kernel_size)
+        return replace(super().default_selection(), layer_budgets="pyramid", pyramid_beta=self.beta)

@@ -57,3 +57,17 @@ def test_a_spec_chunks_knorm_into_whole_chunks():
 def test_a_bad_selection_in_a_spec_is_refused_by_name(text, message):
     with pytest.raises(ValueError, match=message):
         parse(text).build()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name, spec", [
+    ("adakv", "snapkv(allocation='layer', adaptive_floor=0.2)"),
+    ("pyramidkv", "snapkv(layer_budgets='pyramid', pyramid_beta=20.0)"),
+])
+def test_adakv_and_pyramidkv_are_snapkv_under_another_selection(name, spec):
+    model = tiny_model("llama")
+    ids = torch.randint(1, 128, (1, 96), generator=torch.Generator().manual_seed(2))
+    named, composed = get(name, window=8), parse(spec.replace(")", ", window=8)")).build()
+    assert named.selection == composed.selection
+    assert kept_positions(model, named, ids, 0.5) == kept_positions(model, composed, ids, 0.5)
+    assert kept_positions(model, named, ids, 0.5) != kept_positions(model, get("snapkv", window=8), ids, 0.5)
