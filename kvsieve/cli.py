@@ -162,11 +162,12 @@ def cmd_generate(args) -> int:
     from kvsieve.harness.grid import GridConfig
     from kvsieve.harness.validate import validate
     from kvsieve.models import load
+    from kvsieve.policies.label import FULL_CACHE
     from kvsieve.tasks import write_jsonl
     from kvsieve.tasks.load import load_samples
 
     config = GridConfig(model=args.model, tasks=_csv(args.tasks), lengths=_csv(args.lengths, int, "--lengths"),
-                        samples=args.samples, seed=args.seed, policies=["full"])
+                        samples=args.samples, seed=args.seed, policies=[FULL_CACHE])
     validate(config)
     _, tokenizer = load(config.model)
     count = write_jsonl(load_samples(config.sample_spec(), tokenizer), args.out)
@@ -176,14 +177,15 @@ def cmd_generate(args) -> int:
 
 def cmd_certify(args) -> int:
     from kvsieve.harness.store import ResultsStore
+    from kvsieve.policies.label import FULL_CACHE, Label
     from kvsieve.risk import Contract, certify_buckets, loss_table
     from kvsieve.risk.contract import request_context_tokens
-    from kvsieve.risk.losses import candidates_for, split_label
+    from kvsieve.risk.losses import candidates_for
 
     contract = Contract(alpha=args.alpha, delta=args.delta, epsilon=args.epsilon, loss=args.loss,
                         correction=args.correction)  # checks alpha, delta, epsilon before any work
     policies, ratios = split_specs(args.policies), _csv(args.ratios, float, "--ratios")
-    compressing = [p for p in policies if split_label(p)[0] != "full"]
+    compressing = [p for p in policies if Label.parse(p).compresses]
     if not compressing or not ratios:
         raise ValueError("give at least one compressing policy (--policies) and one ratio (--ratios)")
     tasks = _csv(args.tasks) if args.tasks else None
@@ -194,11 +196,11 @@ def cmd_certify(args) -> int:
             raise ValueError("--run needs --tasks and --lengths to know which calibration cells to evaluate")
         from kvsieve.harness.grid import GridConfig
 
-        grid = GridConfig(model=args.model, tasks=tasks, lengths=lengths, policies=["full", *compressing],
+        grid = GridConfig(model=args.model, tasks=tasks, lengths=lengths, policies=[FULL_CACHE, *compressing],
                           ratios=ratios, samples=args.samples, seed=args.seed, store=args.store,
                           question_aware=args.question_aware)
         if args.question_aware:  # only the question-aware variants are candidates
-            grid.policies, grid.qa_policies = ["full"], compressing
+            grid.policies, grid.qa_policies = [FULL_CACHE], compressing
         _run_grid(grid, args).close()
     if not Path(args.store).is_file():
         raise ValueError(f"results store {args.store} does not exist (add --run to evaluate the calibration cells)")
@@ -255,6 +257,7 @@ def cmd_train(args) -> int:
     from kvsieve.learn.train import train
     from kvsieve.learn.train_config import load_config
     from kvsieve.models import check_length
+    from kvsieve.policies.label import FULL_CACHE
 
     top_k = args.teacher_top_k
     config = load_config(args.config, model=args.model, tasks=args.tasks and _csv(args.tasks), length=args.length,
@@ -274,8 +277,8 @@ def cmd_train(args) -> int:
     if last is not None and "reward" in last:
         print(f"step {result.step}: reward {last['reward']:.5f} (minus KL per token), entropy {last['entropy']:.3f}")
     print(f"policy: {result.policy}\nlog: {result.log}\ncurve: {result.curve}")
-    kind = "kvzap" if "kvzap" in (config.objective, config.network) else "learned"  # what the checkpoint is
-    print(f"evaluate it: kvsieve eval --model {config.model} --policies \"full,{kind}(checkpoint='{result.policy}')\"")
+    print(f"evaluate it: kvsieve eval --model {config.model} --policies "
+          f"\"{FULL_CACHE},{config.policy_family}(checkpoint='{result.policy}')\"")
     return 0
 
 

@@ -30,10 +30,15 @@ from typing import Any
 from kvsieve.bundled import canonical_name
 from kvsieve.config import read_config_file
 from kvsieve.evolve.database import ProgramDatabase, ProgramRecord
+from kvsieve.policies.kvzap import KVzap
+from kvsieve.policies.label import Label
+from kvsieve.policies.learned import LearnedPolicy
+from kvsieve.policies.program import ProgramPolicy
 
 __all__ = ["CRITERIA", "DEV_SET_KEYS", "Pick", "SelectionRule", "exploratory", "format_pick", "load_rule", "pick",
            "summary", "write_pick"]
 
+FOUND_OR_LEARNED = (ProgramPolicy.name, LearnedPolicy.name, KVzap.name)  # families counted as found or learned
 # criterion -> (value of a program, +1 when higher is better, -1 when lower is)
 CRITERIA = ("dev_score", "proxy_gap", "heldout_score")
 DEV_SET_KEYS = ("model", "tasks", "length", "ratios", "dev_samples", "dev_seed", "window", "dev_max_new_tokens")
@@ -141,10 +146,12 @@ def pick(rule: SelectionRule, model: str) -> Pick:
 
 def exploratory(store_path: str | Path, model: str) -> dict[str, list[str]]:
     """The policies scored on a results store's requests of ``model``: published baselines, and found or
-    learned ones (``program:``, ``learned(``, ``kvzap(``), each listed once (labels as the store keys them)."""
-    from_store = _policies(store_path, canonical_name(model))
-    found = sorted(p for p in from_store if p.startswith(("program:", "learned(", "kvzap(")))
-    return {"found_or_learned": found, "baselines": sorted(set(from_store) - set(found) - {"full"})}
+    learned ones (families ``program``, ``learned``, ``kvzap``), each listed once (labels as the store keys them);
+    the full cache is neither."""
+    labels = {p: Label.parse(p) for p in _policies(store_path, canonical_name(model))}
+    found = sorted(p for p, label in labels.items() if label.family in FOUND_OR_LEARNED)
+    return {"found_or_learned": found,
+            "baselines": sorted(p for p, label in labels.items() if p not in found and not label.is_full)}
 
 
 def _policies(store_path: str | Path, model: str) -> list[str]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvsieve.bundled import canonical_name
+from kvsieve.policies.label import FULL_CACHE, Label
 from kvsieve.policies.registry import PolicySpec, parse
 from kvsieve.tasks.load import SampleSpec
 
@@ -34,11 +35,9 @@ class Cell:
 
     @property
     def label(self) -> str:
-        """The policy as the store keys it: the spec, with ``@decodeN`` for decode-time eviction reading the
-        context in chunks of N (and ``eE`` when generated tokens are evicted every E > 1)."""
-        if not self.chunk_size:
-            return self.policy
-        return f"{self.policy}@decode{self.chunk_size}" + (f"e{self.evict_every}" if self.evict_every != 1 else "")
+        """The policy as the store keys it (:attr:`Label.stored`): the spec, with ``@decodeN`` for decode-time
+        eviction reading the context in chunks of N (and ``eE`` when generated tokens are evicted every E > 1)."""
+        return Label(self.policy, self.chunk_size, self.evict_every if self.chunk_size else 1).stored
 
     def as_dict(self) -> dict[str, Any]:
         return {"policy": self.policy, "ratio": self.ratio, "question_aware": self.question_aware,
@@ -52,7 +51,7 @@ class GridConfig:
     model: str = "smollm2-135m"
     tasks: list[str] = field(default_factory=lambda: ["niah_single_1"])
     lengths: list[int] = field(default_factory=lambda: [1024])
-    policies: list[str] = field(default_factory=lambda: ["full", "snapkv"])
+    policies: list[str] = field(default_factory=lambda: [FULL_CACHE, "snapkv"])
     ratios: list[float] = field(default_factory=lambda: [0.5])
     samples: int | None = None  # per task and length; None: 5 generated, or every sample of ``data``
     seed: int = 0

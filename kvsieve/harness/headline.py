@@ -37,7 +37,6 @@ came from.
 from __future__ import annotations
 
 import math
-import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -47,15 +46,14 @@ import numpy as np
 
 from kvsieve.bundled import canonical_name
 from kvsieve.harness.provenance import check_one_machine, describe
-from kvsieve.harness.report import FULL, display_policy, is_reference
 from kvsieve.harness.store import RATIO_DECIMALS, TIMING_CONFIG_KEYS, CellResult, ResultsStore
+from kvsieve.policies.label import FULL_CACHE, Label
 from kvsieve.tasks.ruler_alt import PREFIX as ALT_PREFIX
 from kvsieve.tasks.ruler_alt import is_alt_task
 
 __all__ = ["DEFAULT_RESAMPLES", "DEFAULT_SEED", "Comparison", "Headline", "HeadlineRow", "bootstrap_interval",
            "bootstrap_ratio_interval",
-           "compare", "format_comparisons", "format_headline", "headline", "headline_report", "layout_of",
-           "reference_label"]
+           "compare", "format_comparisons", "format_headline", "headline", "headline_report", "layout_of"]
 
 DEFAULT_RESAMPLES = 10_000
 DEFAULT_SEED = 0
@@ -64,7 +62,6 @@ BLOCK = 1000  # resamples drawn per call to the generator, so memory stays at BL
 NOT_DISTINGUISHABLE = "not distinguishable"
 
 Request = tuple[str, int, str]  # (task, length, sample_id)
-_DECODE = re.compile(r"@decode\d+$")
 
 
 def _check_resampling(resamples: int, level: float) -> None:
@@ -120,12 +117,6 @@ def bootstrap_ratio_interval(numerator: Sequence[float] | np.ndarray, denominato
         ratios.append(100.0 * top[bottom > 0] / bottom[bottom > 0])
     ratios = np.concatenate(ratios)
     return _percentile_interval(ratios, level) if ratios.size else (math.nan, math.nan)
-
-
-def reference_label(label: str) -> str:
-    """The full-cache label a policy's cells are paired with: ``full``, or ``full@decodeN`` for ``X@decodeN``."""
-    match = _DECODE.search(label)
-    return FULL + match.group(0) if match else FULL
 
 
 @dataclass(frozen=True)
@@ -213,7 +204,7 @@ def _group(rows: Iterable[CellResult]) -> dict[tuple[str, int], _Cells]:
     groups: dict[tuple[str, int], _Cells] = defaultdict(lambda: defaultdict(dict))
     for r in rows:
         k = r.key
-        label = display_policy(k.policy, k.question_aware)
+        label = Label.parse(k.policy, k.question_aware).display
         groups[(k.model, int(k.length))][(label, round(float(k.ratio), RATIO_DECIMALS))][
             (k.task, int(k.length), k.sample_id)] = r
     return groups
@@ -221,13 +212,13 @@ def _group(rows: Iterable[CellResult]) -> dict[tuple[str, int], _Cells]:
 
 def _reference(cells: _Cells, label: str) -> dict[Request, CellResult]:
     """The full-cache cells for ``label``: the reference label at its lowest stored ratio (normally 0)."""
-    ref = reference_label(label)
+    ref = Label.parse(label).reference.display
     ratios = sorted(ratio for name, ratio in cells if name == ref)
     return cells[(ref, ratios[0])] if ratios else {}
 
 
 def _order(labels: Iterable[str]) -> list[str]:
-    return sorted(set(labels), key=lambda n: (reference_label(n) != n, is_reference(n), n))
+    return sorted(set(labels), key=lambda n: (not Label.parse(n).is_full, Label.parse(n).is_reference, n))
 
 
 def _pct(num: float, den: float) -> float:
@@ -268,7 +259,7 @@ def headline(rows: Iterable[CellResult], resamples: int = DEFAULT_RESAMPLES,
               for (model, length), cells in _group(part).items()]
     out = []
     for model, length, layout, cells in sorted(groups, key=lambda g: g[:3]):
-        full_requests = set(cells.get((FULL, 0.0), {}))
+        full_requests = set(cells.get((FULL_CACHE, 0.0), {}))
         tasks = sorted({q[0] for by_request in cells.values() for q in by_request})
         provenances = [r.provenance for by_request in cells.values() for r in by_request.values()]
         what = f"the {model} table at {length} tokens" + (f", layout {layout}" if layout else "")
@@ -282,7 +273,7 @@ def headline(rows: Iterable[CellResult], resamples: int = DEFAULT_RESAMPLES,
                 table.unpaired.append(f"{label} @ {ratio:g}")
             else:
                 built.append(row)
-        built.sort(key=lambda r: (reference_label(r.policy) != r.policy, r.ratio, is_reference(r.policy),
+        built.sort(key=lambda r: (not Label.parse(r.policy).is_full, r.ratio, Label.parse(r.policy).is_reference,
                                   -r.mean, r.policy))
         table.rows = built
         table.unpaired.sort()
@@ -298,7 +289,7 @@ def _resolve(cells: _Cells, name: str, model: str) -> str:
     labels = {label for label, _ in cells}
     if name in labels:
         return name
-    matches = {label for label in labels if label.removesuffix("+qa") == name}
+    matches = {label for label in labels if Label.parse(label).stored == name}
     if len(matches) == 1:
         return matches.pop()
     problem = "has no rows" if not matches else f"is ambiguous ({', '.join(sorted(matches))})"
@@ -338,7 +329,7 @@ def compare(rows: Iterable[CellResult], a: str, b: str, ratio: float, model: str
     picked = []
     for name in (a, b):
         label = _resolve(cells, name, m)
-        at = _reference(cells, label) if reference_label(label) == label else cells.get((label, ratio))
+        at = _reference(cells, label) if Label.parse(label).is_full else cells.get((label, ratio))
         if not at:
             ratios = sorted(r for lab, r in cells if lab == label)
             raise ValueError(f"policy {label!r} has no rows at ratio {ratio:g} for model {m}; "
@@ -360,7 +351,7 @@ def _pair_ratios(cells: _Cells, a: str, b: str) -> list[float]:
     def ratios(label: str) -> set[float]:
         return {r for name, r in cells if name == label}
 
-    full_a, full_b = reference_label(a) == a, reference_label(b) == b
+    full_a, full_b = Label.parse(a).is_full, Label.parse(b).is_full
     if full_a and full_b:
         return [0.0]
     return sorted(ratios(b) if full_a else ratios(a) if full_b else ratios(a) & ratios(b))

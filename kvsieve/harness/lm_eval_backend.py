@@ -72,6 +72,7 @@ from kvsieve.harness.evaluate import evaluate_sample
 from kvsieve.harness.grid import Cell
 from kvsieve.harness.store import CellKey, CellResult, ResultsStore
 from kvsieve.models import dtype_name, load, local_source
+from kvsieve.policies.label import FULL_CACHE
 from kvsieve.policies.registry import parse
 from kvsieve.tasks.sample import Sample, write_jsonl
 
@@ -146,7 +147,7 @@ class KvsieveLM(LM):
     time whatever ``batch_size`` says (each has its own compressed cache).
     """
 
-    def __init__(self, model: str, policy: str = "full", ratio: float = 0.0, qa: str = "auto",
+    def __init__(self, model: str, policy: str = FULL_CACHE, ratio: float = 0.0, qa: str = "auto",
                  store: str | None = DEFAULT_STORE, dtype: str = "auto", length: int = 0,
                  threads: int | None = None, tokenizer: str | None = None, **lm_eval_options: Any) -> None:
         super().__init__()
@@ -209,7 +210,7 @@ class KvsieveLM(LM):
             raise ValueError("the kvsieve backend decodes greedily; the task asks for sampling (do_sample=true)")
         sample, split = sample_for(prompt, gen_kwargs, doc, task, doc_id, self.qa, self.length)
         answers, digest = _answers(doc), sample.id.rpartition("-")[2]
-        # the full cache is one reference for every cell, question-aware or not (reference_label pairs "full")
+        # the full cache is one reference for every cell, question-aware or not (Label.reference has no +qa)
         cell = Cell(self.cell.spec, self.cell.ratio, split.question_aware and self.cell.spec.compresses)
         key = CellKey(self.model_name, sample.task, sample.length, sample.id, cell.label, cell.ratio,
                       cell.question_aware)
@@ -293,8 +294,8 @@ def ruler_metadata(model: str, lengths: Sequence[int]) -> dict[str, Any]:
     return {"tokenizer": local_source(canonical_name(model)), "max_seq_lengths": [int(n) for n in lengths]}
 
 
-def evaluate(model: str, tasks: Sequence[str], policy: str = "full", ratio: float = 0.0, lengths: Sequence[int] = (),
-             limit: int | None = None, **model_args: Any) -> dict:
+def evaluate(model: str, tasks: Sequence[str], policy: str = FULL_CACHE, ratio: float = 0.0,
+             lengths: Sequence[int] = (), limit: int | None = None, **model_args: Any) -> dict:
     """lm-eval's ``simple_evaluate`` with this backend: ``tasks`` under ``policy`` at ``ratio``; RULER tasks are
     built at ``lengths`` with the model's tokenizer. Returns lm-eval's results dict."""
     args = {"model": model, "policy": policy, "ratio": ratio, **model_args}

@@ -5,9 +5,10 @@ A table or plot shows one model: rows of several models are refused (split them 
 the number of requests (task, length, sample) behind it. Each policy's line has its own colour x line
 style x marker (70 ordinary lines before a combination repeats) and legends sit outside the axes.
 
-Policy names are rendered with ``+qa`` appended when the cell's key is question-aware. Reference policies
-(names starting with ``oracle`` or ending with ``+qa``) are drawn dashed. The full-cache policy ``full`` is
-evaluated only at ratio 0; it is drawn as a horizontal dashed line and shown as a column in every ratio's table.
+Policy names are the labels' display form (:class:`~kvsieve.policies.label.Label`: ``+qa`` appended when the
+cell's key is question-aware). Reference policies (a family whose class says ``is_reference``, the answer-span
+oracle, and question-aware rows) are drawn dashed. The full-cache policy ``full`` is evaluated only at ratio 0;
+it is drawn as a horizontal dashed line and shown as a column in every ratio's table.
 """
 
 from __future__ import annotations
@@ -20,31 +21,30 @@ from pathlib import Path
 
 from kvsieve.harness.provenance import check_one_machine, describe
 from kvsieve.harness.store import RATIO_DECIMALS, CellResult, FailedCell
+from kvsieve.policies.label import FULL_CACHE, Label
 
-__all__ = ["FULL", "by_model", "display_policy", "is_reference", "line_styles", "score_table", "format_table",
+__all__ = ["by_model", "line_styles", "score_table", "format_table",
            "format_summary", "format_failures", "plot_scores", "plot_task_panels", "report_text", "requests",
            "scores_figure", "task_panels_figure", "write_plots"]
 
-FULL = "full"
 MISSING = "-"
 
 # table[ratio][task][policy] = (mean score, number of cells)
 ScoreTable = dict[float, dict[str, dict[str, tuple[float, int]]]]
 
 
-def display_policy(policy: str, question_aware: bool) -> str:
-    """The name a policy is shown under: ``+qa`` appended for question-aware cells."""
-    return f"{policy}+qa" if question_aware and not policy.endswith("+qa") else policy
+def _display(key) -> str:
+    """The name a stored cell's policy is shown under (its label's display form: ``+qa`` when question-aware)."""
+    return Label.parse(key.policy, key.question_aware).display
 
 
-def is_reference(name: str) -> bool:
-    """Reference (not deployable) policies: oracles and question-aware variants."""
-    return name.startswith("oracle") or name.endswith("+qa")
+def _is_reference(name: str) -> bool:
+    return Label.parse(name).is_reference
 
 
 def _policy_order(names: Iterable[str]) -> list[str]:
-    """``full`` first, then ordinary policies, then reference policies, each group alphabetical."""
-    return sorted(set(names), key=lambda n: (n != FULL, is_reference(n), n))
+    """The full cache first, then ordinary policies, then reference policies, each group alphabetical."""
+    return sorted(set(names), key=lambda n: (not Label.parse(n).is_full, _is_reference(n), n))
 
 
 def by_model(results: Iterable[CellResult]) -> dict[str, list[CellResult]]:
@@ -77,7 +77,7 @@ def score_table(results: Iterable[CellResult]) -> ScoreTable:
     sums: dict[tuple[float, str, str], list[float]] = defaultdict(lambda: [0.0, 0])
     for r in results:
         k = r.key
-        acc = sums[(round(float(k.ratio), RATIO_DECIMALS), k.task, display_policy(k.policy, k.question_aware))]
+        acc = sums[(round(float(k.ratio), RATIO_DECIMALS), k.task, _display(k))]
         acc[0] += float(r.score)
         acc[1] += 1
     table: ScoreTable = {}
@@ -89,7 +89,7 @@ def score_table(results: Iterable[CellResult]) -> ScoreTable:
 def _full_reference(table: ScoreTable) -> dict[str, tuple[float, int]]:
     """Per-task ``full`` scores, taken from the lowest ratio where ``full`` was evaluated (normally 0)."""
     for ratio in sorted(table):
-        cells = {task: row[FULL] for task, row in table[ratio].items() if FULL in row}
+        cells = {task: row[FULL_CACHE] for task, row in table[ratio].items() if FULL_CACHE in row}
         if cells:
             return cells
     return {}
@@ -100,7 +100,7 @@ def _columns(table: ScoreTable, ratio: float) -> tuple[list[str], list[str], dic
     tasks = sorted({task for by_task in table.values() for task in by_task})
     cells: dict[str, dict[str, float]] = {task: {} for task in tasks}
     for task, (mean, _) in _full_reference(table).items():
-        cells[task][FULL] = mean
+        cells[task][FULL_CACHE] = mean
     for task, by_policy in table.get(ratio, {}).items():
         for policy, (mean, _) in by_policy.items():
             cells[task][policy] = mean
@@ -178,7 +178,7 @@ def _curves(table: ScoreTable, tasks: Sequence[str]) -> dict[str, list[tuple[flo
     curves: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for ratio in sorted(table):
         by_task = table[ratio]
-        names = {p for t in tasks for p in by_task.get(t, {})} - {FULL}
+        names = {p for t in tasks for p in by_task.get(t, {})} - {FULL_CACHE}
         for policy in names:
             means = [by_task.get(t, {}).get(policy) for t in tasks]
             if all(m is not None for m in means):
@@ -207,19 +207,19 @@ def line_styles(policies: Iterable[str]) -> dict[str, Style]:
     """A distinct (colour, line style, marker) per policy, in :func:`_policy_order`; reference policies dashed."""
     styles: dict[str, Style] = {}
     for i, policy in enumerate(_policy_order(policies)):
-        linestyle = _REFERENCE_STYLE if is_reference(policy) else _LINESTYLES[(i // len(_COLORS)) % len(_LINESTYLES)]
+        linestyle = _REFERENCE_STYLE if _is_reference(policy) else _LINESTYLES[(i // len(_COLORS)) % len(_LINESTYLES)]
         styles[policy] = (_COLORS[i % len(_COLORS)], linestyle, _MARKERS[i % len(_MARKERS)])
     return styles
 
 
 def _draw(ax, table: ScoreTable, tasks: Sequence[str], styles: dict[str, Style]) -> None:
-    for policy, points in sorted(_curves(table, tasks).items(), key=lambda kv: (is_reference(kv[0]), kv[0])):
+    for policy, points in sorted(_curves(table, tasks).items(), key=lambda kv: (_is_reference(kv[0]), kv[0])):
         xs, ys = zip(*points, strict=True)
         color, linestyle, marker = styles[policy]
         ax.plot(xs, ys, marker=marker, markersize=4, label=policy, color=color, linestyle=linestyle, linewidth=1.2)
     level = _full_level(table, tasks)
     if level is not None:
-        ax.axhline(level, color="black", linestyle="--", linewidth=1, label=FULL)
+        ax.axhline(level, color="black", linestyle="--", linewidth=1, label=FULL_CACHE)
     ax.set_xlabel("compression ratio")
     ax.grid(True, alpha=0.3)
 
@@ -230,7 +230,7 @@ def _prepare(results: Iterable[CellResult]) -> tuple[ScoreTable, list[str], dict
     if not table:
         raise ValueError("no results to plot")
     tasks = sorted({task for by_task in table.values() for task in by_task})
-    styles = line_styles({p for by_task in table.values() for row in by_task.values() for p in row} - {FULL})
+    styles = line_styles({p for by_task in table.values() for row in by_task.values() for p in row} - {FULL_CACHE})
     return table, tasks, styles, str(model), requests(rows)
 
 
@@ -330,11 +330,10 @@ def format_failures(failures: Iterable[FailedCell], results: Iterable[CellResult
     cells have no score; the means of the other tables leave them out, and this table says how many."""
     scored: dict[tuple[str, float], int] = defaultdict(int)
     for r in results:
-        scored[(display_policy(r.key.policy, r.key.question_aware), round(float(r.key.ratio), RATIO_DECIMALS))] += 1
+        scored[(_display(r.key), round(float(r.key.ratio), RATIO_DECIMALS))] += 1
     groups: dict[tuple[str, float], list[FailedCell]] = defaultdict(list)
     for f in failures:
-        groups[(display_policy(f.key.policy, f.key.question_aware), round(float(f.key.ratio), RATIO_DECIMALS))
-               ].append(f)
+        groups[(_display(f.key), round(float(f.key.ratio), RATIO_DECIMALS))].append(f)
     lines = ["| policy | ratio | failed | scored | first reason |", "|---|---:|---:|---:|---|"]
     for (policy, ratio), items in sorted(groups.items(), key=lambda kv: (_policy_order([kv[0][0]]), kv[0])):
         reason = items[0].reason.replace("|", "/")[:200]

@@ -17,6 +17,8 @@ import torch
 from kvsieve.config import load_config as load_config_file
 from kvsieve.learn.rollout import Episode
 from kvsieve.networks.kvzap_net import INPUTS as KVZAP_INPUTS
+from kvsieve.policies.kvzap import KVzap
+from kvsieve.policies.learned import LearnedPolicy
 from kvsieve.prompt import build_prompt
 from kvsieve.tasks import TASKS
 from kvsieve.tasks.load import SampleSpec, load_samples, read_samples
@@ -132,6 +134,17 @@ class TrainConfig:
             raise ValueError("samples=0 needs data=JSONL (otherwise there is nothing to train on)")
         if self.data is not None and not Path(self.data).is_file():
             raise ValueError(f"data file {self.data!r} does not exist")
+
+    @property
+    def trains_kvzap(self) -> bool:
+        """Whether the run's checkpoint is a KVzip surrogate: fitted (objective ``kvzap``) or fine-tuned by
+        REINFORCE (network ``kvzap``); else it is DistillCache's keep network."""
+        return self.objective == "kvzap" or self.network == "kvzap"
+
+    @property
+    def policy_family(self) -> str:
+        """The policy family that runs the checkpoint this run saves (``kvzap`` or ``learned``)."""
+        return KVzap.name if self.trains_kvzap else LearnedPolicy.name
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -30,8 +30,9 @@ import numpy as np
 from kvsieve.files import written_whole
 from kvsieve.harness.store import ResultsStore
 from kvsieve.policies import PolicySpec, parse, parse_spec
+from kvsieve.policies.label import FULL_CACHE
 from kvsieve.risk.certify import Certification, Contract, InsufficientCalibrationError, certify
-from kvsieve.risk.losses import BUCKETINGS, Candidate, LossTable, Request, length_bucket, split_label
+from kvsieve.risk.losses import BUCKETINGS, Candidate, LossTable, Request, length_bucket
 
 __all__ = ["CONTRACT_VERSION", "LENGTH_QUANTITIES", "ContractFile", "certify_buckets", "request_context_tokens"]
 
@@ -61,7 +62,7 @@ class ContractFile:
 
     def chosen_specs(self) -> list[str]:
         """The policy spec of every bucket's chosen point (a decode-time label without its ``@decodeN``)."""
-        specs = {split_label(c.chosen.policy)[0] for c in self.buckets.values() if c.chosen is not None}
+        specs = {c.chosen.spec for c in self.buckets.values() if c.chosen is not None}
         return sorted(specs)
 
     def check_points(self, where: str = "the contract") -> dict[str, PolicySpec]:
@@ -174,7 +175,7 @@ def request_context_tokens(store: ResultsStore, model: str, requests: list[Reque
     """Context tokens of each request, from its full-KV row's config (what length buckets route on)."""
     wanted = set(requests)
     out: dict[Request, int] = {}
-    for row in store.rows(policy="full", model=model):
+    for row in store.rows(policy=FULL_CACHE, model=model):
         request = (row.key.task, row.key.length, row.key.sample_id)
         if request in wanted and isinstance(row.config.get("context_tokens"), int):
             out[request] = int(row.config["context_tokens"])

@@ -19,32 +19,23 @@ rows stored under the canonical name and under any alias (stores written before 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvsieve.harness.store import ResultsStore
 from kvsieve.models import bundled
+from kvsieve.policies.label import DECODE, FULL_CACHE, Label
 from kvsieve.tasks import task_family
 
 __all__ = ["BUCKETINGS", "LOSSES", "UTILITY_SCALE", "Candidate", "LossTable", "candidate_losses", "candidates_for",
-           "length_bucket", "loss_table", "model_names", "split_label"]
+           "length_bucket", "loss_table", "model_names"]
 
 LOSSES = ("binary", "bounded")
 BUCKETINGS = ("none", "task", "task_family", "length")  # how a conditional contract splits requests
 UTILITY_SCALE = 100.0  # harness metrics are percentages
 
 Request = tuple[str, int, str]  # (task, length, sample_id)
-
-_DECODE_LABEL = re.compile(r"^(?P<spec>.+)@decode(?P<chunk>[1-9][0-9]*)$")
-
-
-def split_label(label: str) -> tuple[str, int]:
-    """A stored policy label -> (policy spec, decode chunk size); chunk 0 for a prefill row."""
-    match = _DECODE_LABEL.match(label)
-    return (match["spec"], int(match["chunk"])) if match else (label, 0)
-
 
 def _check_ratio(ratio: object, where: str) -> None:
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio) or not 0 <= ratio < 1:
@@ -71,41 +62,46 @@ class Candidate:
         _check_ratio(self.ratio, f"candidate {self.policy!r}")
         if not isinstance(self.question_aware, bool):
             raise ValueError(f"question_aware must be true or false, got {self.question_aware!r}")
-        if self.question_aware and self.mode == "decode":
+        if self.question_aware and self.mode == DECODE:
             raise ValueError(f"candidate {self.policy!r} evicts at decode time, where the question is read under "
                              "eviction anyway; there are no question-aware decode rows (drop --question-aware)")
         return self
 
     @property
+    def label(self) -> Label:
+        """The stored policy label read once (:class:`~kvsieve.policies.label.Label`), question-awareness and all."""
+        return Label.parse(self.policy, self.question_aware)
+
+    @property
     def spec(self) -> str:
         """The policy spec, without the ``@decodeN`` of a decode-time row."""
-        return split_label(self.policy)[0]
+        return self.label.spec
 
     @property
     def chunk_size(self) -> int:
         """Decode-time eviction's chunk size; 0 for prefill compression."""
-        return split_label(self.policy)[1]
+        return self.label.chunk_size
 
     @property
     def mode(self) -> str:
-        return "decode" if self.chunk_size else "prefill"
+        return self.label.mode
 
     @property
     def sees_question(self) -> bool:
         """Whether the eviction decisions can see the question (question-aware prefill, or any decode-time row)."""
-        return self.question_aware or self.mode == "decode"
+        return self.question_aware or self.mode == DECODE
 
     @property
     def setting(self) -> str:
         """What the point is, in words: the label a table and a contract show."""
-        if self.mode == "decode":
+        if self.mode == DECODE:
             return f"decode-time eviction every {self.chunk_size} tokens, question read under eviction"
         return "question-aware prefill" if self.question_aware else "query-agnostic prefill"
 
     @property
     def reference(self) -> str:
         """The full-KV label the candidate is compared with first: ``full`` or ``full@decodeN``."""
-        return f"full@decode{self.chunk_size}" if self.chunk_size else "full"
+        return self.label.reference.stored
 
     @property
     def retention(self) -> float:
@@ -117,7 +113,7 @@ class Candidate:
         return self.policy, self.question_aware
 
     def __str__(self) -> str:
-        return f"{self.policy}{'+qa' if self.question_aware else ''}@{self.ratio:g}"
+        return f"{self.label.display}@{self.ratio:g}"
 
 
 def candidates_for(policies: list[str], ratios: list[float], question_aware: bool = False) -> list[Candidate]:
@@ -128,7 +124,7 @@ def candidates_for(policies: list[str], ratios: list[float], question_aware: boo
     """
     for ratio in ratios:
         _check_ratio(ratio, "--ratios")
-    compressing = [p for p in policies if split_label(p.strip())[0] != "full"]
+    compressing = [p for p in policies if Label.parse(p).compresses]
     if not compressing or not ratios:
         raise ValueError("give at least one compressing policy (--policies) and one ratio (--ratios)")
     return [Candidate(p.strip(), float(r), question_aware).validate() for p in compressing for r in ratios]
@@ -215,7 +211,7 @@ def length_bucket(length: int, edges: list[int]) -> str:
 
 
 def _stored_models(store: ResultsStore) -> str:
-    models = sorted({key.model for key in store.keys(policy="full")})
+    models = sorted({key.model for key in store.keys(policy=FULL_CACHE)})
     return ", ".join(models) if models else "none (the store has no full-KV rows at all)"
 
 
@@ -249,10 +245,10 @@ def loss_table(store: ResultsStore, model: str, candidates: list[Candidate], eps
         return ValueError(f"the store has no full-KV rows for model {shown}"
                           + (f" (tasks {tasks}, lengths {lengths})" if tasks or lengths else "")
                           + f"; it holds full-KV rows for: {_stored_models(store)}. Losses are measured against "
-                          "full KV on the same request: run policy 'full' first")
+                          f"full KV on the same request: run policy {FULL_CACHE!r} first")
 
-    full = {"full": by_request(store.rows(policy="full", **filters))}
-    if not full["full"] and all(c.mode == "prefill" for c in candidates):
+    full = {FULL_CACHE: by_request(store.rows(policy=FULL_CACHE, **filters))}
+    if not full[FULL_CACHE] and all(c.mode != DECODE for c in candidates):
         raise no_full()
     references: dict[Candidate, str] = {}
     found = {}
@@ -264,7 +260,7 @@ def loss_table(store: ResultsStore, model: str, candidates: list[Candidate], eps
         found[cand] = by_request(rows)
         if cand.reference not in full:
             full[cand.reference] = by_request(store.rows(policy=cand.reference, **filters))
-        references[cand] = cand.reference if full[cand.reference] else "full"
+        references[cand] = cand.reference if full[cand.reference] else FULL_CACHE
         if not full[references[cand]]:
             raise no_full()
     used = [full[name] for name in sorted(set(references.values()))]

@@ -12,10 +12,11 @@ from kvsieve.bundled import canonical_name
 from kvsieve.engine.attach import Session, attach
 from kvsieve.engine.generate import Generation, generate
 from kvsieve.policies import Policy, PolicySpec
+from kvsieve.policies.label import FULL_CACHE
 from kvsieve.policy import FullCache
 from kvsieve.prompt import build_prompt
 from kvsieve.risk.contract import ContractFile
-from kvsieve.risk.losses import length_bucket, split_label
+from kvsieve.risk.losses import length_bucket
 from kvsieve.tasks import task_family
 
 __all__ = ["OperatingPoint", "CertifiedPolicy", "CertifiedSession"]
@@ -42,7 +43,7 @@ class OperatingPoint:
     @property
     def policy_spec(self) -> str:
         """The spec text of what runs: ``full`` for full KV."""
-        return "full" if self.spec is None or self.fell_back else self.spec.text
+        return FULL_CACHE if self.spec is None or self.fell_back else self.spec.text
 
     @property
     def compresses(self) -> bool:
@@ -156,9 +157,8 @@ class CertifiedPolicy:
         if cert.chosen is None:
             return OperatingPoint.full(bucket, cert.reason)
         chosen = cert.chosen
-        text, chunk = split_label(chosen.policy)
-        return OperatingPoint(self.specs[text], self.policies[text], chosen.ratio, chosen.question_aware, bucket,
-                              False, chunk_size=chunk)
+        return OperatingPoint(self.specs[chosen.spec], self.policies[chosen.spec], chosen.ratio, chosen.question_aware,
+                              bucket, False, chunk_size=chosen.chunk_size)
 
     @contextlib.contextmanager
     def attach(self, model, question_tokens: int, task: str | None = None,

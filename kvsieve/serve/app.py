@@ -57,7 +57,7 @@ def kv_cache_usage(state: ServerState, chosen: ChosenPoint, info: CacheInfo) -> 
     point = chosen.point
     contract = state.points.certified.contract.contract if state.points.certified else None
     return {
-        "policy": point.policy_spec if not point.fell_back else "full",
+        "policy": point.policy_spec,  # the full cache's spec when it fell back
         "ratio": point.ratio if not point.fell_back else 0.0,
         "question_aware": bool(point.question_aware and not point.fell_back),
         "status": chosen.status,

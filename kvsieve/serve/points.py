@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, replace
 
 from kvsieve.policies import Policy, parse
-from kvsieve.risk.losses import split_label
+from kvsieve.policies.label import DECODE
 from kvsieve.risk.runtime import CertifiedPolicy, OperatingPoint
 from kvsieve.serve.errors import APIError
 from kvsieve.serve.schemas import KvsieveOptions
@@ -74,7 +74,7 @@ class PointSource:
             for cert in certified.contract.buckets.values():
                 if cert.chosen is None:
                     continue
-                text = split_label(cert.chosen.policy)[0]
+                text = cert.chosen.spec
                 point = OperatingPoint(certified.specs[text], certified.policies[text], cert.chosen.ratio,
                                        cert.chosen.question_aware, "-", False)
                 loosest = max(cert.chosen.ratio, self.known[text][1]) if text in self.known else cert.chosen.ratio
@@ -96,7 +96,7 @@ class PointSource:
         for another model). Prefill compression only: a decode-time point is refused here."""
         if self.certified is not None:
             decode = [c.chosen.policy for c in self.certified.contract.buckets.values()
-                      if c.chosen is not None and split_label(c.chosen.policy)[1]]
+                      if c.chosen is not None and c.chosen.mode == DECODE]
             if decode:
                 raise ValueError(f"the contract certifies decode-time eviction ({decode[0]}); kvsieve serve runs "
                                  "prefill compression: certify prefill candidates for serving")

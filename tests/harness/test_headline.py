@@ -18,9 +18,9 @@ from kvsieve.harness.headline import (
     format_headline,
     headline,
     headline_report,
-    reference_label,
 )
 from kvsieve.harness.store import CellKey, CellResult, ResultsStore
+from kvsieve.policies.label import Label
 
 
 def cell(policy: str, ratio: float, sample: str, score: float, cache_bytes: int = 100, full_bytes: int = 100,
@@ -209,13 +209,18 @@ def test_partly_timed_rows_are_named_once_per_count():
 
 
 def test_decode_cells_pair_with_the_decode_full_cells():
-    assert reference_label("tova@decode128") == "full@decode128"
-    assert reference_label("learned(checkpoint='a@b')") == "full"
+    assert Label.parse("tova@decode128").reference.stored == "full@decode128"
+    assert Label.parse("learned(checkpoint='a@b')").reference.stored == "full"
     rows = [cell("full", 0.0, "s0", 100), cell("full@decode128", 0.0, "s0", 50),
-            cell("tova@decode128", 0.5, "s0", 25)]
+            cell("tova@decode128", 0.5, "s0", 25), cell("full@decode128e4", 0.0, "s0", 40),
+            cell("tova@decode128e4", 0.5, "s0", 30)]
     (table,) = headline(rows)
     tova = next(r for r in table.rows if r.policy == "tova@decode128")
     assert tova.full_mean == 50 and tova.pct_of_full == pytest.approx(50.0)
+    # evicting every 4 generated tokens pairs with the full cache read the same way (was paired with "full")
+    every4 = next(r for r in table.rows if r.policy == "tova@decode128e4")
+    assert every4.full_mean == 40 and every4.pct_of_full == pytest.approx(75.0)
+    assert [r.policy for r in table.rows[:3]] == ["full", "full@decode128", "full@decode128e4"]
 
 
 def test_overhead_comes_from_each_cells_own_timing_when_recorded():

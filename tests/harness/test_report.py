@@ -6,10 +6,8 @@ import pytest
 
 from kvsieve.harness.report import (
     by_model,
-    display_policy,
     format_summary,
     format_table,
-    is_reference,
     line_styles,
     plot_scores,
     plot_task_panels,
@@ -44,17 +42,18 @@ def results() -> list[CellResult]:
         cell("qa", "snapkv", 0.5, 0.9, "s0", qa=True),
         cell("sum", "snapkv", 0.5, 0.5, "s0", qa=True), cell("sum", "snapkv", 0.5, 0.7, "s1", qa=True),
         # oracle at 0.5: qa 1.0, sum 0.8
-        cell("qa", "oracle_attention", 0.5, 1.0), cell("sum", "oracle_attention", 0.5, 0.8),
+        cell("qa", "oracle(window=16)", 0.5, 1.0), cell("sum", "oracle(window=16)", 0.5, 0.8),
         # snapkv at 0.8: qa 0.1, sum 0.3
         cell("qa", "snapkv", 0.8, 0.1), cell("sum", "snapkv", 0.8, 0.3),
     ]
 
 
-def test_display_names():
-    assert display_policy("snapkv", True) == "snapkv+qa"
-    assert display_policy("snapkv", False) == "snapkv"
-    assert is_reference("snapkv+qa") and is_reference("oracle_attention") and is_reference("oracle")
-    assert not is_reference("snapkv") and not is_reference("full")
+def test_reference_lines_are_dashed_and_an_unregistered_family_is_an_ordinary_line():
+    styles = line_styles(["snapkv", "snapkv+qa", "oracle", "oracle(window=16)", "gone_family(x=1)", "full"])
+    assert {p for p, (_, linestyle, _) in styles.items() if linestyle == "--"} == {"snapkv+qa", "oracle",
+                                                                                  "oracle(window=16)"}
+    assert list(styles)[0] == "full"  # the full cache first, the references last
+    assert set(list(styles)[-3:]) == {"snapkv+qa", "oracle", "oracle(window=16)"}
 
 
 def test_score_table_means(results):
@@ -62,7 +61,7 @@ def test_score_table_means(results):
     assert sorted(table) == [0.0, 0.5, 0.8]
     assert table[0.0] == {"qa": {"full": (0.75, 2)}, "sum": {"full": (0.5, 2)}}
     assert table[0.5]["qa"] == {"snapkv": (0.5, 2), "knorm": (0.2, 1), "snapkv+qa": (0.9, 1),
-                                "oracle_attention": (1.0, 1)}
+                                "oracle(window=16)": (1.0, 1)}
     assert table[0.5]["sum"]["snapkv"] == (0.25, 1)
     assert table[0.5]["sum"]["snapkv+qa"] == pytest.approx((0.6, 2))
     assert "knorm" not in table[0.5]["sum"]
@@ -79,7 +78,7 @@ def test_format_table_text(results):
     text = format_table(score_table(results), 0.5)
     lines = text.splitlines()
     # columns: full first, then ordinary policies, then reference policies; rows: tasks then average
-    assert lines[0].split() == ["task", "full", "knorm", "snapkv", "oracle_attention", "snapkv+qa"]
+    assert lines[0].split() == ["task", "full", "knorm", "snapkv", "oracle(window=16)", "snapkv+qa"]
     assert lines[2].split() == ["qa", "0.750", "0.200", "0.500", "1.000", "0.900"]
     assert lines[3].split() == ["sum", "0.500", "-", "0.250", "0.800", "0.600"]
     # average of per-task means: full (0.75 + 0.5) / 2, knorm incomplete, snapkv (0.5 + 0.25) / 2, ...
@@ -103,7 +102,7 @@ def test_format_table_full_column_in_every_ratio(results):
 def test_format_table_markdown(results):
     md = format_table(score_table(results), 0.5, fmt="markdown")
     assert md == (
-        "| task | full | knorm | snapkv | oracle_attention | snapkv+qa |\n"
+        "| task | full | knorm | snapkv | oracle(window=16) | snapkv+qa |\n"
         "|---|---:|---:|---:|---:|---:|\n"
         "| qa | 0.750 | 0.200 | 0.500 | 1.000 | 0.900 |\n"
         "| sum | 0.500 | - | 0.250 | 0.800 | 0.600 |\n"
@@ -143,7 +142,7 @@ def test_plot_line_styles(results):
     report._draw(ax, table, tasks, styles)
     styles = {line.get_label(): line.get_linestyle() for line in ax.get_lines()}
     # knorm is incomplete (no sum task) so it has no average point; full is a horizontal reference line
-    assert styles == {"snapkv": "-", "oracle_attention": "--", "snapkv+qa": "--", "full": "--"}
+    assert styles == {"snapkv": "-", "oracle(window=16)": "--", "snapkv+qa": "--", "full": "--"}
     full_line = next(line for line in ax.get_lines() if line.get_label() == "full")
     assert list(full_line.get_ydata()) == [0.625, 0.625]
     snapkv = next(line for line in ax.get_lines() if line.get_label() == "snapkv")
@@ -186,7 +185,7 @@ def test_tables_and_plots_never_pool_models(tmp_path, results):
 
 
 def many_policies(count: int = 31) -> list:
-    names = [f"p{i:02d}" for i in range(count - 3)] + ["oracle", "snapkv+qa", "oracle_attention"]
+    names = [f"p{i:02d}" for i in range(count - 3)] + ["oracle", "snapkv+qa", "oracle(window=16)"]
     rows = [cell(t, "full", 0.0, 1.0, sample=s) for t in ("qa", "sum") for s in ("s0", "s1", "s2")]
     for i, name in enumerate(names):
         qa = name.endswith("+qa")

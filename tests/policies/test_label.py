@@ -1,0 +1,157 @@
+"""Label, the one parser and formatter of a results row's policy label: every form round trips, decode labels with
+an eviction interval parse (the regexes it replaced did not), references, unregistered families; and a grep of
+kvsieve/ for label or policy-name handling as text anywhere else."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kvsieve.harness.grid import Cell
+from kvsieve.policies.label import DECODE, FULL_CACHE, PREFILL, Label
+from kvsieve.policies.oracle import Oracle
+from kvsieve.policy import FullCache
+from kvsieve.risk.losses import Candidate, candidates_for
+
+ROOT = Path(__file__).resolve().parents[2] / "kvsieve"
+
+FORMS = [
+    ("snapkv", Label("snapkv")),
+    ("snapkv(window=32)", Label("snapkv(window=32)")),
+    ("snapkv@decode128", Label("snapkv", 128)),
+    ("tova@decode8e4", Label("tova", 8, 4)),
+    ("snapkv+qa", Label("snapkv", question_aware=True)),
+    ("oracle(window=16)+qa", Label("oracle(window=16)", question_aware=True)),
+    ("learned(checkpoint='a@b')", Label("learned(checkpoint='a@b')")),
+    ("learned(checkpoint='a@b')@decode64e2", Label("learned(checkpoint='a@b')", 64, 2)),
+    ("program:results/gone/best.py@decode16", Label("program:results/gone/best.py", 16)),
+    ("full", Label(FULL_CACHE)),
+    ("full@decode128e32", Label(FULL_CACHE, 128, 32)),
+]
+
+
+@pytest.mark.parametrize(("text", "label"), FORMS)
+def test_every_form_round_trips(text, label):
+    parsed = Label.parse(text)
+    assert parsed == label and parsed.display == str(parsed) == text
+    assert Label.parse(parsed.stored, parsed.question_aware) == parsed  # the store's column and its own flag
+    assert "+qa" not in parsed.stored
+
+
+def test_a_decode_label_with_an_eviction_interval_parses():
+    # the regexes this replaced (^(.+)@decode([1-9][0-9]*)$ in risk/losses.py, @decode\d+$ in harness/headline.py)
+    # read "tova@decode8e4" as a prefill spec named "tova@decode8e4", paired with "full"
+    label = Label.parse("tova@decode8e4")
+    assert (label.spec, label.chunk_size, label.evict_every, label.mode) == ("tova", 8, 4, DECODE)
+    assert label.reference == Label(FULL_CACHE, 8, 4) and label.reference.stored == "full@decode8e4"
+    cand = Candidate("tova@decode8e4", 0.5)
+    assert (cand.spec, cand.chunk_size, cand.mode, cand.reference) == ("tova", 8, DECODE, "full@decode8e4")
+    assert Cell("tova", 0.5, chunk_size=8, evict_every=4).label == "tova@decode8e4"
+    assert Cell("tova", 0.5, chunk_size=8).label == "tova@decode8"
+    assert Cell("tova", 0.5).label == "tova" and Label.parse("tova").mode == PREFILL
+
+
+def test_question_aware_labels_and_references():
+    assert Label.parse("snapkv", question_aware=True).display == "snapkv+qa"
+    assert Label.parse("snapkv+qa", question_aware=True).display == "snapkv+qa"  # never twice
+    assert Label.parse("snapkv+qa").stored == "snapkv"
+    assert Label.parse("snapkv+qa").is_reference and not Label.parse("snapkv").is_reference
+    assert Oracle.is_reference and Label.parse("oracle").is_reference
+    assert Label.parse("oracle(window=16)@decode64").is_reference
+    assert not Label.parse("full").is_reference and not Label.parse("full").compresses
+    assert Label.parse("snapkv+qa").reference == Label(FULL_CACHE)  # the full cache is never question-aware
+    assert Label.parse("snapkv(window=32)@decode128").reference.stored == "full@decode128"
+
+
+def test_full_cache_and_family():
+    assert FULL_CACHE == FullCache.name
+    assert Label.parse("full").is_full and Label.parse("full@decode128").is_full
+    assert not Label.parse("snapkv").is_full and Label.parse("snapkv").compresses
+    assert Label.parse("snapkv(window=32)@decode8").family == "snapkv"
+    # a program's label is read without its file (stores keep labels of programs since deleted)
+    program = Label.parse("program:results/no/such/file.py@decode16")
+    assert program.family == "program" and program.compresses and not program.is_reference
+    assert candidates_for(["full", "full@decode128", "tova@decode8e4", "snapkv+qa"], [0.5]) == [
+        Candidate("tova@decode8e4", 0.5), Candidate("snapkv+qa", 0.5)]
+
+
+def test_an_unregistered_family_reads_as_an_ordinary_compressing_policy():
+    """Rows of a family this kvsieve no longer registers still draw: an ordinary line, never a reference."""
+    label = Label.parse("gone_family(x=1)@decode64")
+    assert (label.family, label.family_class) == ("gone_family", None)
+    assert label.compresses and not label.is_reference and not label.is_full
+    assert label.reference.stored == "full@decode64" and label.display == "gone_family(x=1)@decode64"
+    assert Label.parse("oracle_attention").family_class is None and not Label.parse("oracle_attention").is_reference
+    assert Label.parse("gone_family+qa").is_reference  # question-aware: a reference whatever the family
+
+
+@pytest.mark.parametrize("text", ["snapkv@decode0", "snapkv@decode", "snapkv@decode8e0", "snapkv@decodeX",
+                                  "snapkv@decode8e", "+qa", "", "@decode8"])
+def test_malformed_labels_are_refused(text):
+    with pytest.raises(ValueError):
+        Label.parse(text)
+
+
+def test_a_label_refuses_what_no_row_stores():
+    with pytest.raises(ValueError, match="chunk_size"):
+        Label("tova", evict_every=4)  # an eviction interval without decode-time eviction
+    with pytest.raises(ValueError, match="Label.parse"):
+        Label("snapkv@decode8")  # a suffix in the spec: parse the whole label instead
+    with pytest.raises(ValueError):
+        Label("snapkv", chunk_size=-1)
+
+
+# -- nobody else handles labels or policy names as text ---------------------------------------------------------
+
+# what reads a policy label, a policy or family name, or a mode of a label as text
+FORBIDDEN = {
+    "compares to 'full'": re.compile(r"""[=!]=\s*["']full["']|["']full["']\s*[=!]=|\{\s*["']full["']\s*\}"""),
+    "builds or matches full@": re.compile(r"""["']full@"""),
+    "builds or matches @decode": re.compile(r"""@decode(\{|\\d|\(|\[)"""),
+    "tests an oracle prefix": re.compile(r"""startswith\(\s*\(?\s*["']oracle"""),
+    "handles +qa as text": re.compile(r"""(endswith|removesuffix|startswith)\(\s*["']\+qa|'\+qa'|"\+qa\""""),
+    "tests a name as a substring": re.compile(r"""["'](kvzap|learned|program|oracle|full)["']\s+in\s"""),
+    "tests a family by its spec's prefix": re.compile(r"""startswith\(\s*\(?\s*["'](program:|learned\(|kvzap\()"""),
+}
+# "full" that names no policy: the sandbox's isolation level and the reconstruction's normalization
+NOT_A_POLICY = {"evolve/sandbox.py": "isolation level", "engine/reconstruct.py": "normalization",
+                "policies/kvzip.py": "normalization"}
+PARSER = "policies/label.py"
+
+
+def offending_lines() -> list[str]:
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        name = path.relative_to(ROOT).as_posix()
+        if name == PARSER:
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for what, pattern in FORBIDDEN.items():
+                if pattern.search(line) and not (what == "compares to 'full'" and name in NOT_A_POLICY):
+                    found.append(f"{name}:{number}: {what}: {line.strip()}")
+    return found
+
+
+def test_only_the_label_module_reads_labels_and_policy_names_as_text():
+    found = offending_lines()
+    assert not found, "use kvsieve.policies.label.Label instead:\n" + "\n".join(found)
+
+
+def test_the_grep_finds_what_it_forbids(tmp_path, monkeypatch):
+    """The patterns catch the code they replaced (a grep that matches nothing proves nothing)."""
+    old = ['if split_label(p)[0] != "full":', 'return f"full@decode{self.chunk_size}"',
+           '_DECODE = re.compile(r"@decode\\d+$")', 'return f"{self.policy}@decode{self.chunk_size}"',
+           'return name.startswith("oracle") or name.endswith("+qa")', 'label.removesuffix("+qa")',
+           'kind = "kvzap" if "kvzap" in (config.objective, config.network) else "learned"',
+           'found = sorted(p for p in s if p.startswith(("program:", "learned(", "kvzap(")))',
+           'sorted(set(from_store) - set(found) - {"full"})']
+    for line in old:
+        assert any(p.search(line) for p in FORBIDDEN.values()), line
+    root = tmp_path / "kvsieve"
+    (root / "engine").mkdir(parents=True)
+    (root / "engine" / "reconstruct.py").write_text('if normalization == "full":\n')
+    (root / "x.py").write_text('if normalization == "full":\n')
+    monkeypatch.setitem(globals(), "ROOT", root)
+    assert offending_lines() == ["x.py:1: compares to 'full': if normalization == \"full\":"]
