@@ -39,6 +39,8 @@ config fingerprint); the policy refuses another model. ``kvzap(checkpoint=NAME)`
 
 from __future__ import annotations
 
+import copy
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -65,6 +67,31 @@ __all__ = ["KVzap", "shipped_kvzap_for"]
 
 _HOW_TO_TRAIN = HOW_TO_TRAIN["kvzap"]
 
+# (resolved path, mtime_ns, size) -> (network, metadata): a checkpoint file is read once per process however many
+# policies are built from it (every cell of a grid builds its own); a rewritten file has another key and is read
+# again. The policies share the network and never change it: one on another device moves a copy of its own.
+_LOADED: dict[tuple[str, int, int], tuple[KVzapNet, dict]] = {}
+_LOADED_LOCK = threading.Lock()
+
+
+def _load(path: Path) -> tuple[KVzapNet, dict]:
+    """:func:`load_kvzap` once per file version: (the shared network, a copy of the metadata for the caller)."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return load_kvzap(path)  # names the problem
+    key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    with _LOADED_LOCK:
+        hit = _LOADED.get(key)
+    if hit is None:
+        hit = load_kvzap(path)
+        with _LOADED_LOCK:
+            for older in [k for k in _LOADED if k[0] == key[0]]:  # the file's earlier contents
+                del _LOADED[older]
+            _LOADED[key] = hit
+    net, meta = hit
+    return net, copy.deepcopy(meta)
+
 
 class KVzap(Policy):
     """Predicted log KVzip scores (see the module docstring).
@@ -89,8 +116,9 @@ class KVzap(Policy):
         if allocation not in ALLOCATIONS:
             raise ValueError(f"allocation {allocation!r} is not one of {', '.join(map(repr, ALLOCATIONS))}")
         path = resolve_checkpoint("kvzap", checkpoint)
-        net, meta = load_kvzap(path)
+        net, meta = _load(path)
         self._setup(net, meta, str(path), variant, allocation, selection, window)
+        self._shared_net = True  # loaded once for every policy of this file (_load): never moved in place
         self.trained_for.refuse_name(model, self._what, _HOW_TO_TRAIN)
 
     @classmethod
@@ -106,6 +134,7 @@ class KVzap(Policy):
     def _setup(self, net: KVzapNet, meta: dict, checkpoint: str | None, variant: str | None, allocation: str,
                selection: Selection | None, window: int = 1) -> None:
         self.net, self.meta = net, meta
+        self._shared_net = False  # a live network (training) moves with its policy
         self.variant = variant or self.meta["variant"]
         if self.variant not in VARIANTS:
             raise ValueError(f"kvzap variant {self.variant!r} is not one of {', '.join(map(repr, VARIANTS))}")
@@ -172,9 +201,11 @@ class KVzap(Policy):
         return self._folded[layer]
 
     def _follow_device(self, device: torch.device) -> None:
-        """Move the network and frequencies to the cache's device (e.g. ``--device cuda``), once."""
+        """Move the network and frequencies to the cache's device (e.g. ``--device cuda``), once. A network shared
+        with the other policies of its checkpoint file stays where it is: this policy moves a copy of its own."""
         if self.net.linear_weight.device != device:
-            self.net.to(device)
+            net = copy.deepcopy(self.net) if self._shared_net else self.net
+            self.net, self._shared_net = net.to(device), False
             moved: dict[int, torch.Tensor] = {}  # layers that shared a frequency tensor keep sharing one
             self.inv_freq = [None if f is None else moved.setdefault(id(f), f.to(device)) for f in self.inv_freq]
             self._folded.clear()

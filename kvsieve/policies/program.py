@@ -21,6 +21,9 @@ decode-time eviction.
 
 from __future__ import annotations
 
+import copy
+import threading
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -37,6 +40,39 @@ from kvsieve.signals import Signals
 __all__ = ["ProgramPolicy", "run_budget", "InterpreterError"]
 
 DEFAULT_LIMITS = Limits()
+PARSED_CACHE_SIZE = 256  # distinct program texts kept parsed (an evolution builds many candidates from source)
+
+# source text -> (the parsed score function, the program): each text is checked and parsed once per process, however
+# many times a spec builds its policy (every cell of a grid does); a changed file is a new text, parsed again
+_PARSED: OrderedDict[str, tuple[ScoreProgram, Program]] = OrderedDict()
+_PARSED_LOCK = threading.Lock()
+
+
+def _parsed(source: str, label: str) -> tuple[ScoreProgram, Program]:
+    """The static check, parse and SELECTION of ``source``, done once per text (errors are not kept: a bad program
+    raises each time, named by ``label``)."""
+    with _PARSED_LOCK:
+        hit = _PARSED.get(source)
+        if hit is not None:
+            _PARSED.move_to_end(source)
+            return hit
+    parsed = ScoreProgram(source, filename=label)
+    program = Program(source)
+    program.selection_params  # noqa: B018 - validates SELECTION now, naming the file
+    with _PARSED_LOCK:
+        _PARSED[source] = (parsed, program)
+        while len(_PARSED) > PARSED_CACHE_SIZE:
+            _PARSED.popitem(last=False)
+    return parsed, program
+
+
+def _read(path: str) -> str:
+    if not Path(path).is_file():
+        raise ValueError(f"program file {path!r} does not exist")
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"program file {path!r} cannot be read: {err}") from None
 
 
 class ProgramPolicy(Policy):
@@ -51,21 +87,20 @@ class ProgramPolicy(Policy):
             raise ValueError("give exactly one of path= (a program file) or source=")
         label = path or "<program>"
         if path is not None:
-            if not Path(path).is_file():
-                raise ValueError(f"program file {path!r} does not exist")
-            try:
-                source = Path(path).read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as err:
-                raise ValueError(f"program file {path!r} cannot be read: {err}") from None
+            source = _read(path)
         limits = Limits(deadline_s=DEFAULT_LIMITS.deadline_s if deadline_s is None else deadline_s,
                         max_elements=DEFAULT_LIMITS.max_elements if max_elements is None else max_elements)
+        if not isinstance(source, str):
+            raise ValueError(f"{label}: source must be a str, got {type(source).__name__}")
         try:
-            self._score = ScoreProgram(source, limits=limits, filename=label)
-            self.program = Program(source)
-            self.program.selection_params  # noqa: B018 - validates SELECTION now, naming the file
+            parsed, self.program = _parsed(source, label)
         except (InterpreterError, ProgramError) as err:
             text = str(err)
             raise ValueError(text if text.startswith(label) else f"{label}: {text}") from None
+        # this policy's own copy of the parsed function (the syntax tree is shared, never changed): its limits,
+        # the name its errors give, and the cost of its last call
+        self._score = copy.copy(parsed)
+        self._score.limits, self._score.filename = limits, label
         self.path = path
         self.reads_surrogate = "surrogate" in self._score.fields
         self.surrogate = KVzap(checkpoint=surrogate) if surrogate is not None else None
@@ -134,6 +169,6 @@ def _reads_surrogate(path: Path) -> bool:
     """Whether the program in ``path`` reads ``f.surrogate`` (False for a file that does not parse: building the
     policy names that error)."""
     try:
-        return "surrogate" in ScoreProgram(path.read_text(encoding="utf-8"), filename=str(path)).fields
-    except (OSError, UnicodeDecodeError, InterpreterError):
+        return "surrogate" in _parsed(path.read_text(encoding="utf-8"), str(path))[0].fields
+    except (OSError, UnicodeDecodeError, InterpreterError, ProgramError):
         return False
