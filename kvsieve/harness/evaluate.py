@@ -91,6 +91,59 @@ def _reconstructions(model, tokenizer, cache, ids, cells, policies, protected: i
     return out
 
 
+class _SampleRun:
+    """One sample's rows as they are made: each cell's row or failure, handed over to ``on_rows`` as they land."""
+
+    def __init__(self, model, tokenizer, sample: Sample, cells: list[Cell], model_name: str, shared: bool,
+                 config: dict | None, on_rows: Callable[[list[CellResult]], None] | None) -> None:
+        self.model, self.tokenizer, self.sample, self.model_name = model, tokenizer, sample, model_name
+        self.shared, self.config, self.on_rows = shared, config or {}, on_rows
+        self.prompt = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
+        self.stop = tuple(sample.stop)
+        self.results: list[CellResult | FailedCell] = []
+        self.landed = 0
+        self.order = {(c.label, round(c.ratio, 6), c.question_aware): i for i, c in enumerate(cells)}
+
+    def policy(self, cell: Cell) -> Policy:
+        """The cell's policy, checked against the model: the grid's configuration, refused before any work."""
+        policy = _policy_for(cell, self.sample, self.prompt, self.tokenizer)
+        policy.check_model(self.model, self.model_name or None)
+        return policy
+
+    def key(self, cell: Cell) -> CellKey:
+        s = self.sample
+        return CellKey(self.model_name, s.task, s.length, s.id, cell.label, cell.ratio, cell.question_aware)
+
+    def failed(self, cell: Cell, err: BaseException) -> None:
+        self.results.append(FailedCell(self.key(cell), _reason(err), dict(
+            self.config, policy_digest=cell.spec.digest, cell=cell.as_dict(), sample_seed=self.sample.seed,
+            context_tokens=self.prompt.context_ids.shape[1], kvsieve=kvsieve.__version__)))
+
+    def record(self, cell: Cell, text: str, kept: int, kept_bytes: int, full_bytes: int, prefill_s: float,
+               decode_s: float, timing: dict | None = None) -> None:
+        sample, model = self.sample, self.model
+        # the dtype the model computed in, not the "auto" that asked for it; in a shared grid ``timing`` holds
+        # the sample's own prefill and this cell's compression, timed in one process (the headline's overhead)
+        cfg = dict(self.config, **(timing or {}), dtype=dtype_name(model), policy_digest=cell.spec.digest,
+                   cell=cell.as_dict(), sample_seed=sample.seed, metric=sample.metric, shared=self.shared,
+                   context_tokens=self.prompt.context_ids.shape[1], kvsieve=kvsieve.__version__,
+                   transformers=transformers.__version__)
+        # stamped where the row is computed: a Ray worker's machine and threads, not the driver's that stores it
+        self.results.append(CellResult(self.key(cell), text, metric_score(sample.metric, text, sample.answers),
+                                       list(sample.answers), kept, kept_bytes, full_bytes, prefill_s, decode_s, cfg,
+                                       current_provenance(cfg["dtype"], str(model.device))))
+
+    def hand_over(self) -> None:
+        if self.on_rows is not None and self.landed < len(self.results):
+            self.on_rows(self.results[self.landed:])
+        self.landed = len(self.results)
+
+    def rows(self) -> list[CellResult | FailedCell]:
+        """Every row, in the order of the cells asked for."""
+        return sorted(self.results, key=lambda r: self.order[(r.key.policy, round(r.key.ratio, 6),
+                                                               r.key.question_aware)])
+
+
 @torch.no_grad()
 def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_name: str = "", shared: bool = True,
                     config: dict | None = None,
@@ -100,69 +153,38 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
     Returns every row in ``cells`` order; ``on_rows(rows)`` also receives them as they are decoded (each
     decoded batch of one ratio, each unshared cell), so a caller can store them before the sample ends.
     """
-    prompt = build_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
-    stop = tuple(sample.stop)
-    results: list[CellResult | FailedCell] = []
-
-    def cell_key(cell: Cell) -> CellKey:
-        return CellKey(model_name, sample.task, sample.length, sample.id, cell.label, cell.ratio, cell.question_aware)
-
-    def failed(cell: Cell, err: BaseException) -> None:
-        results.append(FailedCell(cell_key(cell), _reason(err), dict(
-            config or {}, policy_digest=cell.spec.digest, cell=cell.as_dict(), sample_seed=sample.seed,
-            context_tokens=prompt.context_ids.shape[1], kvsieve=kvsieve.__version__)))
-
-    def record(cell: Cell, text: str, kept: int, kept_bytes: int, full_bytes: int, prefill_s: float, decode_s: float,
-               timing: dict | None = None):
-        key = cell_key(cell)
-        # the dtype the model computed in, not the "auto" that asked for it; in a shared grid ``timing`` holds
-        # the sample's own prefill and this cell's compression, timed in one process (the headline's overhead)
-        cfg = dict(config or {}, **(timing or {}),
-                   dtype=dtype_name(model), policy_digest=cell.spec.digest,
-                   cell=cell.as_dict(),
-                   sample_seed=sample.seed, metric=sample.metric, shared=shared,
-                   context_tokens=prompt.context_ids.shape[1], kvsieve=kvsieve.__version__,
-                   transformers=transformers.__version__)
-        # stamped where the row is computed: a Ray worker's machine and threads, not the driver's that stores it
-        results.append(CellResult(key, text, metric_score(sample.metric, text, sample.answers), list(sample.answers),
-                                  kept, kept_bytes, full_bytes, prefill_s, decode_s, cfg,
-                                  current_provenance(cfg["dtype"], str(model.device))))
-
-    order = {(c.label, round(c.ratio, 6), c.question_aware): i for i, c in enumerate(cells)}
-
-    landed = 0
-
-    def hand_over() -> None:
-        nonlocal landed
-        if on_rows is not None and landed < len(results):
-            on_rows(results[landed:])
-        landed = len(results)
-
-    def in_cell_order() -> list[CellResult | FailedCell]:
-        return sorted(results, key=lambda r: order[(r.key.policy, round(r.key.ratio, 6), r.key.question_aware)])
-
+    run = _SampleRun(model, tokenizer, sample, cells, model_name, shared, config, on_rows)
     # decode-time eviction happens while the context is read, so nothing is shared between its cells
-    for cell in cells if not shared else [c for c in cells if c.chunk_size]:
-        policy = _policy_for(cell, sample, prompt, tokenizer)
-        policy.check_model(model, model_name or None)  # the grid's configuration: refused before any work
+    _run_alone(run, cells if not shared else [c for c in cells if c.chunk_size])
+    _run_shared(run, [c for c in cells if shared and not c.chunk_size])
+    return run.rows()
+
+
+def _run_alone(run: _SampleRun, cells: list[Cell]) -> None:
+    """Each cell generates from the sample's text by itself (decode-time eviction, or ``shared=False``)."""
+    sample = run.sample
+    for cell in cells:
+        policy = run.policy(cell)
         mode = dict(mode="decode", chunk_size=cell.chunk_size, evict_every=cell.evict_every) if cell.chunk_size else {}
         try:
-            gen = generate(model, tokenizer, sample.context, sample.question, policy, ratio=cell.ratio,
+            gen = generate(run.model, run.tokenizer, sample.context, sample.question, policy, ratio=cell.ratio,
                            question_aware=cell.question_aware, answer_prefix=sample.answer_prefix,
-                           max_new_tokens=sample.max_new_tokens, stop=stop, **mode)
+                           max_new_tokens=sample.max_new_tokens, stop=run.stop, **mode)
         except Exception as err:  # noqa: BLE001 - the policy's failure fails its cell, never the run
-            failed(cell, err)
+            run.failed(cell, err)
         else:
-            record(cell, gen.text, max(gen.kept_tokens), gen.cache_bytes_kept, gen.cache_bytes_full,
-                   gen.prefill_seconds, gen.decode_seconds)
-        hand_over()
-    cells = [c for c in cells if shared and not c.chunk_size]
-    if not cells:
-        return in_cell_order()
+            run.record(cell, gen.text, max(gen.kept_tokens), gen.cache_bytes_kept, gen.cache_bytes_full,
+                       gen.prefill_seconds, gen.decode_seconds)
+        run.hand_over()
 
-    policies = {cell: _policy_for(cell, sample, prompt, tokenizer) for cell in cells}
-    for policy in policies.values():  # the grid's configuration (a checkpoint of another model): refused at once
-        policy.check_model(model, model_name or None)
+
+def _run_shared(run: _SampleRun, cells: list[Cell]) -> None:
+    """One prefill of the context for every cell; per question-awareness, each cell prunes its own copy, then the
+    cells of one ratio decode as one batch."""
+    if not cells:
+        return
+    model, prompt = run.model, run.prompt
+    policies = {cell: run.policy(cell) for cell in cells}
     capture = FullCache(window=max(p.window for p in policies.values()))
     capture.needs_accumulated_attention = any(p.needs_accumulated_attention for p in policies.values())
     capture.needs_query_stats = any(p.needs_query_stats for p in policies.values())
@@ -184,47 +206,57 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
                 out = model(input_ids=prompt.question_ids, cache=full_cache, use_cache=True, logits_to_keep=1)
                 first_logits, protected = out.logits[:, -1], prompt.question_ids.shape[1]
                 prefill_s += time.perf_counter() - start
-            full_bytes = cache_bytes(full_cache)
-            # KVzip: one reconstruction per sample serves all its ratios; each cell is charged its seconds
-            ids = torch.cat([prompt.context_ids, prompt.question_ids], 1) if question_aware else prompt.context_ids
-            rebuilt = _reconstructions(model, tokenizer, full_cache, ids, group, policies, protected)
-            batches: dict[float, list] = defaultdict(list)  # one batch per ratio: kept lengths are close
-            for cell in group:
-                start, policy, rebuilt_s = time.perf_counter(), policies[cell], 0.0
-                cache = clone_cache(full_cache)
-                try:
-                    if policy.compresses and cell.ratio > 0 and policy.needs_reconstruction:
-                        rec = rebuilt[policy.reconstruction_key()]
-                        compress_with_reconstruction(model, cache, ids, policy, Budget(ratio=cell.ratio), protected,
-                                                     reconstruction=rec)
-                        rebuilt_s = rec.seconds
-                    elif policy.compresses and cell.ratio > 0:
-                        compress_cache(cache, policy, Budget(ratio=cell.ratio), protected)
-                except Exception as err:  # noqa: BLE001 - a budget, NaN scores, a selection that does not fit
-                    failed(cell, err)
-                    continue
-                kept = max((layer.physical_length for _, layer in sieve_layers(cache)), default=0)
-                seconds = time.perf_counter() - start + rebuilt_s
-                batches[cell.ratio].append((cell, cache, seconds, kept, cache_bytes(cache)))
-            hand_over()  # the failures of this group land before its batches decode
+            batches = _compress_group(run, group, policies, full_cache, protected)
+            run.hand_over()  # the failures of this group land before its batches decode
             for items in batches.values():
-                start = time.perf_counter()
-                caches = [stack_caches([item[1]]) for item in items]  # drops attention tracking for decoding
-                if question_aware:
-                    logits = first_logits.expand(len(items), -1)
-                else:
-                    # Each cell reads the question alone: a batched forward of many rows takes other bf16
-                    # kernels than one row does and flips near-tie first tokens (benchmarks/grid_speed.py).
-                    logits = torch.cat([
-                        model(input_ids=prompt.question_ids, cache=c, use_cache=True, logits_to_keep=1).logits[:, -1]
-                        for c in caches
-                    ])
-                batch = stack_caches(caches)
-                tokens = greedy_decode(model, tokenizer, batch, logits, sample.max_new_tokens, stop)
-                decode_s = (time.perf_counter() - start) / len(items)
-                for (cell, _, compress_s, kept, kept_bytes), row in zip(items, tokens):
-                    record(cell, tokenizer.decode(row, skip_special_tokens=True), kept, kept_bytes, full_bytes,
-                           prefill_s + compress_s, decode_s,
-                           dict(zip(TIMING_CONFIG_KEYS, (prefill_s, compress_s))))
-                hand_over()
-    return in_cell_order()
+                _decode_batch(run, items, first_logits, cache_bytes(full_cache), prefill_s)
+                run.hand_over()
+
+
+def _compress_group(run: _SampleRun, group: list[Cell], policies: dict, full_cache, protected: int) -> dict:
+    """Each cell's pruned copy of ``full_cache``, grouped by ratio: {ratio: [(cell, cache, seconds, kept, bytes)]}.
+    A cell whose policy fails here is recorded as failed."""
+    prompt = run.prompt
+    ids = torch.cat([prompt.context_ids, prompt.question_ids], 1) if protected else prompt.context_ids
+    # KVzip: one reconstruction per sample serves all its ratios; each cell is charged its seconds
+    rebuilt = _reconstructions(run.model, run.tokenizer, full_cache, ids, group, policies, protected)
+    batches: dict[float, list] = defaultdict(list)  # one batch per ratio: kept lengths are close
+    for cell in group:
+        start, policy, rebuilt_s = time.perf_counter(), policies[cell], 0.0
+        cache = clone_cache(full_cache)
+        try:
+            if policy.compresses and cell.ratio > 0 and policy.needs_reconstruction:
+                rec = rebuilt[policy.reconstruction_key()]
+                compress_with_reconstruction(run.model, cache, ids, policy, Budget(ratio=cell.ratio), protected,
+                                             reconstruction=rec)
+                rebuilt_s = rec.seconds
+            elif policy.compresses and cell.ratio > 0:
+                compress_cache(cache, policy, Budget(ratio=cell.ratio), protected)
+        except Exception as err:  # noqa: BLE001 - a budget, NaN scores, a selection that does not fit
+            run.failed(cell, err)
+            continue
+        kept = max((layer.physical_length for _, layer in sieve_layers(cache)), default=0)
+        seconds = time.perf_counter() - start + rebuilt_s
+        batches[cell.ratio].append((cell, cache, seconds, kept, cache_bytes(cache)))
+    return batches
+
+
+def _decode_batch(run: _SampleRun, items: list, first_logits: torch.Tensor | None, full_bytes: int,
+                  prefill_s: float) -> None:
+    """Decode one ratio's cells as one batch and record their rows. ``first_logits``: the question's logits
+    (question-aware cells, whose caches already hold it); None: each cell reads the question on its own cache."""
+    model, tokenizer, prompt = run.model, run.tokenizer, run.prompt
+    start = time.perf_counter()
+    caches = [stack_caches([item[1]]) for item in items]  # drops attention tracking for decoding
+    if first_logits is not None:
+        logits = first_logits.expand(len(items), -1)
+    else:
+        # Each cell reads the question alone: a batched forward of many rows takes other bf16
+        # kernels than one row does and flips near-tie first tokens (benchmarks/grid_speed.py).
+        logits = torch.cat([model(input_ids=prompt.question_ids, cache=c, use_cache=True,
+                                  logits_to_keep=1).logits[:, -1] for c in caches])
+    tokens = greedy_decode(model, tokenizer, stack_caches(caches), logits, run.sample.max_new_tokens, run.stop)
+    decode_s = (time.perf_counter() - start) / len(items)
+    for (cell, _, compress_s, kept, kept_bytes), row in zip(items, tokens):
+        run.record(cell, tokenizer.decode(row, skip_special_tokens=True), kept, kept_bytes, full_bytes,
+                   prefill_s + compress_s, decode_s, dict(zip(TIMING_CONFIG_KEYS, (prefill_s, compress_s))))
