@@ -11,10 +11,14 @@ still parses but whose data was damaged is refused, not silently loaded.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,7 +27,7 @@ from kvsieve.networks.keep_features import FEATURES
 from kvsieve.networks.shipped import HOW_TO_TRAIN
 
 __all__ = ["FORMAT", "METADATA_KEY", "Checkpoint", "save_checkpoint", "load_checkpoint", "read_checkpoint_file",
-           "tensor_digest"]
+           "tensor_digest", "load_once"]
 
 FORMAT = 1
 METADATA_KEY = "kvsieve_learned"
@@ -102,3 +106,27 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         if key not in meta:
             raise ValueError(f"checkpoint {str(path)!r} lacks the {key!r} entry in its metadata")
     return Checkpoint(meta, tensors)
+
+
+_LOAD_LOCK = threading.Lock()
+
+
+def load_once(cache: dict, path: Path, read: Callable[[Path], tuple[Any, dict]]) -> tuple[Any, dict]:
+    """``read(path)`` once per file version: (network, metadata) from ``cache``, keyed by (resolved path, mtime_ns,
+    size), so a grid that builds a policy per cell reads its checkpoint once and a rewritten file is read again.
+    The network is shared (its policies never change it); the metadata is a copy for the caller."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return read(path)  # names the problem
+    key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    with _LOAD_LOCK:
+        hit = cache.get(key)
+    if hit is None:
+        hit = read(path)
+        with _LOAD_LOCK:
+            for older in [k for k in cache if k[0] == key[0]]:  # the file's earlier contents
+                del cache[older]
+            cache[key] = hit
+    net, meta = hit
+    return net, copy.deepcopy(meta)

@@ -40,13 +40,13 @@ config fingerprint); the policy refuses another model. ``kvzap(checkpoint=NAME)`
 from __future__ import annotations
 
 import copy
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from kvsieve.networks.checkpoint import load_once
 from kvsieve.networks.kvzap_net import (
     INPUTS,
     VARIANTS,
@@ -67,30 +67,8 @@ __all__ = ["KVzap", "shipped_kvzap_for"]
 
 _HOW_TO_TRAIN = HOW_TO_TRAIN["kvzap"]
 
-# (resolved path, mtime_ns, size) -> (network, metadata): a checkpoint file is read once per process however many
-# policies are built from it (every cell of a grid builds its own); a rewritten file has another key and is read
-# again. The policies share the network and never change it: one on another device moves a copy of its own.
+# each checkpoint file version read once per process (load_once); a policy on another device moves a copy of its own
 _LOADED: dict[tuple[str, int, int], tuple[KVzapNet, dict]] = {}
-_LOADED_LOCK = threading.Lock()
-
-
-def _load(path: Path) -> tuple[KVzapNet, dict]:
-    """:func:`load_kvzap` once per file version: (the shared network, a copy of the metadata for the caller)."""
-    try:
-        stat = path.stat()
-    except OSError:
-        return load_kvzap(path)  # names the problem
-    key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
-    with _LOADED_LOCK:
-        hit = _LOADED.get(key)
-    if hit is None:
-        hit = load_kvzap(path)
-        with _LOADED_LOCK:
-            for older in [k for k in _LOADED if k[0] == key[0]]:  # the file's earlier contents
-                del _LOADED[older]
-            _LOADED[key] = hit
-    net, meta = hit
-    return net, copy.deepcopy(meta)
 
 
 class KVzap(Policy):
@@ -116,7 +94,7 @@ class KVzap(Policy):
         if allocation not in ALLOCATIONS:
             raise ValueError(f"allocation {allocation!r} is not one of {', '.join(map(repr, ALLOCATIONS))}")
         path = resolve_checkpoint("kvzap", checkpoint)
-        net, meta = _load(path)
+        net, meta = load_once(_LOADED, path, load_kvzap)
         self._setup(net, meta, str(path), variant, allocation, selection, window)
         self._shared_net = True  # loaded once for every policy of this file (_load): never moved in place
         self.trained_for.refuse_name(model, self._what, _HOW_TO_TRAIN)

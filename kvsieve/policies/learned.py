@@ -25,14 +25,12 @@ network), the policy's own per-step cost.
 
 from __future__ import annotations
 
-import copy
-import threading
 import time
 from pathlib import Path
 
 import torch
 
-from kvsieve.networks.checkpoint import load_checkpoint
+from kvsieve.networks.checkpoint import load_checkpoint, load_once
 from kvsieve.networks.keep_features import extract
 from kvsieve.networks.keep_net import KeepNet, NetConfig
 from kvsieve.networks.model_shape import ModelShape
@@ -45,11 +43,8 @@ __all__ = ["LearnedPolicy"]
 
 _HOW_TO_TRAIN = HOW_TO_TRAIN["learned"]
 
-# (resolved path, mtime_ns, size) -> (network, metadata): a checkpoint file is read once per process however many
-# policies are built from it; a rewritten file has another key and is read again. The policies share the network
-# (in eval mode) and never change it.
+# each checkpoint file version read once per process (load_once); the policies share the network in eval mode
 _LOADED: dict[tuple[str, int, int], tuple[KeepNet, dict]] = {}
-_LOADED_LOCK = threading.Lock()
 
 
 def _read(path: Path) -> tuple[KeepNet, dict]:
@@ -63,25 +58,6 @@ def _read(path: Path) -> tuple[KeepNet, dict]:
     return net.eval(), loaded.meta
 
 
-def _load(path: Path) -> tuple[KeepNet, dict]:
-    """The checkpoint's network, read once per file version, and a copy of its metadata for the caller."""
-    try:
-        stat = path.stat()
-    except OSError:
-        return _read(path)  # names the problem
-    key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
-    with _LOADED_LOCK:
-        hit = _LOADED.get(key)
-    if hit is None:
-        hit = _read(path)
-        with _LOADED_LOCK:
-            for older in [k for k in _LOADED if k[0] == key[0]]:  # the file's earlier contents
-                del _LOADED[older]
-            _LOADED[key] = hit
-    net, meta = hit
-    return net, copy.deepcopy(meta)
-
-
 class LearnedPolicy(Policy):
     """Keep scores from a trained :class:`~kvsieve.networks.keep_net.KeepNet`; window kept by the selection."""
 
@@ -93,7 +69,7 @@ class LearnedPolicy(Policy):
             raise ValueError(f"allocation {allocation!r} is not one of {list(ALLOCATIONS)}")
         self.allocation = allocation
         path = resolve_checkpoint("learned", checkpoint)
-        net, meta = _load(path)
+        net, meta = load_once(_LOADED, path, _read)
         self.checkpoint = str(path)
         self._setup(net, ModelShape(**meta["model"]), window or int(meta["window"]), **kwargs)
         self.trained_for.refuse_name(model, f"learned policy checkpoint {self.checkpoint!r}", _HOW_TO_TRAIN)
