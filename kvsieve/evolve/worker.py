@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from kvsieve.evolve import seccomp
-from kvsieve.language import program_features as feats
+from kvsieve.language import operations
 from kvsieve.language.interpreter import (
     MAX_WORK_EXPONENT,
     InterpreterError,
@@ -374,7 +374,7 @@ def _prepare(source: str, limits: Limits, loader) -> tuple:
         program.selection_params  # noqa: B018 - validates SELECTION
         if loader is not None:
             return program, None, None
-        return program, ScoreProgram(source, limits=limits, static_check=False, filename="program"), None
+        return program, ScoreProgram(source, limits=limits, filename="program"), None
     except Exception as err:  # noqa: BLE001 - reported once the candidate's time has started
         return None, None, err
 
@@ -398,7 +398,7 @@ def _run_candidate(prepared, window, seeds, features, loader, allow) -> tuple[di
             return {"status": "invalid", "reason": reason, "invariants": invariants}, {}
         growth = ""
         if isinstance(score_fn, ScoreProgram):  # the cost model's count (the raw loader of the tests has none)
-            measured = work_growth(score_fn, window)
+            measured = work_growth(score_fn)
             growth = str(measured)
             invariants["linear_work"] = measured.exponent <= MAX_WORK_EXPONENT
             if not invariants["linear_work"]:
@@ -448,37 +448,16 @@ def _safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
 
 
 def _warm_up(window: int) -> None:
-    """Run every allowed helper and torch function once on synthetic features through the interpreter's
-    own tables, so lazy imports and first-call initialisation inside torch happen before the guards
-    refuse new imports."""
+    """Run every operation of the language once on synthetic features, so lazy imports and first-call
+    initialisation inside torch happen before the guards refuse new imports."""
     f = synthetic_features(0, group=3, n=window + 5, window=window)
-    x = feats.HELPERS["group_mean"](f.attn)
-    for name, helper in feats.HELPERS.items():
-        try:
-            helper(f.attn, 5) if name in ("pool", "max_pool") else helper(f.attn)
-        except Exception:  # noqa: BLE001, S110 - a warm-up only
-            pass
-    for name in feats.TORCH_FUNCTIONS:
-        fn = getattr(torch, name)
-        for args in ((x,), (x, -1), (x, x), (x > 0, x, x), ([x, x],), (x, 1, -1)):
-            try:
-                fn(*args)
-            except Exception:  # noqa: BLE001, S110
-                continue
-    for name in feats.TENSOR_METHODS:
-        attr = getattr(x, name, None)
-        if callable(attr):
-            for args in ((), (-1,), (2,), (x,), (x.shape,)):
-                try:
-                    attr(*args)
-                except Exception:  # noqa: BLE001, S110
-                    continue
+    operations.warm_up(f.attn)
+    x = f.attn.mean(dim=2)
     for allocation in ALLOCATIONS:  # the selection's own kernels (kthvalue, cumsum, masked indexing)
         Selection(allocation=allocation).kept_indices(x, 2)
     torch.topk(x, 2, dim=-1)
     torch.broadcast_shapes((2, 1), (1, 3))
-    ScoreProgram("def score(f):\n    return pool(group_mean(f.attn), 5) + 0.0 * f.key_norm\n",
-                 static_check=False)(f)
+    ScoreProgram("def score(f):\n    return pool(group_mean(f.attn), 5) + 0.0 * f.key_norm\n")(f)
 
 
 if __name__ == "__main__":

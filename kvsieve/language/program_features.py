@@ -2,18 +2,16 @@
 
 An evolved program never sees the model, the cache or the question: it gets a :class:`Features` of
 one layer, a handful of per-entry tensors derived from the context's cache and the observation
-window, and returns one score per cached entry and KV head. Everything a candidate may call is listed
-here (``TORCH_FUNCTIONS``, ``TENSOR_METHODS``, ``HELPERS``); the static check (``static.py``) rejects
-anything else, and the interpreter (``interpreter.py``) has no rule for anything else.
+window, and returns one score per cached entry and KV head. The helpers a program calls are defined here
+(``HELPERS``); what a program may call, with each operation's typed signature and cost, is the table of
+``operations.py``, from which the checker, the interpreter and the grammar are read.
 
 Shapes: ``b`` batch, ``h`` KV heads, ``g`` query heads per KV head, ``n`` cached context entries.
 """
 
 from __future__ import annotations
 
-import builtins
 import json
-import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -23,8 +21,8 @@ import torch.nn.functional as F
 from kvsieve.files import save_safetensors
 from kvsieve.signals import Signals
 
-__all__ = ["Features", "TENSOR_FIELDS", "SCALAR_FIELDS", "TORCH_FUNCTIONS", "TENSOR_METHODS", "HELPERS",
-           "SAFE_BUILTINS", "MATH_CONSTANTS", "synthetic_features", "save_features", "load_features"]
+__all__ = ["Features", "TENSOR_FIELDS", "SCALAR_FIELDS", "HELPERS", "HELPERS_VERSION", "synthetic_features",
+           "save_features", "load_features"]
 
 TENSOR_FIELDS = ("attn", "last_attn", "key_norm", "value_norm", "position", "surrogate")
 SCALAR_FIELDS = ("layer", "window", "n", "group")
@@ -198,20 +196,3 @@ def _odd_kernel(k) -> int:
 HELPERS_VERSION = 2
 HELPERS = {"pool": pool, "max_pool": max_pool, "normalize": normalize, "unit_mean": unit_mean, "rank": rank,
            "group_max": group_max, "group_mean": group_mean}
-
-# Pure tensor maths only: nothing that reads or writes files, allocates by a user-given size, or
-# reaches the interpreter.
-TORCH_FUNCTIONS = (
-    "abs", "amax", "amin", "clamp", "cos", "cumsum", "exp", "log", "log1p", "maximum", "minimum", "sigmoid",
-    "sign", "sin", "softmax", "sqrt", "tanh", "where", "zeros_like", "ones_like", "full_like", "stack", "mean",
-    "sum", "max", "min", "pow", "relu", "square", "logsumexp", "flip", "roll",
-)
-TENSOR_METHODS = (
-    "abs", "amax", "amin", "clamp", "clamp_min", "clamp_max", "cumsum", "exp", "log", "log1p", "mean", "sum",
-    "max", "min", "pow", "sqrt", "sigmoid", "softmax", "tanh", "unsqueeze", "squeeze", "expand_as", "float",
-    "flip", "square", "std", "var", "relu", "roll", "sign", "values", "indices", "shape", "reshape", "view",
-    "transpose", "logsumexp",
-)
-SAFE_BUILTINS = {"abs": builtins.abs, "min": builtins.min, "max": builtins.max, "float": builtins.float,
-                 "int": builtins.int, "range": builtins.range, "len": builtins.len, "round": builtins.round}
-MATH_CONSTANTS = {"pi": math.pi, "e": math.e}

@@ -29,16 +29,17 @@ torch.set_num_threads(1)
 HEADER = 'SELECTION = {"chunk_size": 1, "sink": 0}\n'
 NAN = HEADER + "def score(f):\n    return group_mean(f.attn) * 0.0 / 0.0\n"
 SINK64 = 'SELECTION = {"chunk_size": 1, "sink": 64}\ndef score(f):\n    return group_mean(f.attn)\n'
-# the pool sleeper, hostile past 200 entries: 70 pools of 257 over the n x n product
-SLEEPER = HEADER + ("def score(f):\n    a = group_mean(f.attn)\n    if f.n > 200:\n"
-                    "        m = a.unsqueeze(-1) * a.unsqueeze(-2)\n        for i in range(70):\n"
-                    "            m = pool(m, 257)\n        a = a + 0.0 * m.mean(dim=-1)\n    return a\n")
+# the hoarder: 64 float32 copies of f.attn held at once, 16.8 times the elements the call receives (b h (2g + 3) n + n)
+# where the budget is 16 times: refused by the cost model at every length, before it runs
+HOARDER = HEADER + "def score(f):\n" + "".join(f"    a{i} = f.attn * {i + 1}\n" for i in range(64)) + (
+    "    return group_mean(" + " + ".join(f"a{i}" for i in range(64)) + ")\n")
+HOARDER_RETURN_LINE = 67
 
 
 @pytest.fixture
 def programs(tmp_path):
     paths = {}
-    for name, source in (("nan", NAN), ("sink64", SINK64), ("sleeper", SLEEPER)):
+    for name, source in (("nan", NAN), ("sink64", SINK64), ("sleeper", HOARDER)):
         paths[name] = tmp_path / f"{name}.py"
         paths[name].write_text(source)
     return paths
@@ -55,11 +56,13 @@ def test_a_program_policy_raises_one_exception_type_for_whatever_the_program_cau
     """What a caller (the harness, the server answering at full KV) catches: InterpreterError, a ValueError."""
     with pytest.raises(ProgramFailed, match="not all finite"):
         ProgramPolicy(path=str(programs["nan"]), window=4).score(_signals(64))
-    with pytest.raises(LimitExceeded, match=r"limit: a tensor of 80802 elements"):  # b h n n = 2 * 201 * 201
+    # b h g n = 1 * 2 * 3 * 201 elements of 4 bytes, 65 held at once on the return line (a0 + a1 and a0..a63)
+    with pytest.raises(LimitExceeded, match=rf"sleeper.py line {HOARDER_RETURN_LINE}: limit: {65 * 1206 * 4 / 2**20:.1f} "
+                                            r"MiB live at once, over the budget of 0.2 MiB at b = 1, h = 2, g = 3, n = 201"):
         ProgramPolicy(path=str(programs["sleeper"]), window=4).score(_signals(201))
     wrong = HEADER + "def score(f):\n    return f.position\n"
-    with pytest.raises(ProgramFailed, match=r"returned torch.Size\(\[64\]\), expected scores shaped \(1, 2, 64\)"):
-        ProgramPolicy(source=wrong, window=4).score(_signals(64))
+    with pytest.raises(ValueError, match=r"line 3: score must return scores shaped \(b, h, n\), this returns \(n\)"):
+        ProgramPolicy(source=wrong, window=4)
     for err in (ProgramFailed, LimitExceeded):
         assert issubclass(err, InterpreterError) and issubclass(err, ValueError)
 
@@ -77,7 +80,8 @@ def test_failing_policies_fail_their_cells_and_the_sample_goes_on(programs):
     assert scored == {("full", 0.0), ("snapkv", 0.5), ("sink64.py", 0.5), ("snapkv", 0.75)}
     assert set(failed) == {("nan.py", 0.5), ("sink64.py", 0.75), ("sleeper.py", 0.5)}
     assert "not all finite" in failed[("nan.py", 0.5)]
-    assert "limit: a tensor of" in failed[("sleeper.py", 0.5)] and "line 5" in failed[("sleeper.py", 0.5)]
+    assert "MiB live at once, over the budget" in failed[("sleeper.py", 0.5)]
+    assert f"line {HOARDER_RETURN_LINE}" in failed[("sleeper.py", 0.5)]
     # 64 sinks and the window of 64: 128 protected entries, more than the quarter of the context kept
     assert "below the 128 protected ones (sink=64" in failed[("sink64.py", 0.75)], failed[("sink64.py", 0.75)]
 
@@ -104,18 +108,38 @@ def test_a_grid_stores_failed_cells_apart_reports_them_and_retries_them(programs
 
 
 def test_a_runs_program_budget_fails_the_cells_after_it_is_spent(programs, tmp_path):
-    # slow without tensor work: 4000 trips of integer sums, tens of milliseconds per layer
-    slow = HEADER + ("def score(f):\n    y = 0\n    for i in range(4000):\n"
-                     "        y = y + i * 2 - i\n    return group_mean(f.attn) + 0.0 * y\n")
+    # 200 operations, each well within its budget: the run's shared wall-clock budget (1 ms) stops the first call
+    slow = HEADER + "def score(f):\n    return group_mean(f.attn)" + "".join(f" + {i} * f.key_norm" for i in range(100)) + "\n"
     path = tmp_path / "slow.py"
     path.write_text(slow)
     config = GridConfig(model="tiny", tasks=["niah_single_1"], lengths=[480], samples=2, ratios=[0.5],
                         policies=["full", "snapkv", f"program:{path}"], store=str(tmp_path / "b.sqlite"),
-                        program_budget_s=0.05)
+                        program_budget_s=0.001)
     executor = LocalGridExecutor(factory=lambda: (tiny_model("llama"), CharTokenizer()))
     with run_grid(config, progress=False, executor=executor) as store:
         assert {r.key.policy for r in store.rows()} == {"full", "snapkv"}
         reasons = [f.reason for f in store.failed()]
-        assert len(reasons) == 2 and all("the run's budget of 0.05 s for programs" in r for r in reasons)
+        assert len(reasons) == 2 and all("the run's budget of 0.001 s for programs" in r for r in reasons)
     with pytest.raises(ValueError, match="program_budget_s must be"):
         GridConfig(program_budget_s=0)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_hand_made_policy_scoring_nan_fails_its_cell_through_the_engine(monkeypatch, shared):
+    """Not only programs (which refuse NaN themselves): the engine refuses NaN from any policy, so a registry family
+    (here snapkv, its scores poisoned in layer 1) fails its cell with the policy and layer named, shared or not."""
+    from kvsieve.policies.snapkv import SnapKV
+
+    score = SnapKV.score
+
+    def nan_in_layer_1(self, signals):
+        scores = score(self, signals)
+        return scores.fill_(float("nan")) if signals.layer_idx == 1 else scores
+
+    monkeypatch.setattr(SnapKV, "score", nan_in_layer_1)
+    sample = generate("niah_single_1", 300, 0, lambda text: len(text))  # unshared: within 512
+    cells = [Cell("full", 0.0), Cell("snapkv", 0.5), Cell("tova", 0.5)]
+    out = evaluate_sample(tiny_model("llama"), CharTokenizer(), sample, cells, "tiny", shared=shared)
+    assert [type(r).__name__ for r in out] == ["CellResult", "FailedCell", "CellResult"]
+    reason = out[1].reason
+    assert reason.startswith("ValueError: policy 'snapkv' scored ") and "NaN and 0 -inf in layer 1" in reason

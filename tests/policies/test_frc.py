@@ -109,5 +109,6 @@ def test_program_spec_errors_name_the_problem(tmp_path):
         from_spec(f"program:{hostile}")
     wrong_shape = tmp_path / "wrong.py"
     wrong_shape.write_text("def score(f):\n    return f.attn\n")
-    with pytest.raises(ValueError, match="expected scores shaped"):
-        from_spec(f"program:{wrong_shape}").score(signals_for(random_inputs(0)))
+    with pytest.raises(ValueError, match=r"wrong.py line 2: score must return scores shaped \(b, h, n\), this returns "
+                                         r"\(b, h, g, n\)"):
+        from_spec(f"program:{wrong_shape}")  # refused when the spec is built: the type is known before any run

@@ -51,7 +51,7 @@ def test_a_program_file_is_parsed_once_and_again_when_it_changes(monkeypatch, tm
     first, second = spec.build(), spec.build()
     assert len(parses) == 1
     assert first is not second and first.program is second.program and first._score is not second._score
-    assert first._score._fn is second._score._fn  # the syntax tree is shared; the callable, limits and cost are not
+    assert first._score.graph is second._score.graph  # the typed graph is shared; the callable, limits and cost are not
     strict = parse(f"program(path='{path}', deadline_s=0.5)").build()
     assert len(parses) == 1 and strict._score.limits.deadline_s == 0.5 != first._score.limits.deadline_s
     assert first.selection.sink == 2

@@ -14,6 +14,7 @@ import textwrap
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 
+from kvsieve.language import operations
 from kvsieve.language import program_features as feats
 from kvsieve.language.program_source import SELECTION_CHOICES, SELECTION_RANGES, Program
 
@@ -49,17 +50,6 @@ def _field_docs() -> dict[str, str]:
     return out
 
 
-def _helper_line(name: str, fn: Callable) -> str:
-    try:
-        params = inspect.signature(fn).parameters.values()
-        signature = "(" + ", ".join(p.name if p.default is p.empty else f"{p.name}={p.default!r}"
-                                    for p in params) + ")"
-    except (TypeError, ValueError):
-        signature = "(...)"
-    first = (inspect.getdoc(fn) or "").strip().splitlines()
-    return f"- {name}{signature}: {_plain(first[0])}" if first else f"- {name}{signature}"
-
-
 def _plain(text: str) -> str:
     return text.replace("``", "`")
 
@@ -79,12 +69,9 @@ def interface_doc() -> str:
         kind = "tensor" if names[0] in feats.TENSOR_FIELDS else "number"
         label = ", ".join(f"f.{name}" for name in names)
         fields.append(f"- {label} ({kind}): {_plain(described)}" if described not in names else f"- {label} ({kind})")
-    methods = [f".{m}()" for m in feats.TENSOR_METHODS if m not in ("shape", "values", "indices")]
-    attributes = [f".{m}" for m in feats.TENSOR_METHODS if m in ("shape", "values", "indices")]
     selection = ", ".join([*(f'"{key}": int in [{lo}, {hi}]' for key, (lo, hi) in SELECTION_RANGES.items()),
                            *(f'"{key}": one of {", ".join(map(repr, choices))}'
                              for key, choices in SELECTION_CHOICES.items())])
-    constants = ", ".join(sorted(getattr(feats, "MATH_CONSTANTS", {})))
     shapes = ", ".join(f"{k} = {v}" for k, v in _SHAPES.items())
     lines = [
         "A program is one Python file: a docstring, an optional literal SELECTION dict, and def score(f).",
@@ -95,25 +82,14 @@ def interface_doc() -> str:
         "Fields of f (tensors are float32 and read-only):",
         *fields,
         "",
-        "torch functions (call as torch.NAME): " + ", ".join(feats.TORCH_FUNCTIONS),
-        "tensor methods: " + ", ".join(methods) + ("; attributes: " + ", ".join(attributes) if attributes else ""),
-        "builtins: " + ", ".join(feats.SAFE_BUILTINS) + (f"; constants: {constants}" if constants else ""),
-        "helpers (call by name, no prefix):",
-        *(_helper_line(name, fn) for name, fn in feats.HELPERS.items()),
+        *operations.describe(),
         "",
         f"SELECTION (optional literal dict, these keys only): {{{selection}}}.",
         "chunk_size keeps or evicts whole chunks of that many entries; sink always keeps the first entries.",
         "allocation 'layer' or 'global' moves budgets between heads and needs chunk_size 1.",
         "",
         "Rules:",
-        "- no import statements; torch and the helpers above are already in scope, nothing else is",
-        "- no string literals except the module docstring and the SELECTION keys",
-        "- no names or attributes that start with an underscore (no dunders)",
-        "- no file, network or interpreter access; only the functions, methods and names listed above",
         "- return finite float scores of shape (b, h, n); higher = keep",
-        "- define only score(f); no other functions, classes, lambdas, comprehensions or globals",
-        "- inside score: assignments to new local names, if, return, and for loops over range(...) with "
-        "literal int bounds only (no while)",
         "- the last f.window entries are always kept by the engine; do not special-case them",
     ]
     return "\n".join(lines)

@@ -1,0 +1,211 @@
+"""Every operation a policy program may use, each with a typed signature, a shape rule and a measured cost.
+
+This table is the language: the checker (``typed_graph``), the interpreter (``interpreter``), the cost model
+(``cost``) and the exported grammar (``grammar``) are all read off it, so they cannot disagree on what a
+program is.
+
+Types. A value is a number (a literal, a scalar feature such as ``f.layer``) or a tensor of one of four
+shape families over the symbolic dims ``b`` (batch), ``h`` (KV heads), ``g`` (query heads per KV head) and
+``n`` (cached context entries): ``(n)``, ``(b, h, n)`` and ``(b, h, g, n)``. Two shapes combine as torch
+broadcasts them, aligned on the right, but only where the symbols agree: ``(b, h, g, n) + (b, h, n)`` is
+refused even when ``g == h`` happens to make torch accept it.
+
+Cost. An operation's output has the elements of its shape; its time is ``overhead_ns + ns_per_element x
+elements touched`` (x ``log2 n`` for the sort in ``rank``, x the kernel for the pools), its scratch the
+temporaries torch allocates inside it. The constants come from ``benchmarks/language_cost.py`` (see
+``cost.CALIBRATION``).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvsieve.language import program_features as feats
+
+__all__ = ["Dims", "SCALAR", "N", "BHN", "BHGN", "FEATURE_TYPES", "Operation", "BINARY_OPERATORS", "FUNCTIONS",
+           "broadcast", "describe", "shape_text", "LITERAL_BOUND", "KERNEL_RANGE", "POW_RANGE", "TypeRefusal"]
+
+Dims = tuple[str, ...]
+SCALAR: Dims = ()
+N: Dims = ("n",)
+BHN: Dims = ("b", "h", "n")
+BHGN: Dims = ("b", "h", "g", "n")
+TENSOR_SHAPES = (N, BHN, BHGN)
+
+# the largest magnitude of a numeric literal; kernel sizes and exponents have their own, smaller ranges
+LITERAL_BOUND = 1e6
+KERNEL_RANGE = (1, 257)
+POW_RANGE = (-4, 4)
+
+FEATURE_TYPES: dict[str, Dims] = {"attn": BHGN, "last_attn": BHGN, "key_norm": BHN, "value_norm": BHN,
+                                  "position": N, "surrogate": BHN,
+                                  **{name: SCALAR for name in feats.SCALAR_FIELDS}}
+
+
+class TypeRefusal(ValueError):
+    """An operation applied to arguments of the wrong type (the checker adds the line)."""
+
+
+def shape_text(shape: Dims) -> str:
+    return "a number" if shape == SCALAR else "(" + ", ".join(shape) + ")"
+
+
+def broadcast(a: Dims, b: Dims) -> Dims:
+    """The shape of an elementwise operation on ``a`` and ``b``: aligned on the right, each symbol equal or absent."""
+    out = []
+    for i in range(1, max(len(a), len(b)) + 1):
+        x = a[-i] if i <= len(a) else None
+        y = b[-i] if i <= len(b) else None
+        if x is not None and y is not None and x != y:
+            raise TypeRefusal(f"cannot combine {shape_text(a)} with {shape_text(b)}: dims {x} and {y} differ "
+                              "(reduce one with group_mean or group_max first)")
+        out.append(x if x is not None else y)
+    return tuple(reversed(out))
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One callable of the language.
+
+    ``tensors``: how many tensor arguments it takes first; ``literals``: the kinds of the literal arguments
+    after them ("kernel": an int in KERNEL_RANGE, "number": a bounded number); ``result``: the output shape
+    from the tensor arguments' shapes (raising :class:`TypeRefusal`); ``run``: the torch computation;
+    ``cost``: the calibration key; ``scratch``: temporaries inside it, in float32 elements per output
+    element; ``touches``: "output" or "input" (reductions read g times what they write)."""
+
+    name: str
+    doc: str
+    tensors: int
+    literals: tuple[str, ...]
+    result: Callable[..., Dims]
+    run: Callable[..., object]
+    cost: str
+    scratch: float = 0.0
+    touches: str = "output"
+
+
+def _same(x: Dims) -> Dims:
+    if x == SCALAR:
+        raise TypeRefusal("needs a tensor, got a number")
+    return x
+
+
+def _along_n(x: Dims) -> Dims:
+    if not x or x[-1] != "n":
+        raise TypeRefusal(f"works along the context dim n, got {shape_text(x)}")
+    return x
+
+
+def _group(x: Dims) -> Dims:
+    if x != BHGN:
+        raise TypeRefusal(f"reduces the query heads of (b, h, g, n), got {shape_text(x)}")
+    return BHN
+
+
+def _pair(x: Dims, y: Dims) -> Dims:
+    _same(x)
+    _same(y)
+    return broadcast(x, y)
+
+
+def _clamp(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    return torch.clamp(x, min=lo, max=hi)
+
+
+_ELEMENTWISE = {
+    "abs": "absolute value", "exp": "exponential", "log": "natural logarithm", "log1p": "log(1 + x)",
+    "sqrt": "square root", "sigmoid": "logistic sigmoid", "tanh": "hyperbolic tangent", "relu": "max(x, 0)",
+    "sign": "-1, 0 or 1", "square": "x * x", "sin": "sine", "cos": "cosine",
+}
+
+FUNCTIONS: dict[str, Operation] = {
+    # the helpers of program_features (the names a program calls bare)
+    "pool": Operation("pool", "mean over a centred window of k entries along n, zero padded", 1, ("kernel",),
+                      _along_n, feats.pool, "pool", scratch=1.0),
+    "max_pool": Operation("max_pool", "max over a centred window of k entries along n", 1, ("kernel",),
+                          _along_n, feats.max_pool, "max_pool", scratch=1.0),
+    "normalize": Operation("normalize", "x divided by its largest magnitude along n", 1, (), _along_n,
+                           feats.normalize, "normalize", scratch=1.0),
+    "unit_mean": Operation("unit_mean", "x divided by its mean magnitude along n", 1, (), _along_n,
+                           feats.unit_mean, "unit_mean", scratch=1.0),
+    "rank": Operation("rank", "rank along n scaled to [0, 1]", 1, (), _along_n, feats.rank, "rank",
+                      scratch=10.0),
+    "group_mean": Operation("group_mean", "(b, h, g, n) -> (b, h, n): mean over the query heads", 1, (), _group,
+                            feats.group_mean, "group", touches="input"),
+    "group_max": Operation("group_max", "(b, h, g, n) -> (b, h, n): max over the query heads", 1, (), _group,
+                           feats.group_max, "group", touches="input"),
+    # torch functions (called as torch.NAME)
+    **{f"torch.{name}": Operation(f"torch.{name}", doc, 1, (), _same, getattr(torch, name), "unary")
+       for name, doc in _ELEMENTWISE.items()},
+    "torch.maximum": Operation("torch.maximum", "elementwise larger of two tensors", 2, (), _pair, torch.maximum,
+                               "binary"),
+    "torch.minimum": Operation("torch.minimum", "elementwise smaller of two tensors", 2, (), _pair, torch.minimum,
+                               "binary"),
+    "torch.clamp": Operation("torch.clamp", "x limited to [lo, hi] (two numbers)", 1, ("number", "number"), _same,
+                             _clamp, "unary"),
+}
+
+# the infix operators: (symbol, precedence level in the grammar, torch/Python function)
+BINARY_OPERATORS: dict[str, Callable[[object, object], object]] = {
+    "+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
+
+
+def pow_literal(value: object) -> int:
+    """The exponent of ``x ** k``: an int literal in POW_RANGE."""
+    lo, hi = POW_RANGE
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise TypeRefusal(f"the exponent of ** must be an int literal in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def check_literal(kind: str, value: object) -> float | int:
+    """A literal argument of ``kind`` ("kernel" or "number") checked against its range."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeRefusal(f"expects a number literal, got {type(value).__name__}")
+    if kind == "kernel":
+        lo, hi = KERNEL_RANGE
+        if not isinstance(value, int) or not lo <= value <= hi:
+            raise TypeRefusal(f"kernel size must be an int literal in [{lo}, {hi}], got {value!r}")
+        return value
+    if not math.isfinite(value) or abs(value) > LITERAL_BOUND:
+        raise TypeRefusal(f"numbers are bounded by {LITERAL_BOUND:g} in magnitude, got {value!r}")
+    return value
+
+
+def warm_up(x: torch.Tensor) -> None:
+    """Run every operation once on ``x`` (b, h, g, n), so torch's lazy initialisation happens now (the sandbox
+    worker calls it before its guards refuse new imports)."""
+    for op in FUNCTIONS.values():
+        literals = [3 if kind == "kernel" else 1.0 for kind in op.literals]
+        op.run(*([x] * op.tensors), *literals)
+    for fn in BINARY_OPERATORS.values():
+        fn(fn(x, x), 2.0)
+    _ = -x ** 2
+
+
+def _signature(op: Operation) -> str:
+    tensors = ["x", "y"][:op.tensors]
+    literals = {"kernel": f"k (int literal in [{KERNEL_RANGE[0]}, {KERNEL_RANGE[1]}])", "number": "number literal"}
+    names = ["lo", "hi"] if op.name == "torch.clamp" else []
+    args = [*tensors, *(names[i] if names else literals[kind] for i, kind in enumerate(op.literals))]
+    return f"{op.name}({', '.join(args)})"
+
+
+def describe() -> list[str]:
+    """The language in a few lines, for people and for an LLM mutator's prompt (read off the tables)."""
+    fields = ", ".join(f"f.{name} {shape_text(shape)}" for name, shape in FEATURE_TYPES.items())
+    return [
+        "score(f) is bindings `name = expression` and one final `return expression` of shape (b, h, n).",
+        "An expression is a feature, a number literal (|x| <= 1e6), a bound name, + - * /, unary -, x ** k "
+        f"(int literal k in [{POW_RANGE[0]}, {POW_RANGE[1]}]) or one of these calls:",
+        *(f"- {_signature(op)}: {op.doc}" for op in FUNCTIONS.values()),
+        f"Features and their shapes: {fields}.",
+        "Shapes combine only where their dims agree, aligned on the right: (b, h, n) with (n) or a number, "
+        "never (b, h, g, n) with (b, h, n); reduce g first with group_mean or group_max.",
+        "Nothing else exists: no loops, if, comparisons, indexing, methods, keywords, tuples or imports.",
+    ]
