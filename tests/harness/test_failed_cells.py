@@ -57,8 +57,9 @@ def test_a_program_policy_raises_one_exception_type_for_whatever_the_program_cau
     with pytest.raises(ProgramFailed, match="not all finite"):
         ProgramPolicy(path=str(programs["nan"]), window=4).score(_signals(64))
     # b h g n = 1 * 2 * 3 * 201 elements of 4 bytes, 65 held at once on the return line (a0 + a1 and a0..a63)
-    with pytest.raises(LimitExceeded, match=rf"sleeper.py line {HOARDER_RETURN_LINE}: limit: {65 * 1206 * 4 / 2**20:.1f} "
-                                            r"MiB live at once, over the budget of 0.2 MiB at b = 1, h = 2, g = 3, n = 201"):
+    held = f"{65 * 1206 * 4 / 2**20:.1f}"
+    with pytest.raises(LimitExceeded, match=rf"sleeper.py line {HOARDER_RETURN_LINE}: limit: {held} MiB live at once, "
+                                            r"over the budget of 0.2 MiB at b = 1, h = 2, g = 3, n = 201"):
         ProgramPolicy(path=str(programs["sleeper"]), window=4).score(_signals(201))
     wrong = HEADER + "def score(f):\n    return f.position\n"
     with pytest.raises(ValueError, match=r"line 3: score must return scores shaped \(b, h, n\), this returns \(n\)"):
@@ -109,7 +110,8 @@ def test_a_grid_stores_failed_cells_apart_reports_them_and_retries_them(programs
 
 def test_a_runs_program_budget_fails_the_cells_after_it_is_spent(programs, tmp_path):
     # 200 operations, each well within its budget: the run's shared wall-clock budget (1 ms) stops the first call
-    slow = HEADER + "def score(f):\n    return group_mean(f.attn)" + "".join(f" + {i} * f.key_norm" for i in range(100)) + "\n"
+    terms = "".join(f" + {i} * f.key_norm" for i in range(100))
+    slow = HEADER + f"def score(f):\n    return group_mean(f.attn){terms}\n"
     path = tmp_path / "slow.py"
     path.write_text(slow)
     config = GridConfig(model="tiny", tasks=["niah_single_1"], lengths=[480], samples=2, ratios=[0.5],
