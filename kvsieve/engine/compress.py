@@ -13,7 +13,7 @@ from kvsieve.policy import Policy
 from kvsieve.selection import Budget, check_allocation
 from kvsieve.signals import Signals
 
-__all__ = ["LayerReport", "CompressionReport", "layer_signals", "compress_cache"]
+__all__ = ["LayerReport", "CompressionReport", "layer_signals", "checked_scores", "compress_cache"]
 
 
 @dataclass
@@ -90,15 +90,27 @@ def _aligned_hidden_states(layer: SieveLayer) -> torch.Tensor | None:
     return hidden
 
 
-def _checked_scores(policy: Policy, signals: Signals) -> torch.Tensor:
+def checked_scores(policy: Policy, signals: Signals, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """``policy.score(signals)`` as float, refused unless shaped (batch, kv_heads, seq) and free of NaN and -inf
+    on the entries that may be kept (``valid``; padding is the engine's own). Every policy's scores pass here:
+    selection would read NaN and -inf as "never keep", so a policy scoring NaN everywhere would keep its protected
+    entries alone and still look like a working policy. ``+inf`` stays allowed: "keep first" (ExpectedAttention
+    and KVzip protect entries with it)."""
     scores = policy.score(signals)
     expected = (signals.batch_size, signals.num_kv_heads, signals.seq_len)
     if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != expected:
         shape = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
         raise ValueError(f"policy {policy.name!r} returned scores of shape {shape}, expected {expected}")
     if not scores.is_floating_point():
-        scores = scores.float()
-    return scores
+        return scores.float()
+    bad = torch.isnan(scores) | (scores == float("-inf"))
+    if valid is not None:
+        bad &= valid
+    if bool(bad.any()):
+        nan = int(torch.isnan(scores).logical_and(bad).sum())
+        raise ValueError(f"policy {policy.name!r} scored {nan} entries NaN and {int(bad.sum()) - nan} -inf in layer "
+                         f"{signals.layer_idx}; scores must be finite, or +inf for an entry kept first")
+    return scores.float()
 
 
 def layer_occupancy(layer: SieveLayer) -> float:
@@ -116,12 +128,10 @@ def _layer_scores(layer: SieveLayer, idx: int, num_layers: int, policy: Policy, 
     the sinks and the most recent entries of every head sit where ``Selection.protected_mask`` looks).
     ``remember``: keep the scores with the entries (``SieveLayer.entry_scores``, for ``intrinsic_scores``)."""
     layer.densify(pad_at=policy.selection.sink)
-    scores = _checked_scores(policy, layer_signals(layer, idx, num_layers, protected_tail, policy.window))
+    signals = layer_signals(layer, idx, num_layers, protected_tail, policy.window)
+    scores = checked_scores(policy, signals, layer.valid)  # an intrinsic policy must score what entry_scores marks NaN
     if remember:
-        if bool(torch.isnan(scores).any()):
-            raise ValueError(f"policy {policy.name!r} left entries of layer {idx} unscored (NaN); a policy with "
-                             "intrinsic_scores must score the entries Signals.entry_scores marks NaN")
-        layer.entry_scores = scores.float()
+        layer.entry_scores = scores
     if layer.valid is not None:
         scores = scores.masked_fill(~layer.valid, float("-inf"))
     return scores

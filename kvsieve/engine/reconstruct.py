@@ -44,7 +44,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvsieve.engine.attention import bottom_right_causal_mask
 from kvsieve.engine.cache import SieveLayer, sieve_layers
-from kvsieve.engine.compress import CompressionReport, LayerReport, layer_signals
+from kvsieve.engine.compress import CompressionReport, LayerReport, checked_scores, layer_signals
 from kvsieve.engine.modules import attention_modules
 from kvsieve.selection import Budget
 
@@ -304,7 +304,7 @@ def compress_with_reconstruction(model, cache: DynamicCache, input_ids: torch.Te
             signals = layer_signals(layer, idx, num_layers, protected_tail, policy.window)
             signals.extra["reconstruction"] = reconstruction.scores[idx]
             signals.extra["reconstruction_header"] = reconstruction.header
-            scores[idx] = _checked(policy, signals)
+            scores[idx] = checked_scores(policy, signals, layer.valid)
         if policy.allocation == "global":
             picked = policy.global_kept_indices([scores[idx] for idx, _ in layers], kept, protected_tail)
             chosen = {idx: pick for (idx, _), pick in zip(layers, picked)}
@@ -325,12 +325,3 @@ def compress_with_reconstruction(model, cache: DynamicCache, input_ids: torch.Te
     report.seconds += time.perf_counter() - start + earlier
     report.events += 1
     return report
-
-
-def _checked(policy, signals) -> torch.Tensor:
-    scores = policy.score(signals)
-    expected = (signals.batch_size, signals.num_kv_heads, signals.seq_len)
-    if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != expected:
-        shape = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
-        raise ValueError(f"policy {policy.name!r} returned scores of shape {shape}, expected {expected}")
-    return scores.float()

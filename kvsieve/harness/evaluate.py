@@ -8,10 +8,10 @@ cells continue a copy of the full context cache with the question, and prune tha
 (``mode="decode"``) evict while the context is read, so each reads its sample alone.
 
 A failed cell, not a failed run: a policy that raises while it scores and compresses (an error, a program's
-budget, NaN scores, a selection that does not fit the cell's budget, such as 64 sinks at ratio 0.95) gives a
-:class:`~kvsieve.harness.store.FailedCell` with the reason in that cell's place, and the sample's other cells
-go on. A policy the grid cannot build or that refuses the model is the grid's configuration: it still stops the
-run before any work.
+budget, NaN or -inf scores, which the engine refuses for every policy, a selection that does not fit the cell's
+budget, such as 64 sinks at ratio 0.95) gives a :class:`~kvsieve.harness.store.FailedCell` with the reason in that
+cell's place, and the sample's other cells go on. A policy the grid cannot build or that refuses the model is the
+grid's configuration: it still stops the run before any work.
 """
 
 from __future__ import annotations
@@ -39,26 +39,9 @@ from kvsieve.selection import Budget
 from kvsieve.tasks.metrics import score as metric_score
 from kvsieve.tasks.sample import Sample
 
-__all__ = ["evaluate_sample", "checked_scores"]
+__all__ = ["evaluate_sample"]
 
 MAX_REASON = 500
-
-
-def checked_scores(policy: Policy) -> Policy:
-    """``policy`` with its ``score`` refusing NaN: the engine would read NaN as "never keep" and go on, so a
-    policy that scores NaN everywhere would keep its protected entries alone and still score a cell (an
-    evolved program scoring NaN scored 100 in eval). Infinities stay allowed (expected attention protects
-    entries with +inf); program policies refuse them themselves, as stage 1 does."""
-    score = policy.score
-
-    def checked(signals):
-        scores = score(signals)
-        if isinstance(scores, torch.Tensor) and scores.is_floating_point() and bool(torch.isnan(scores).any()):
-            raise ValueError(f"policy {policy.name!r} scored NaN in layer {signals.layer_idx}")
-        return scores
-
-    policy.score = checked  # this cell's own instance: the class and other cells are untouched
-    return policy
 
 
 def _reason(err: BaseException) -> str:
@@ -75,7 +58,7 @@ def _policy_for(cell: Cell, sample: Sample, prompt: Prompt, tokenizer) -> Policy
     policy = cell.spec.build()
     if policy.needs_reconstruction and policy.tokenizer is None:  # KVzip prompts the model
         policy.tokenizer = tokenizer
-    return checked_scores(policy) if policy.compresses else policy
+    return policy
 
 
 def _reconstructions(model, tokenizer, cache, ids, cells, policies, protected: int) -> dict:

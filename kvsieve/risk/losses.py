@@ -25,6 +25,7 @@ import numpy as np
 
 from kvsieve.harness.store import ResultsStore
 from kvsieve.models import bundled
+from kvsieve.policies import parse
 from kvsieve.policies.label import DECODE, FULL_CACHE, Label
 from kvsieve.tasks import task_family
 
@@ -215,6 +216,22 @@ def _stored_models(store: ResultsStore) -> str:
     return ", ".join(models) if models else "none (the store has no full-KV rows at all)"
 
 
+def _check_digests(cand: Candidate, rows: list, digest: str | None) -> None:
+    """Refuse rows computed from other bytes than the files ``cand``'s spec names now (each row's config records
+    ``policy_digest``; ordinary policies have none on either side): a contract records the files' digests as they
+    are now, so certifying old rows would vouch for bytes they were never computed with."""
+    stale = [r for r in rows if r.config.get("policy_digest") != digest]
+    if stale:
+        old = ", ".join(sorted({d[:12] if isinstance(d, str) else "unrecorded"
+                                for d in (r.config.get("policy_digest") for r in stale)}))
+        first = stale[0].key
+        raise ValueError(f"{len(stale)} of {len(rows)} rows of candidate {cand} were computed from other file contents "
+                         f"(sha256 {old}; first: task {first.task}, length {first.length}, sample {first.sample_id}), "
+                         f"but its files now have sha256 {digest[:12] if digest else 'none'}: certifying them would "
+                         "vouch for bytes they never ran. Restore the file, or evaluate it again into another --store "
+                         "(kvsieve certify --run)")
+
+
 def loss_table(store: ResultsStore, model: str, candidates: list[Candidate], epsilon: float = 0.0,
                loss: str = "binary", tasks: list[str] | None = None, lengths: list[int] | None = None) -> LossTable:
     """Build the loss table from the results store over the requests that full KV and every candidate share.
@@ -252,11 +269,15 @@ def loss_table(store: ResultsStore, model: str, candidates: list[Candidate], eps
         raise no_full()
     references: dict[Candidate, str] = {}
     found = {}
+    digests: dict[str, str | None] = {}  # spec -> the sha256 of its files now, read once per spec
     for cand in candidates:
         rows = store.rows(policy=cand.policy, ratio=cand.ratio, question_aware=cand.question_aware, **filters)
         if not rows:
             raise ValueError(f"the store has no rows for candidate {cand} (model {names[0]!r}); "
                              "evaluate it first (kvsieve eval, or kvsieve certify --run)")
+        if cand.spec not in digests:
+            digests[cand.spec] = parse(cand.spec).digest
+        _check_digests(cand, rows, digests[cand.spec])
         found[cand] = by_request(rows)
         if cand.reference not in full:
             full[cand.reference] = by_request(store.rows(policy=cand.reference, **filters))

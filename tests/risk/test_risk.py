@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kvsieve.harness.store import CellKey, CellResult, ResultsStore
+from kvsieve.policies import parse
 from kvsieve.risk import (
     Candidate,
     CertifiedPolicy,
@@ -382,18 +383,19 @@ def test_candidates_for_checks_ratios_and_reads_decode_labels():
         candidates_for(["snapkv@decode64"], [0.5], question_aware=True)
 
 
-def _model_row(model, task, sample, policy, ratio, score, kept_bytes, bytes_full=1000):
+def _model_row(model, task, sample, policy, ratio, score, kept_bytes, bytes_full=1000, digest=None):
     key = CellKey(model, task, 1024, str(sample), policy, ratio, False)
-    return CellResult(key, "", score, ["x"], 10, kept_bytes, bytes_full, 0.1, 0.1, {})
+    return CellResult(key, "", score, ["x"], 10, kept_bytes, bytes_full, 0.1, 0.1, {"policy_digest": digest})
 
 
 def test_decode_rows_certify_against_full_decode_with_an_honest_label(tmp_path):
     spec = "learned(checkpoint='smollm2-135m-instruct')@decode128"
+    digest = parse(spec.split("@")[0]).digest  # the shipped checkpoint's bytes, which the rows were computed with
     rows = []
     for i in range(40):
         rows.append(_model_row("m", "niah_single_1", i, "full", 0.0, 0.0, 1000))  # prefill full: all wrong
         rows.append(_model_row("m", "niah_single_1", i, "full@decode128", 0.0, 100.0, 1000))
-        rows.append(_model_row("m", "niah_single_1", i, spec, 0.5, 100.0, 600))
+        rows.append(_model_row("m", "niah_single_1", i, spec, 0.5, 100.0, 600, digest=digest))
     with ResultsStore(tmp_path / "d.sqlite") as s:
         s.add_many(rows)
         table = loss_table(s, "m", candidates_for([spec], [0.5]))
@@ -434,3 +436,38 @@ def test_loss_table_resolves_aliases_and_lists_the_stored_models(tmp_path):
         with pytest.raises(ValueError, match=r"no full-KV rows for model 'smollm2'; it holds full-KV rows for: "
                                              r"qwen2.5-0.5b, qwen2.5-coder-0.5b-instruct, smollm2-135m-instruct"):
             loss_table(s, "smollm2", [Candidate("snapkv", 0.5)])
+
+
+def test_certify_refuses_rows_computed_from_other_bytes_than_the_file_now_holds(tmp_path, capsys):
+    """Issue 52: a contract records the files' digests as they are now, so each row's policy_digest must match."""
+    import hashlib
+
+    from kvsieve.cli import main
+
+    program = tmp_path / "p.py"
+    program.write_text('SELECTION = {"chunk_size": 1}\ndef score(f):\n    return group_mean(f.attn)\n')
+    label = f"program:{program}"
+    digest = parse(label).digest
+    assert digest == hashlib.sha256(program.read_bytes()).hexdigest()  # the program file's own sha256
+    def rows(first_digest):
+        return [row for i in range(40) for row in (_model_row("m", "vt", i, "full", 0.0, 100.0, 1000),
+                _model_row("m", "vt", i, label, 0.5, 100.0, 500, digest=digest if i else first_digest))]
+
+    with ResultsStore(tmp_path / "old.sqlite") as s:
+        s.add_many(rows(None))  # the first row written before digests were recorded
+        with pytest.raises(ValueError, match=rf"1 of 40 rows of candidate {label}@0.5 were computed from other "
+                                             rf"file contents \(sha256 unrecorded; first: task vt, length 1024, "
+                                             rf"sample 0\), but its files now have sha256 {digest[:12]}"):
+            loss_table(s, "m", [Candidate(label, 0.5)])
+    with ResultsStore(tmp_path / "s.sqlite") as s:
+        s.add_many(rows(digest))
+        assert loss_table(s, "m", [Candidate(label, 0.5)]).n == 40
+    program.write_text(program.read_text() + "# edited after the rows were computed\n")
+    args = ["certify", "--store", str(tmp_path / "s.sqlite"), "--model", "m", "--policies", label, "--ratios", "0.5",
+            "--out", str(tmp_path / "c.json")]
+    assert main(args) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"40 of 40 rows of candidate {label}@0.5 were computed from other file contents (sha256 {digest[:12]};" \
+        in err
+    assert f"now have sha256 {parse(label).digest[:12]}" in err
+    assert not (tmp_path / "c.json").exists()
