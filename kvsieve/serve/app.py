@@ -23,14 +23,14 @@ from kvsieve.bundled import canonical_name
 from kvsieve.prompt import Prompt
 from kvsieve.risk.runtime import OperatingPoint
 from kvsieve.serve.chat_prompt import chat_prompt, completion_prompt
-from kvsieve.serve.errors import APIError, error_body
+from kvsieve.serve.errors import APIError, error_body, quoted
 from kvsieve.serve.generation import CacheInfo, Cancelled, Completion
 from kvsieve.serve.points import ChosenPoint
-from kvsieve.serve.scheduler import Job, QueueFull, TooLarge
+from kvsieve.serve.scheduler import Draining, Job, QueueFull, TooLarge
 from kvsieve.serve.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 from kvsieve.serve.state import ServerState
 
-__all__ = ["create_app", "kv_cache_usage"]
+__all__ = ["create_app", "draining", "kv_cache_usage"]
 
 
 def _feasible(chosen: ChosenPoint, prompt: Prompt) -> ChosenPoint:
@@ -75,9 +75,18 @@ def kv_cache_usage(state: ServerState, chosen: ChosenPoint, info: CacheInfo) -> 
     }
 
 
+def _header(value: object, limit: int = 256) -> str:
+    """A header value: printable ASCII only (a CR, LF or NUL would end the header or the connection; non-ASCII is
+    not latin-1 safe), cut to ``limit``. Every value here is the server's own (bucket names come from the contract,
+    never the client's text); this is the second line of defence."""
+    text = "".join(c if " " <= c <= "~" else "?" for c in str(value)[:limit])
+    return text
+
+
 def _headers(kv: dict) -> dict[str, str]:
-    return {"x-kvsieve-policy": kv["policy"], "x-kvsieve-ratio": f"{kv['ratio']:g}", "x-kvsieve-status": kv["status"],
-            "x-kvsieve-bucket": str(kv["bucket"]), "x-kvsieve-bytes-full": str(kv["bytes_full"]),
+    return {"x-kvsieve-policy": _header(kv["policy"]), "x-kvsieve-ratio": f"{kv['ratio']:g}",
+            "x-kvsieve-status": kv["status"], "x-kvsieve-bucket": _header(kv["bucket"]),
+            "x-kvsieve-bytes-full": str(kv["bytes_full"]),
             "x-kvsieve-bytes-kept": str(kv["bytes_kept"]),
             "x-kvsieve-kept-tokens": ",".join(str(t) for t in kv["kept_tokens_per_layer"])}
 
@@ -110,11 +119,13 @@ class _Call:
         state = self.state
         job = Job(self.prompt, self.chosen, self.max_tokens, self.stops,
                   on_prefilled=lambda i: self._put(("prefilled", i)),
-                  on_text=(lambda d: self._put(("text", d))) if self.req.stream else None)
+                  on_text=(lambda d: self._put(("text", d))) if self.req.stream else None, arrived=self.arrived)
         try:
             self.job = state.scheduler.submit(job)
         except TooLarge as big:
             raise APIError(400, str(big), "max_tokens", "kv_budget_exceeded") from big
+        except Draining as err:
+            raise draining(str(err)) from err
         except QueueFull as full:
             raise APIError(429, f"{full}; retry after {full.retry_after} s", code="kv_budget_full",
                            kind="rate_limit_error", headers={"Retry-After": str(full.retry_after)}) from full
@@ -125,6 +136,8 @@ class _Call:
             return err
         if isinstance(err, Cancelled):
             return APIError(499, "the request was cancelled", code="cancelled")
+        if isinstance(err, Draining):
+            return draining(str(err))
         return APIError(500, f"the request failed while generating: {type(err).__name__}: {err}",
                         code="generation_failed")
 
@@ -143,10 +156,8 @@ class _Call:
         m.inc("kvsieve_kv_bytes_full_total", info.bytes_full)
         m.inc("kvsieve_kv_bytes_kept_total", info.bytes_kept)
         m.inc("kvsieve_kv_bytes_saved_total", info.bytes_full - info.bytes_kept)
-        if completion.first_token_seconds is not None and self.job is not None and self.job.started_at:
-            queued = self.job.started_at - self.arrived
-            m.observe("kvsieve_time_to_first_token_seconds", max(0.0, queued) + completion.first_token_seconds)
-            m.observe("kvsieve_queue_seconds", max(0.0, queued))
+        if self.job is not None and self.job.started_at:  # time to first token and between tokens: the scheduler's
+            m.observe("kvsieve_queue_seconds", max(0.0, self.job.started_at - self.arrived))
 
     def usage(self, completion: Completion) -> dict:
         info = completion.cache
@@ -181,15 +192,15 @@ class _Call:
             if kind in kinds:
                 return kind, value
 
-    async def _done_or_gone(self):
-        """The job's future once it is done, or None when the client disconnected first (checked twice a second:
-        nothing else tells a non-streaming endpoint that its client left)."""
-        waiter = asyncio.ensure_future(self.until("done"))
+    async def _event_or_gone(self, *kinds: str):
+        """The first event of ``kinds`` (kind, value), or None when the client disconnected first (checked twice a
+        second: nothing else tells an endpoint that has not started its answer that its client left)."""
+        waiter = asyncio.ensure_future(self.until(*kinds))
         try:
             while True:
                 finished, _ = await asyncio.wait({waiter}, timeout=0.5)
                 if finished:
-                    return waiter.result()[1]
+                    return waiter.result()
                 if self.request is not None and await self.request.is_disconnected():
                     return None
         finally:
@@ -202,13 +213,14 @@ class _Call:
 
     async def answer(self) -> Response:
         try:
-            future = await self._done_or_gone()
+            event = await self._event_or_gone("done")
         except asyncio.CancelledError:
             self._gone()
             raise
-        if future is None:
+        if event is None:
             self._gone()
             return Response(status_code=499)
+        future = event[1]
         err = future.exception()
         if err is not None:
             failure = self.failure(err)
@@ -221,11 +233,15 @@ class _Call:
         return JSONResponse(body, headers=_headers(body["usage"]["kv_cache"]))
 
     async def stream(self) -> Response:
-        try:
-            kind, value = await self.until("prefilled", "done")
+        try:  # a client that leaves while its request waits or is prefilled is noticed here (no stream yet)
+            event = await self._event_or_gone("prefilled", "done")
         except asyncio.CancelledError:
             self._gone()
             raise
+        if event is None:
+            self._gone()
+            return Response(status_code=499)
+        kind, value = event
         if kind == "done":  # failed (or finished) before the first event: a plain error answer
             err = value.exception()
             failure = self.failure(err) if err is not None else APIError(500, "the request ended before its prefill")
@@ -269,9 +285,17 @@ class _Call:
 
 
 def _check_model(state: ServerState, name: str) -> None:
-    if name != state.model_name and canonical_name(name) != canonical_name(state.model_name):
-        raise APIError(400, f"model {name!r} is not served here; this server serves {state.model_name!r}", "model",
-                       "model_not_found")
+    if name != state.model_name and (len(name) > 200 or canonical_name(name) != canonical_name(state.model_name)):
+        raise APIError(400, f"model {quoted(name)} is not served here; this server serves {state.model_name!r}",
+                       "model", "model_not_found")
+
+
+DRAIN_RETRY_AFTER = 10  # seconds a client refused while the server shuts down is told to wait
+
+
+def draining(message: str = "the server is shutting down") -> APIError:
+    return APIError(503, f"{message}; retry after {DRAIN_RETRY_AFTER} s", code="draining", kind="server_error",
+                    headers={"Retry-After": str(DRAIN_RETRY_AFTER)})
 
 
 def _max_tokens(state: ServerState, asked: int | None, prompt_tokens: int, param: str) -> int:
@@ -386,7 +410,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     async def serve(request: Request, kind: str) -> Response:
         if state.draining:
-            raise APIError(503, "the server is shutting down", code="draining", kind="server_error")
+            raise draining()
         schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
         raw = await request.body()
         # parsing and tokenizing a large body take time: off the event loop, so /health and streams go on

@@ -19,8 +19,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--kv-budget", default="50%",
-                        help="KV-cache bytes requests are admitted against: GiB (4, 4GiB), MiB (512MiB) or a share of "
-                             "free memory after the model loads (default 50%%)")
+                        help="KV-cache bytes requests are admitted against, with a unit: B, KiB, MiB, GiB, TiB "
+                             "(195035136B, 186MiB, 2GiB), or a share of the free memory after the model loads "
+                             "(default 50%%); at most the machine's memory")
+    parser.add_argument("--prefill-chunk", type=int, default=512,
+                        help="prompt tokens one scheduler step prefills at most, beside one decode step of every "
+                             "running request: bounds the gap between two tokens of a stream (default 512)")
     parser.add_argument("--max-queue", type=int, default=16,
                         help="requests waiting for room in the KV budget before new ones get 429 (default 16)")
     parser.add_argument("--max-body-mb", type=float, default=4.0,

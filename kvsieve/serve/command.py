@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import math
 import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -17,11 +20,14 @@ from kvsieve.risk.contract import ContractFile
 from kvsieve.risk.runtime import CertifiedPolicy
 from kvsieve.serve.app import create_app
 from kvsieve.serve.arguments import add_arguments
+from kvsieve.serve.errors import quoted
 from kvsieve.serve.points import PointSource
-from kvsieve.serve.scheduler import Scheduler
+from kvsieve.serve.scheduler import DEFAULT_PREFILL_CHUNK, Draining, Scheduler
+from kvsieve.serve.server_metrics import Metrics
 from kvsieve.serve.state import ServerState
 
-__all__ = ["add_arguments", "run", "point_source", "build_state", "parse_budget", "free_memory", "serve"]
+__all__ = ["add_arguments", "run", "point_source", "build_state", "parse_budget", "free_memory", "total_memory",
+           "serve"]
 
 
 def point_source(model: str, contract: str | None = None, policy: str | None = None, ratio: float | None = None,
@@ -44,66 +50,128 @@ def point_source(model: str, contract: str | None = None, policy: str | None = N
     return PointSource(None, policy, ratio or 0.0, question_aware, allow_override)
 
 
-def free_memory(model) -> int:
-    """Bytes free where the model's cache lives: the GPU's free memory, or the host's available memory."""
-    device = next(model.parameters()).device
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+def _meminfo(field: str) -> int | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    return None
 
 
-_UNITS = {"gib": 1 << 30, "g": 1 << 30, "mib": 1 << 20, "m": 1 << 20, "kib": 1 << 10, "b": 1}
+def _device(model):
+    return next(model.parameters()).device if model is not None else torch.device("cpu")
+
+
+def free_memory(model) -> int:
+    """Bytes free where the model's cache lives: the GPU's free memory, or the host's available memory."""
+    device = _device(model)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    found = _meminfo("MemAvailable")
+    return found if found is not None else int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def total_memory(model=None) -> int:
+    """Bytes of memory where the model's cache lives (the GPU's, or the host's): no budget can be larger."""
+    device = _device(model)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[1])
+    found = _meminfo("MemTotal")
+    return found if found is not None else int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+_UNITS = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_BUDGET = re.compile(r"(?P<number>[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)(?P<unit>[a-z%]*)")
+BUDGET_FORMS = "bytes with a unit (195035136B, 512KiB, 186MiB, 2GiB, 1TiB) or a share of free memory (50%)"
 
 
 def parse_budget(text: str | int, model=None) -> int:
-    """``--kv-budget``: bytes (an int), ``N`` or ``NGiB`` / ``NMiB`` / ``NKiB``, or ``P%`` of free memory."""
+    """``--kv-budget``: bytes with an explicit unit (``B``, ``KiB``, ``MiB``, ``GiB``, ``TiB``), or ``P%`` of the free
+    memory where the model's cache lives once it is loaded; a Python int is bytes. A number without a unit is
+    refused (is 195035136 bytes or GiB?), as are non-finite values and budgets above the machine's memory."""
     if isinstance(text, int) and not isinstance(text, bool):
         value = text
     else:
         raw = str(text).strip().lower().replace(" ", "")
-        try:
-            if raw.endswith("%"):
-                share = float(raw[:-1]) / 100
-                if not 0 < share <= 1:
-                    raise ValueError
-                if model is None:
-                    raise ValueError("a share of free memory needs the model")
-                value = int(share * free_memory(model))
-            else:
-                unit = next((u for u in _UNITS if raw.endswith(u) and raw[: -len(u)]), "gib")
-                number = raw[: -len(unit)] if raw.endswith(unit) else raw
-                value = int(float(number) * _UNITS[unit])
-        except ValueError:
-            raise ValueError(f"--kv-budget {text!r} is not a budget: give GiB (4, 4GiB), MiB (512MiB) or a share of "
-                             "free memory (50%)") from None
+        match = _BUDGET.fullmatch(raw)
+        if match is None:
+            why = "is not a finite number" if raw.lstrip("+-").startswith(("inf", "nan")) else "is not a budget"
+            raise ValueError(f"--kv-budget {quoted(str(text))} {why}: give {BUDGET_FORMS}")
+        number, unit = float(match["number"]), match["unit"]
+        if not math.isfinite(number):
+            raise ValueError(f"--kv-budget {quoted(str(text))} is not a finite number: give {BUDGET_FORMS}")
+        if unit == "":
+            raise ValueError(f"--kv-budget {quoted(str(text))} has no unit: give {BUDGET_FORMS}")
+        if unit == "%":
+            if not 0 < number <= 100:
+                raise ValueError(f"--kv-budget {quoted(str(text))}: a share of free memory is in (0, 100]%")
+            if model is None:
+                raise ValueError(f"--kv-budget {quoted(str(text))}: a share of free memory needs the loaded model")
+            value = int(number / 100 * free_memory(model))
+        elif unit in _UNITS:
+            value = int(number * _UNITS[unit])
+        else:
+            raise ValueError(f"--kv-budget {quoted(str(text))} has an unknown unit {unit!r}: give {BUDGET_FORMS}")
     if value < 1:
-        raise ValueError(f"--kv-budget {text!r} is not a positive number of bytes")
+        raise ValueError(f"--kv-budget {quoted(str(text))} is not a positive number of bytes")
+    memory = total_memory(model)
+    if value > memory:
+        where = "this GPU's memory" if _device(model).type == "cuda" else "this machine's memory"
+        raise ValueError(f"--kv-budget {quoted(str(text))} is {value} bytes, more than {where} ({memory} bytes, "
+                         f"{memory / 2**30:.1f} GiB): give {BUDGET_FORMS}")
     return value
 
 
 def build_state(model, tokenizer, model_name: str, points: PointSource, max_queue: int = 16,
                 context: int | None = None, max_tokens_limit: int = 2048, default_max_tokens: int = 256,
-                kv_budget: str | int = "50%", max_body_bytes: int = 4 << 20) -> ServerState:
+                kv_budget: str | int = "50%", max_body_bytes: int = 4 << 20,
+                prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> ServerState:
     """The server's state: points model-checked, a scheduler admitting requests against ``kv_budget``."""
     context = context or context_length(model_name) or int(getattr(model.config, "max_position_embeddings", 2048))
     points.bind(model, model_name)  # every point model-checked once (a program's surrogate bound), before serving
-    scheduler = Scheduler(model, tokenizer, parse_budget(kv_budget, model), max_queue)
+    metrics = Metrics()
+    scheduler = Scheduler(model, tokenizer, parse_budget(kv_budget, model), max_queue, prefill_chunk, metrics)
     return ServerState(model, tokenizer, model_name, points, scheduler, context, max_tokens_limit,
-                       default_max_tokens, max_body_bytes=max_body_bytes)
+                       default_max_tokens, max_body_bytes=max_body_bytes, metrics=metrics)
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, with the drain of ``kvsieve serve``: on SIGTERM new requests get 503 ``draining``; requests
+    in flight finish, up to ``drain_timeout`` seconds; then the scheduler fails the rest with 503 ``draining`` and a
+    Retry-After (uvicorn itself, a few seconds later, would cancel them and answer a bare 500)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float | None) -> None:
+        super().__init__(config)
+        self.kvsieve_state, self.drain_timeout = state, drain_timeout
+
+    async def shutdown(self, sockets=None) -> None:
+        state = self.kvsieve_state
+        state.draining = True
+        timer = None
+        if self.drain_timeout is not None:
+            err = Draining(f"the server is shutting down and its --drain-timeout ({self.drain_timeout:g} s) passed "
+                           "before this request finished")
+            timer = asyncio.get_running_loop().call_later(self.drain_timeout, state.scheduler.abort, err)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+
+DRAIN_GRACE = 10.0  # seconds after the drain timeout the 503s have to be written before uvicorn cancels them
 
 
 def serve(state: ServerState, host: str = "127.0.0.1", port: int = 8000, sock: socket.socket | None = None,
           log_level: str = "warning", drain_timeout: float | None = 120.0) -> uvicorn.Server:
     """A uvicorn server for ``state`` (call ``.run()``; from the main thread SIGTERM/SIGINT drain it)."""
+    if drain_timeout is not None and not (math.isfinite(drain_timeout) and drain_timeout >= 0):
+        raise ValueError(f"--drain-timeout must be a finite number of seconds >= 0, got {drain_timeout!r}")
     config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=drain_timeout)
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=None if drain_timeout is None else drain_timeout + DRAIN_GRACE)
+    server = _DrainingServer(config, state, drain_timeout)
     server.kvsieve_socket = sock
     return server
 
@@ -114,6 +182,10 @@ def run(args) -> int:
                               args.allow_override)
         if not str(args.kv_budget).strip().endswith("%"):
             parse_budget(args.kv_budget)  # a budget in bytes is checked before the model loads
+        if args.drain_timeout is not None and not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):
+            raise ValueError(f"--drain-timeout must be a finite number of seconds >= 0, got {args.drain_timeout!r}")
+        if args.prefill_chunk < 1:
+            raise ValueError(f"--prefill-chunk must be a positive number of tokens, got {args.prefill_chunk}")
     except (ValueError, FileNotFoundError) as err:
         print(f"kvsieve serve: error: {err}", file=sys.stderr)
         return 2
@@ -121,15 +193,21 @@ def run(args) -> int:
     model, tokenizer = load(args.model, args.dtype)  # once: every request shares it
     try:
         state = build_state(model, tokenizer, name, points, args.max_queue, None, args.max_tokens_limit,
-                            args.default_max_tokens, args.kv_budget, int(args.max_body_mb * (1 << 20)))
+                            args.default_max_tokens, args.kv_budget, int(args.max_body_mb * (1 << 20)),
+                            args.prefill_chunk)
     except ValueError as err:  # a point that cannot run on this model, a budget that cannot be read
         print(f"kvsieve serve: error: {err}", file=sys.stderr)
         return 2
-    server = serve(state, args.host, args.port, log_level=args.log_level, drain_timeout=args.drain_timeout)
+    try:
+        server = serve(state, args.host, args.port, log_level=args.log_level, drain_timeout=args.drain_timeout)
+    except ValueError as err:
+        print(f"kvsieve serve: error: {err}", file=sys.stderr)
+        return 2
     print(f"kvsieve serve: {name}, points: {points.kind}"
           + (f" ({args.contract})" if args.contract else f" ({args.policy}@{args.ratio:g}, uncertified)"
              if args.policy else " (full KV)")
-          + f", KV budget {state.scheduler.budget / (1 << 30):.2f} GiB, http://{args.host}:{args.port}/v1", flush=True)
+          + f", KV budget {state.scheduler.budget} bytes ({state.scheduler.budget / (1 << 20):.1f} MiB), prefill chunk "
+            f"{state.scheduler.prefill_chunk} tokens, http://{args.host}:{args.port}/v1", flush=True)
     server.run()
     return 0
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["APIError", "error_body"]
+__all__ = ["APIError", "error_body", "quoted"]
 
 
 class APIError(Exception):
@@ -24,3 +24,12 @@ class APIError(Exception):
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def quoted(value: object, limit: int = 60) -> str:
+    """A client's value as it is quoted in an error: ``repr`` of its first ``limit`` characters (and how long it
+    was), so a megabyte sent in a field never becomes a megabyte answered."""
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) <= limit:
+        return repr(text) if isinstance(value, str) else text
+    return f"{text[:limit]!r}... ({len(text)} characters)"

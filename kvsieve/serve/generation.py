@@ -1,10 +1,25 @@
-"""One request's prefill at its own point, and what it costs in KV bytes.
+"""One request's prefill at its own point, read in bounded chunks, and what it costs in KV bytes.
 
-The prefill runs under the request's own ``kvsieve.attach`` (prefill mode): the prompt's cache is compressed
-at the request's point, then the question is read (query-agnostic points) and the cache is handed to the
-scheduler's running decode batch. A policy that fails while compressing (a program stopped by the
-interpreter's limits, a checkpoint that raises) does not fail the request: it is prefilled again at full KV
-and answered with ``status: "fallback"`` and the reason.
+A prefill is a small state machine the scheduler advances by at most a token budget per step (chunked prefill),
+so one long prompt never holds up the running streams for longer than one chunk:
+
+1. **read**: the first part of the prompt (the context; context + question for a question-aware point), chunk by
+   chunk, under ``kvsieve.attach`` with a :class:`Gathering` stand-in of the request's policy: the same window,
+   attention tracking, query statistics and hidden states are captured, nothing is compressed yet. Causal
+   attention makes the cache of a prompt read in chunks the cache of the prompt read at once.
+2. **compress**: at the end of that part, the request's policy prunes the cache at its ratio exactly as the
+   engine's prefill mode does at the end of its first forward (``compress_cache``; KVzip's reconstruction runs
+   here, in one piece: it repeats the whole context).
+3. **question**: a query-agnostic point then reads the question, chunk by chunk, on the pruned cache.
+
+The room the cache's segments get is set here, never left to the store's growth rule (an eighth, at least 64
+entries): after the first chunk every segment gets room for exactly the rest of the part being read; after the
+compression, for exactly the question's tokens plus ``max_tokens``. So a request never allocates more than it
+was admitted for (``b x (prompt + max_tokens)``, ``b`` one token's bytes in every layer): every segment's
+capacity is at most its longest segment's need, which is at most the prompt plus ``max_tokens``.
+
+A policy that fails (a program stopped by the interpreter's limits, a checkpoint that raises) does not fail the
+request: the prefill starts again at full KV and is answered with ``status: "fallback"`` and the reason.
 """
 
 from __future__ import annotations
@@ -15,13 +30,17 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import DynamicCache
 
-from kvsieve.engine.cache import cache_bytes, full_cache_bytes
-from kvsieve.engine.generate import prefill_prompt
+from kvsieve.engine.attach import attach
+from kvsieve.engine.cache import cache_bytes, full_cache_bytes, reserve_room, sieve_layers
+from kvsieve.engine.compress import compress_cache
+from kvsieve.engine.reconstruct import compress_with_reconstruction
+from kvsieve.policy import FullCache, Policy
 from kvsieve.prompt import Prompt
 from kvsieve.risk.runtime import OperatingPoint
+from kvsieve.selection import Budget
 from kvsieve.serve.points import ChosenPoint
 
-__all__ = ["Cancelled", "CacheInfo", "Completion", "Prefilled", "bytes_per_token", "prefill"]
+__all__ = ["Cancelled", "CacheInfo", "Completion", "Gathering", "Prefill", "bytes_per_token"]
 
 
 class Cancelled(Exception):
@@ -48,15 +67,8 @@ class Completion:
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
     cache: CacheInfo
     decode_seconds: float
-    first_token_seconds: float | None = None  # from the start of the prefill
-    extra: dict = field(default_factory=dict)
-
-
-@dataclass
-class Prefilled:
-    cache: DynamicCache
-    logits: torch.Tensor  # (vocab,) the next-token logits after the prompt
-    info: CacheInfo
+    first_token_seconds: float | None = None  # from the request's arrival
+    token_gaps: list[float] = field(default_factory=list)  # seconds between successive generated tokens
 
 
 def bytes_per_token(model) -> int:
@@ -70,32 +82,113 @@ def bytes_per_token(model) -> int:
     return int(config.num_hidden_layers * 2 * heads * head_dim * size)
 
 
-def _run(model, prompt: Prompt, point: OperatingPoint) -> tuple[DynamicCache, torch.Tensor, CacheInfo]:
-    n, m = prompt.context_ids.shape[1], prompt.question_ids.shape[1]
-    question_aware = point.question_aware and point.compresses
-    start = time.perf_counter()
-    with point.attach(model, m) as session:
-        out = prefill_prompt(model, prompt, question_aware)
-        cache = out.cache
-        info = CacheInfo(n, n + m, full_cache_bytes(cache), cache_bytes(cache), list(session.kept_tokens), 0.0)
-        if not question_aware:
-            out = model(input_ids=prompt.question_ids, cache=cache, use_cache=True, logits_to_keep=1)
-    info.prefill_seconds = time.perf_counter() - start
-    return cache, out.logits[0, -1], info
+class Gathering(Policy):
+    """Captures what ``policy`` will read (window queries, accumulated attention, query statistics, hidden states)
+    while a prompt is read in chunks, and compresses nothing: the compression runs once the part is read."""
+
+    name = "gathering"
+    compresses = False
+    uses_window = False
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__(window=policy.window)
+        self.needs_accumulated_attention = policy.needs_accumulated_attention
+        self.needs_query_stats = policy.needs_query_stats
+        self.needs_hidden_states = policy.needs_hidden_states
+
+    def score(self, signals):  # never called: nothing is compressed under it
+        raise RuntimeError("Gathering compresses nothing")
 
 
-@torch.no_grad()
-def prefill(model, prompt: Prompt, chosen: ChosenPoint) -> Prefilled:
-    """The prompt's cache at ``chosen``'s point (question-aware points prefill context + question together),
-    and the logits of the first answer token; full KV, with the reason, when the policy fails."""
-    try:
-        cache, logits, info = _run(model, prompt, chosen.point)
-    except Exception as err:  # noqa: BLE001 - any failure of the policy is answered at full KV, not 500
-        if not chosen.compresses:
-            raise  # full KV failed: the model's fault, not a policy's
-        reason = (f"policy {chosen.point.policy_spec}@{chosen.point.ratio:g} failed while compressing "
-                  f"({type(err).__name__}: {err}); answered at full KV")
-        chosen = ChosenPoint(OperatingPoint.full(chosen.point.bucket, reason[:500]), "fallback")
-        cache, logits, info = _run(model, prompt, chosen.point)
-    info.chosen = chosen
-    return Prefilled(cache, logits, info)
+class Prefill:
+    """One request's prefill, advanced by :meth:`advance` a bounded number of tokens at a time (module doc)."""
+
+    def __init__(self, model, prompt: Prompt, chosen: ChosenPoint, max_tokens: int) -> None:
+        self.model, self.prompt, self.max_tokens = model, prompt, max_tokens
+        self.seconds = 0.0
+        self._start(chosen)
+
+    def _start(self, chosen: ChosenPoint) -> None:
+        self.chosen = chosen
+        point: OperatingPoint = chosen.point
+        self.compresses = chosen.compresses
+        p = self.prompt
+        self.question_aware = bool(point.question_aware and self.compresses)
+        first = torch.cat([p.context_ids, p.question_ids], dim=1) if self.question_aware else p.context_ids
+        self.parts = [first] if self.question_aware else [first, p.question_ids]
+        self.part, self.read = 0, 0  # the part being read and the tokens of it read so far
+        self.gathering = Gathering(point.policy) if self.compresses else FullCache()
+        self.cache: DynamicCache | None = None
+        self.logits: torch.Tensor | None = None
+        self.info: CacheInfo | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.part == len(self.parts)
+
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens still to read."""
+        return sum(part.shape[1] for part in self.parts[self.part:]) - self.read
+
+    @torch.no_grad()
+    def advance(self, tokens: int) -> int:
+        """Read at most ``tokens`` more prompt tokens (compressing when the first part ends); returns how many were
+        read. A compressing policy that fails starts the prefill again at full KV (``info.chosen`` says so)."""
+        start = time.perf_counter()
+        try:
+            return self._advance(tokens)
+        except Exception as err:  # noqa: BLE001 - a policy's failure is answered at full KV, not 500
+            if not self.compresses:
+                raise  # full KV failed: the model's fault, not a policy's
+            point = self.chosen.point
+            reason = (f"policy {point.policy_spec}@{point.ratio:g} failed while compressing "
+                      f"({type(err).__name__}: {err}); answered at full KV")
+            self._start(ChosenPoint(OperatingPoint.full(point.bucket, reason[:500]), "fallback"))
+            return 0
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def _advance(self, tokens: int) -> int:
+        used = 0
+        while not self.done and used < tokens:
+            part = self.parts[self.part]
+            take = min(tokens - used, part.shape[1] - self.read)
+            ids = part[:, self.read:self.read + take]
+            with attach(self.model, self.gathering):
+                out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1)
+                self.cache = out.cache
+                self.read += take
+                used += take
+                if self.read < part.shape[1]:
+                    if self.read == take:  # after the first chunk: room for exactly the rest of this part
+                        reserve_room(self.cache, part.shape[1] - self.read)
+                    continue
+                self.logits = out.logits[0, -1]
+                self.part, self.read = self.part + 1, 0
+                if self.part == 1:
+                    self._compress()
+        return used
+
+    def _compress(self) -> None:
+        """The end of the first part: compress at the request's point, note what it kept, give every segment room
+        for exactly the question (when still to read) and ``max_tokens``."""
+        p, point, cache = self.prompt, self.chosen.point, self.cache
+        n, m = p.context_ids.shape[1], p.question_ids.shape[1]
+        if self.compresses:
+            tail = m if self.question_aware else 0
+            budget = Budget(ratio=point.ratio)
+            if point.policy.needs_reconstruction:  # KVzip: repeats the context over a copy of the cache
+                compress_with_reconstruction(self.model, cache, self.parts[0], point.policy, budget, tail)
+            else:
+                compress_cache(cache, point.policy, budget, tail)
+        kept = [layer.physical_length for _, layer in sieve_layers(cache)]
+        self.info = CacheInfo(n, n + m, full_cache_bytes(cache), cache_bytes(cache), kept, 0.0, self.chosen)
+        reserve_room(cache, (0 if self.question_aware else m) + self.max_tokens)
+
+    def finished(self) -> tuple[DynamicCache, torch.Tensor, CacheInfo]:
+        """The prompt's cache (room for ``max_tokens`` more entries), the first answer token's logits, its info."""
+        if not self.done:
+            raise RuntimeError(f"the prefill has {self.remaining} prompt tokens left to read")
+        self.info.prefill_seconds = self.seconds
+        return self.cache, self.logits, self.info

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from kvsieve.policies import Policy, parse
 from kvsieve.policies.label import DECODE
 from kvsieve.risk.runtime import CertifiedPolicy, OperatingPoint
-from kvsieve.serve.errors import APIError
+from kvsieve.serve.errors import APIError, quoted
 from kvsieve.serve.schemas import KvsieveOptions
 
 __all__ = ["STATUSES", "ChosenPoint", "PointSource"]
@@ -39,11 +39,6 @@ class ChosenPoint:
 
 def _full(bucket: str, reason: str) -> OperatingPoint:
     return OperatingPoint.full(bucket, reason)
-
-
-def _short(text: str, limit: int = 80) -> str:
-    """A client's value quoted in an error, cut so a huge one does not become a huge answer."""
-    return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
 class PointSource:
@@ -114,11 +109,23 @@ class PointSource:
                 return ChosenPoint(_full("-", f"the contract is conditional on the {by.replace('_', ' ')}: "
                                               "name it in the request (extra_body={'kvsieve': {'task': ...}})"),
                                    "fallback")
+            if by in ("task", "task_family"):
+                self.check_task(task)
             point = self.certified.operating_point(task, context_tokens)
             return ChosenPoint(point, "fallback" if point.fell_back else "certified")
         if self.fixed is not None and self.fixed.ratio > 0:
             return ChosenPoint(self.fixed, "uncertified")
         return ChosenPoint(_full("-", "the server runs full KV (no contract, no policy)"), "full")
+
+    def check_task(self, task: str) -> None:
+        """A task routes a request only to one of the contract's own buckets (its name then appears in headers and
+        metrics, never the client's text): anything else is refused, naming what is allowed."""
+        contract = self.certified.contract
+        bucket = self.certified.bucket_for(task) if len(task) <= 200 and task.isprintable() else None
+        if bucket not in contract.buckets:
+            kind = "task" if contract.by == "task" else "task whose family is"
+            raise APIError(400, f"kvsieve.task {quoted(task)} is not in this server's contract; allowed: a {kind} one "
+                                f"of {', '.join(sorted(contract.buckets))}", "kvsieve.task")
 
     def allowed(self) -> str:
         """What a client may name, for error messages."""
@@ -142,7 +149,7 @@ class PointSource:
             raise APIError(400, "kvsieve.ratio needs kvsieve.policy here: this request's point is full KV; allowed "
                                 f"policies: {self.allowed()}", "kvsieve.policy")
         if text not in self.known:
-            raise APIError(400, f"kvsieve.policy {_short(text)} is not a point this server runs; allowed: "
+            raise APIError(400, f"kvsieve.policy {quoted(text)} is not a point this server runs; allowed: "
                                 f"{self.allowed()}, or kvsieve.full_kv", "kvsieve.policy")
         ratio = here.ratio if ratio is None else float(ratio)
         same = not here.fell_back and text == here.policy_spec

@@ -1,25 +1,38 @@
-"""Continuous batching by KV bytes: one thread owns the model; requests are admitted against a byte budget.
+"""Continuous batching by KV bytes with chunked prefill: one thread owns the model and runs it in steps.
 
-Each admitted request is prefilled and compressed at its own point, under its own ``kvsieve.attach``
-(prefill mode); its cache then joins the running decode batch (``stack_caches``, at admission only). Every
-decode step is one batched forward of all running rows under ``attach(model, FullCache())`` (nothing is
-compressed then; kvsieve's attention reads the ragged rows), each row at its own position. A finished or
-cancelled row leaves the batch (``batch_select_indices``) and its bytes return to the budget.
+**A step** is, in this order:
 
-What a request is charged (exact bytes, at the model's dtype; ``b`` is one token's KV bytes in every layer):
+1. admission: waiting requests are admitted, first come first served, while the charges of the admitted ones plus
+   the next one's fit the budget;
+2. at most ``prefill_chunk`` prompt tokens of prefill, taken from the admitted requests still being prefilled, oldest
+   first (:class:`~kvsieve.serve.generation.Prefill`: chunks read under the request's own ``kvsieve.attach``, the
+   compression at its point once its context is read, then its question); a request whose prefill ends joins the
+   running decode batch (``stack_caches``);
+3. one decode step: every running row's next token, one batched forward of all of them under
+   ``attach(model, FullCache())`` (nothing is compressed then; kvsieve's attention reads the ragged rows), each row at
+   its own position. A finished or cancelled row leaves the batch (``batch_select_indices``) and its bytes return to
+   the budget.
 
-* while it is prefilled: ``b x prompt tokens`` (twice that for a policy that rebuilds the context, KVzip)
-  plus the reserve below, so both of its phases fit before it starts;
-* once it decodes: the bytes its cache allocates (``cache_allocated_bytes``) after ``reserve_room`` gave every
-  segment room for ``max_tokens`` more entries: its compressed entries (``usage.kv_cache.bytes_kept``), the
-  question read after a query-agnostic compression, and ``b x max_tokens``. Decoding then appends in place
-  and allocates nothing more; stacking keeps each request's own layout, so a batch allocates what its
-  requests would alone.
+So a running stream waits at most one step between two tokens: one decode step plus one prefill chunk, whatever
+arrives (a prefill that reads its whole prompt before the next decode step, as vLLM's first scheduler and this
+server's earlier one did, stalls every stream for the longest prompt's prefill: seconds on a CPU). The chunk bounds
+the gap and the decode step keeps every stream moving; a larger chunk prefills faster (fewer, larger matrix
+products) at a longer gap. Exceptions: the compression at the end of a context runs whole (KVzip's reconstruction
+repeats the context, about twice a prefill).
 
-A request is admitted (first come, first served) only when the charges of the running requests plus its own
-fit the budget; the sum of charges never exceeds it. A request arriving when the budget (counting those
-already waiting) cannot hold it waits, at most ``max_queue`` of them; beyond that it is refused at once with
-a Retry-After (the app answers 429). Not charged: the brief copy ``stack_caches`` makes when a request joins.
+**What a request is charged** (exact bytes at the model's dtype; ``b`` is one token's KV bytes in every layer) is
+what it can ever allocate, fixed at admission: ``b x (prompt tokens + max_tokens)`` (the prompt twice for a policy
+that rebuilds the context, KVzip). Its prefill sets every segment's room itself (never the store's growth rule),
+so once the prompt is read its cache allocates at most that: the compressed entries, the question and room for
+``max_tokens`` (``cache_allocated_bytes``), and its charge drops to exactly what it allocates. Decoding appends in
+place and allocates nothing more (a row leaves the batch at ``max_tokens``, before its room runs out); stacking
+keeps each request's own layout. Every change of a charge is checked: the sum of charges never exceeds the budget,
+and a request whose cache allocated more than its charge is failed, not admitted past it. Not charged: the brief
+copies ``stack_caches`` and ``batch_select_indices`` make when the batch changes, and the dense copy a compression
+makes of the layer it prunes.
+
+A request arriving when the budget (counting those already waiting) cannot hold it waits, at most ``max_queue`` of
+them; beyond that it is refused at once with a Retry-After (the app answers 429).
 """
 
 from __future__ import annotations
@@ -35,15 +48,18 @@ from dataclasses import dataclass, field
 import torch
 
 from kvsieve.engine.attach import attach
-from kvsieve.engine.cache import cache_allocated_bytes, reserve_room, stack_caches
+from kvsieve.engine.cache import cache_allocated_bytes, stack_caches
 from kvsieve.engine.generate import eos_ids
 from kvsieve.policy import FullCache
 from kvsieve.prompt import Prompt
-from kvsieve.serve.generation import CacheInfo, Cancelled, Completion, bytes_per_token, prefill
+from kvsieve.serve.generation import CacheInfo, Cancelled, Completion, Prefill, bytes_per_token
 from kvsieve.serve.points import ChosenPoint
+from kvsieve.serve.server_metrics import Metrics
 from kvsieve.serve.text_stream import IncrementalText, cut_at_stop
 
-__all__ = ["Job", "QueueFull", "TooLarge", "Scheduler"]
+__all__ = ["DEFAULT_PREFILL_CHUNK", "Draining", "Job", "QueueFull", "TooLarge", "Scheduler"]
+
+DEFAULT_PREFILL_CHUNK = 512  # prompt tokens one step prefills at most
 
 
 class QueueFull(Exception):
@@ -54,6 +70,14 @@ class QueueFull(Exception):
 
 class TooLarge(Exception):
     """A request whose bytes alone exceed the whole budget: it could never be admitted."""
+
+
+class Draining(Exception):
+    """The server is shutting down and its drain timeout passed before this request finished."""
+
+
+class BudgetViolation(RuntimeError):
+    """A charge that would break the budget invariant (never expected: a bug, failed loudly)."""
 
 
 @dataclass(eq=False)
@@ -68,16 +92,18 @@ class Job:
     on_text: Callable[[str], None] | None = None
     future: Future = field(default_factory=Future)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    need: int = 0  # bytes charged while it is prefilled (set by the scheduler)
-    reserve: int = 0  # bytes its cache may grow by while decoding
+    arrived: float = field(default_factory=time.perf_counter)  # when the request arrived (TTFT counts from here)
+    need: int = 0  # bytes it is admitted for: the most it can ever allocate (set by the scheduler)
     charge: int = 0  # bytes charged now
-    enqueued_at: float = field(default_factory=time.perf_counter)
-    started_at: float | None = None
-    # decoding state
+    started_at: float | None = None  # admitted
+    # prefill and decoding state
+    prefill: Prefill | None = None
     tokens: list[int] = field(default_factory=list)
     position: int = 0
     info: CacheInfo | None = None
-    first_token_seconds: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    gaps: list[float] = field(default_factory=list)
     decode_started: float = 0.0
     stream: IncrementalText | None = None
 
@@ -86,29 +112,36 @@ class Job:
 
 
 class Scheduler:
-    """Admits jobs against ``budget`` bytes and decodes every admitted job in one batch (see the module doc)."""
+    """Admits jobs against ``budget`` bytes and runs them in steps of bounded prefill plus one decode step."""
 
-    def __init__(self, model, tokenizer, budget: int, max_queue: int = 16) -> None:
+    def __init__(self, model, tokenizer, budget: int, max_queue: int = 16, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 metrics: Metrics | None = None) -> None:
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an int >= 0, got {max_queue!r}")
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise ValueError(f"the KV budget must be a positive number of bytes, got {budget!r}")
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk!r}")
         self.model, self.tokenizer = model, tokenizer
-        self.budget, self.max_queue = budget, max_queue
+        self.budget, self.max_queue, self.prefill_chunk = budget, max_queue, prefill_chunk
+        self.metrics = metrics if metrics is not None else Metrics()
         self.token_bytes = bytes_per_token(model)
         self.eos = eos_ids(model, tokenizer)
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
+        self._prefilling: list[Job] = []  # admitted, prompt not read yet, oldest first
         self._rows: list[Job] = []  # the running batch, in cache row order
-        self._prefilling: Job | None = None
         self._cache = None
         self._logits: torch.Tensor | None = None
         self.charged = 0  # bytes charged to admitted jobs now
         self.peak_charged = 0  # the most ever charged at once (never above the budget)
         self.peak_rows = 0  # the most rows one decode step ran
         self.steps = self.row_steps = 0  # decode steps, and rows summed over them (mean rows in flight)
+        self.prefill_seconds = self.decode_seconds = 0.0  # time spent in each part of the steps
+        self.longest_step = 0.0  # the longest step (prefill chunk + decode step), seconds
         self._seconds: collections.deque[float] = collections.deque(maxlen=50)  # recent service times
         self._accepting = True
+        self._abort: BaseException | None = None
         self._thread = threading.Thread(target=self._work, name="kvsieve-serve-scheduler", daemon=True)
         self._thread.start()
 
@@ -119,7 +152,7 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return len(self._rows) + (self._prefilling is not None)
+        return len(self._rows) + len(self._prefilling)
 
     def retry_after(self) -> int:
         """Seconds until the budget likely has room: recent service time, shared by the running rows, times the
@@ -128,7 +161,7 @@ class Scheduler:
         return max(1, math.ceil(mean * (len(self._waiting) + 1) / max(1, self.running)))
 
     def need_of(self, prompt: Prompt, chosen: ChosenPoint, max_tokens: int) -> tuple[int, int]:
-        """(bytes charged while prefilled, decode reserve) of a request (see the module docstring)."""
+        """(bytes a request is admitted for, of which its ``max_tokens``) (see the module docstring)."""
         tokens = prompt.context_ids.shape[1] + prompt.question_ids.shape[1]
         prefill_bytes = self.token_bytes * tokens
         if chosen.compresses and chosen.point.policy.needs_reconstruction:
@@ -137,14 +170,14 @@ class Scheduler:
         return prefill_bytes + reserve, reserve
 
     def submit(self, job: Job) -> Job:
-        job.need, job.reserve = self.need_of(job.prompt, job.chosen, job.max_tokens)
+        job.need, reserve = self.need_of(job.prompt, job.chosen, job.max_tokens)
         if job.need > self.budget:
-            raise TooLarge(f"this request needs {job.need} bytes of KV cache ({job.need - job.reserve} for its "
-                           f"prompt, {job.reserve} for max_tokens={job.max_tokens}); the server's --kv-budget is "
+            raise TooLarge(f"this request needs {job.need} bytes of KV cache ({job.need - reserve} for its "
+                           f"prompt, {reserve} for max_tokens={job.max_tokens}); the server's --kv-budget is "
                            f"{self.budget} bytes: shorten the prompt or max_tokens")
         with self._cond:
-            if not self._accepting:
-                raise QueueFull(self.retry_after(), "the server is shutting down")
+            if not self._accepting or self._abort is not None:
+                raise Draining("the server is shutting down")
             ahead = self.charged + sum(j.need for j in self._waiting)
             if ahead + job.need > self.budget and len(self._waiting) >= self.max_queue:
                 raise QueueFull(self.retry_after(), f"the KV budget is full ({self.charged} of {self.budget} bytes "
@@ -153,89 +186,130 @@ class Scheduler:
             self._cond.notify()
         return job
 
-    # -- the model thread -------------------------------------------------------------------------------
-    def _fits(self, job: Job) -> bool:
-        return self.charged + job.need <= self.budget
-
-    def _charge(self, delta: int) -> None:
+    def abort(self, err: BaseException) -> None:
+        """Fail every waiting and running job with ``err`` at the next step boundary, and every job submitted after
+        (a drain that timed out: the server is going down)."""
         with self._cond:
-            self.charged += delta
-            self.peak_charged = max(self.peak_charged, self.charged)
-
-    def _next(self) -> Job | None:
-        """The next job to admit, or None; blocks while there is nothing to do. Raises StopIteration at close."""
-        with self._cond:
-            while True:
-                for job in [j for j in self._waiting if j.cancelled.is_set()]:
-                    self._waiting.remove(job)
-                    job.future.set_exception(Cancelled())
-                if self._waiting and self._fits(self._waiting[0]):
-                    job = self._waiting.popleft()
-                    self._prefilling = job
-                    self.charged += job.need
-                    self.peak_charged = max(self.peak_charged, self.charged)
-                    return job
-                if self._rows:
-                    return None
-                if not self._accepting and not self._waiting:
-                    raise StopIteration
-                self._cond.wait(0.5)
-
-    def _work(self) -> None:
-        while True:
-            try:
-                job = self._next()
-            except StopIteration:
-                return
-            if job is not None:
-                self._admit(job)
-                continue  # admit every job that fits before the next decode step
-            try:
-                self._step()
-            except BaseException as err:  # noqa: BLE001 - a failed batched forward fails its rows, not the server
-                rows, self._rows, self._cache, self._logits = self._rows, [], None, None
-                for row in rows:
-                    self._release(row)
-                    row.future.set_exception(err)
-
-    def _release(self, job: Job) -> None:
-        with self._cond:
-            self.charged -= job.charge
-            job.charge = 0
-            if job.started_at is not None:
-                self._seconds.append(time.perf_counter() - job.started_at)
+            self._abort = err
             self._cond.notify_all()
 
-    def _admit(self, job: Job) -> None:
-        job.started_at = time.perf_counter()
-        job.charge = job.need
-        try:
-            if not job.future.set_running_or_notify_cancel() or job.cancelled.is_set():
-                raise Cancelled()
-            done = prefill(self.model, job.prompt, job.chosen)
-        except BaseException as err:  # noqa: BLE001 - the request's failure, never the scheduler's
-            self._prefilling = None
-            self._release(job)
-            if not job.future.done():
-                job.future.set_exception(err)
-            return
-        job.info = done.info
-        job.position = done.info.prompt_tokens
+    # -- charges ----------------------------------------------------------------------------------------
+    def _set_charge(self, job: Job, charge: int) -> None:
+        """Move ``job``'s charge to ``charge`` bytes; the invariant (sum of charges <= budget) is checked here."""
+        with self._cond:
+            total = self.charged - job.charge + charge
+            if total > self.budget:
+                raise BudgetViolation(f"charging {charge} bytes would admit {total} of a {self.budget}-byte budget")
+            self.charged, job.charge = total, charge
+            self.peak_charged = max(self.peak_charged, self.charged)
+            self._cond.notify_all()
+
+    def _release(self, job: Job) -> None:
+        self._set_charge(job, 0)
+        if job.started_at is not None:
+            self._seconds.append(time.perf_counter() - job.started_at)
+
+    def _fail(self, job: Job, err: BaseException) -> None:
+        self._release(job)
+        if not job.future.done():
+            job.future.set_exception(err)
+
+    # -- the model thread -------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        """Drop cancelled waiting jobs; admit waiting jobs, first come first served, while they fit."""
+        with self._cond:
+            for job in [j for j in self._waiting if j.cancelled.is_set()]:
+                self._waiting.remove(job)
+                job.future.set_exception(Cancelled())
+            while self._waiting and self.charged + self._waiting[0].need <= self.budget:
+                job = self._waiting.popleft()
+                if not job.future.set_running_or_notify_cancel():
+                    continue
+                self._set_charge(job, job.need)
+                job.started_at = time.perf_counter()
+                job.prefill = Prefill(self.model, job.prompt, job.chosen, job.max_tokens)
+                self._prefilling.append(job)
+
+    def _idle(self) -> bool:
+        """Wait while there is nothing to do; False once the scheduler is closed and empty."""
+        with self._cond:
+            while not (self._rows or self._prefilling
+                       or (self._abort is not None and self._waiting)
+                       or (self._waiting and self.charged + self._waiting[0].need <= self.budget)
+                       or any(j.cancelled.is_set() for j in self._waiting)):
+                if not self._accepting and not self._waiting:
+                    return False
+                self._cond.wait(0.5)
+            return True
+
+    def _work(self) -> None:
+        while self._idle():
+            if self._abort is not None:
+                self._drop_all(self._abort)
+                continue
+            start = time.perf_counter()
+            self._admit()
+            self._prefill_chunk()
+            middle = time.perf_counter()
+            if self._rows:
+                try:
+                    self._step()
+                except BaseException as err:  # noqa: BLE001 - a failed batched forward fails its rows, not the server
+                    rows, self._rows, self._cache, self._logits = self._rows, [], None, None
+                    for row in rows:
+                        self._fail(row, err)
+            end = time.perf_counter()
+            self.prefill_seconds += middle - start
+            self.decode_seconds += end - middle
+            self.longest_step = max(self.longest_step, end - start)
+
+    def _drop_all(self, err: BaseException) -> None:
+        with self._cond:
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        for job in waiting + self._prefilling + self._rows:
+            self._fail(job, err)
+        self._prefilling, self._rows, self._cache, self._logits = [], [], None, None
+
+    def _prefill_chunk(self) -> None:
+        """At most ``prefill_chunk`` prompt tokens, oldest admitted request first; finished prefills join the batch."""
+        left = self.prefill_chunk
+        for job in list(self._prefilling):
+            if left <= 0:
+                break
+            if job.cancelled.is_set():
+                self._prefilling.remove(job)
+                self._fail(job, Cancelled())
+                continue
+            try:
+                left -= job.prefill.advance(left)
+                if job.prefill.done:
+                    self._prefilling.remove(job)
+                    self._join(job)
+            except BaseException as err:  # noqa: BLE001 - the request's failure, never the scheduler's
+                if job in self._prefilling:
+                    self._prefilling.remove(job)
+                self._fail(job, err)
+
+    def _join(self, job: Job) -> None:
+        """A prefilled job: charged exactly what its cache allocates (at most its admission), into the batch."""
+        cache, logits, info = job.prefill.finished()
+        job.prefill = None
+        allocated = cache_allocated_bytes(cache)
+        if allocated > job.need:
+            raise BudgetViolation(f"the request's cache allocated {allocated} bytes, more than the {job.need} it was "
+                                  "admitted for")
+        self._set_charge(job, allocated)
+        job.info = info
+        job.position = info.prompt_tokens
         job.stream = IncrementalText(self.tokenizer, job.stops)
-        # from the prefill charge down to what its cache allocates once every segment has room for max_tokens
-        # more (so decoding appends in place and allocates nothing): its entries, its question and that room
-        charge = cache_allocated_bytes(reserve_room(done.cache, job.max_tokens))
-        self._charge(charge - job.need)
-        job.charge = charge
         if job.on_prefilled is not None:
-            job.on_prefilled(done.info)
+            job.on_prefilled(info)
         job.decode_started = time.perf_counter()
         # window queries, query statistics and hidden states are dropped: decoding compresses nothing
-        self._cache = stack_caches([done.cache] if self._cache is None else [self._cache, done.cache])
-        logits = done.logits[None].to(torch.float32)
+        self._cache = stack_caches([cache] if self._cache is None else [self._cache, cache])
+        logits = logits[None].to(torch.float32)
         self._logits = logits if self._logits is None else torch.cat([self._logits, logits])
         self._rows.append(job)
-        self._prefilling = None
 
     def _finish(self, job: Job, stopped: bool) -> None:
         self._release(job)
@@ -245,10 +319,20 @@ class Scheduler:
             if rest:
                 job.on_text(rest)
         finish = "stop" if stopped or cut or len(job.tokens) < job.max_tokens else "length"
-        if job.first_token_seconds is None and job.tokens:
-            job.first_token_seconds = time.perf_counter() - job.started_at
-        job.future.set_result(Completion(text, job.tokens, finish, job.info,
-                                         time.perf_counter() - job.decode_started, job.first_token_seconds))
+        first = None if job.first_token_at is None else job.first_token_at - job.arrived
+        job.future.set_result(Completion(text, job.tokens, finish, job.info, time.perf_counter() - job.decode_started,
+                                         first, job.gaps))
+
+    def _token(self, job: Job, token: int) -> None:
+        now = time.perf_counter()
+        job.tokens.append(token)
+        if job.first_token_at is None:
+            job.first_token_at = now
+            self.metrics.observe("kvsieve_time_to_first_token_seconds", now - job.arrived)
+        else:
+            job.gaps.append(now - job.last_token_at)
+            self.metrics.observe("kvsieve_inter_token_seconds", now - job.last_token_at)
+        job.last_token_at = now
 
     @torch.no_grad()
     def _step(self) -> None:
@@ -257,16 +341,13 @@ class Scheduler:
         keep: list[int] = []
         for i, job in enumerate(self._rows):
             if job.cancelled.is_set():
-                self._release(job)
-                job.future.set_exception(Cancelled())
+                self._fail(job, Cancelled())
                 continue
             token = int(chosen[i])
             if token in self.eos:
                 self._finish(job, stopped=True)
                 continue
-            job.tokens.append(token)
-            if job.first_token_seconds is None:
-                job.first_token_seconds = time.perf_counter() - job.started_at
+            self._token(job, token)
             text = self.tokenizer.decode(job.tokens, skip_special_tokens=True) if job.stops else ""
             if job.stops and any(s in text for s in job.stops):
                 self._finish(job, stopped=True)
@@ -294,6 +375,9 @@ class Scheduler:
         self._logits = out.logits[:, -1].to(torch.float32)
         for job in self._rows:
             job.position += 1
+        allocated = cache_allocated_bytes(self._cache)
+        if allocated > sum(job.charge for job in self._rows):  # a segment outgrew its room: never expected
+            raise BudgetViolation(f"the decode batch allocates {allocated} bytes, more than its rows are charged")
 
     def close(self, timeout: float | None = None) -> bool:
         """Refuse new jobs, finish the waiting and running ones, stop the thread; False if it did not stop."""

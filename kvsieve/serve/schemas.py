@@ -14,7 +14,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvsieve.serve.errors import APIError
+from kvsieve.serve.errors import APIError, quoted
 
 __all__ = ["KvsieveOptions", "TextPart", "ChatMessage", "StreamOptions", "ChatCompletionRequest",
            "CompletionRequest", "MAX_JSON_DEPTH", "json_depth", "parse_body"]
@@ -70,7 +70,8 @@ class _Common(_Strict):
     def stops(self) -> tuple[str, ...]:
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if len(stops) > 4 or any(not s for s in stops):
-            raise APIError(400, f"stop must be up to 4 non-empty strings, got {self.stop!r}", "stop")
+            got = f"{len(stops)} strings" if len(stops) > 4 else f"an empty one ({quoted(stops)})"
+            raise APIError(400, f"stop must be up to 4 non-empty strings, got {got}", "stop")
         return stops
 
     def check_sampling(self) -> None:
@@ -121,39 +122,84 @@ def _describe(error: dict, schema: type[BaseModel]) -> tuple[str, str]:
             if isinstance(annotation, type) and issubclass(annotation, BaseModel):
                 owner = annotation
         allowed = ", ".join(sorted(owner.model_fields))
-        return where, f"unknown field {where!r}; allowed: {allowed}"
-    return where, f"{where}: {error['msg']} (got {json.dumps(error.get('input'), default=str)[:80]})"
+        return where[:80], f"unknown field {quoted(where)}; allowed: {allowed}"
+    return where[:80], f"{where[:80]}: {error['msg']} (got {json.dumps(error.get('input'), default=str)[:80]})"
 
 
 MAX_JSON_DEPTH = 16  # the deepest a valid body nests is 5 (body, messages, message, content, part)
-_STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
-_NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
+_QUOTE, _BACKSLASH = ord('"'), ord("\\")
+_OPEN, _CLOSE = np.zeros(256, dtype=np.int8), np.zeros(256, dtype=np.int8)
+_OPEN[[ord("["), ord("{")]] = 1
+_CLOSE[[ord("]"), ord("}")]] = 1
 
 
 def json_depth(raw: bytes) -> int:
     """How deep ``raw``'s arrays and objects nest (brackets inside strings do not count), without parsing it:
-    the parser recurses once per level, so a deep body must be refused before it is parsed."""
-    brackets = _STRINGS.sub(b"", raw).translate(None, _NOT_BRACKETS)
-    if not brackets:
+    the parser recurses once per level, so a deep body must be refused before it is parsed.
+
+    Linear time, in numpy: a quote opens or closes a string unless an odd run of backslashes precedes it; a
+    bracket counts when an even number of such quotes precede it. (A regex that skips strings backtracks
+    quadratically on a string that never closes.) Exact on valid JSON; on invalid JSON it may count brackets the
+    parser would never reach, which only refuses a body that fails to parse anyway."""
+    if not raw:
         return 0
-    steps = np.where(np.frombuffer(brackets, dtype=np.uint8) <= ord("["), 1, -1)
-    steps[np.frombuffer(brackets, dtype=np.uint8) == ord("{")] = 1
-    return int(np.cumsum(steps).max())
+    data = np.frombuffer(raw, dtype=np.uint8)
+    index = np.arange(data.size)
+    # for each byte, the index of the last byte before it that is not a backslash (-1: none)
+    not_backslash = np.where(data != _BACKSLASH, index, -1)
+    last = np.maximum.accumulate(np.concatenate(([-1], not_backslash[:-1])))
+    escaped = (index - 1 - last) % 2 == 1  # preceded by an odd run of backslashes
+    quotes = (data == _QUOTE) & ~escaped
+    inside = np.cumsum(quotes) % 2 == 1  # a quote's own byte counts as inside: it is no bracket anyway
+    steps = (_OPEN[data] - _CLOSE[data]) * ~inside
+    return max(0, int(np.cumsum(steps, dtype=np.int64).max()))
+
+
+def _surrogate(data, where: str = "") -> tuple[str, int] | None:
+    """(the field, character offset) of the first string in ``data`` holding a lone surrogate (``"\\ud800"`` is
+    valid JSON, but no Unicode scalar value: a tokenizer refuses it), or None."""
+    if isinstance(data, str):
+        match = _SURROGATES.search(data)
+        return None if match is None else (where or "body", match.start())
+    if isinstance(data, dict):
+        for key, value in data.items():
+            path = f"{where}.{key}" if where else str(key)
+            found = _surrogate(key, f"a field name in {where or 'the body'}") or _surrogate(value, path)
+            if found:
+                return found
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            found = _surrogate(value, f"{where}.{i}")
+            if found:
+                return found
+    return None
+
+
+_SURROGATES = re.compile("[\ud800-\udfff]")
 
 
 def parse_body(raw: bytes, schema: type[_Common]) -> _Common:
     """The validated request, or an APIError: 400 for a body that is not a JSON object (or nests deeper than
     :data:`MAX_JSON_DEPTH`), 422 for bad fields."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise APIError(400, f"the request body is not UTF-8: {err.reason} at byte {err.start}") from None
     depth = json_depth(raw)
     if depth > MAX_JSON_DEPTH:
         raise APIError(400, f"the request body nests {depth} levels of arrays and objects; at most {MAX_JSON_DEPTH} "
                             "are allowed")
     try:
-        data = json.loads(raw) if raw else None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise APIError(400, f"the request body is not valid JSON: {err}") from err
+        data = json.loads(text) if text else None
+    except json.JSONDecodeError as err:
+        raise APIError(400, f"the request body is not valid JSON: {err}") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    lone = _surrogate(data)
+    if lone is not None:
+        field, at = lone
+        raise APIError(400, f"{field} holds a lone UTF-16 surrogate (character {at}): text must be Unicode scalar "
+                            "values (a surrogate pair escapes one character above U+FFFF)", field)
     try:
         return schema.model_validate(data)
     except ValidationError as err:

@@ -7,7 +7,7 @@ from bisect import bisect_left
 
 __all__ = ["Metrics", "LATENCY_BUCKETS"]
 
-LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 def _labels(labels: dict[str, str]) -> str:
@@ -50,6 +50,7 @@ class Metrics:
         "kvsieve_kv_bytes_saved_total": ("counter", "KV-cache bytes compression freed."),
         "kvsieve_request_seconds": ("histogram", "Time from arrival to the last byte of the answer."),
         "kvsieve_time_to_first_token_seconds": ("histogram", "Time from arrival to the first generated token."),
+        "kvsieve_inter_token_seconds": ("histogram", "Time between two successive generated tokens of a request."),
         "kvsieve_queue_seconds": ("histogram", "Time from arrival to admission (the KV budget had room)."),
         "kvsieve_policy_failures_total": ("counter", "Requests whose policy failed and were answered at full KV."),
         "kvsieve_queue_waiting": ("gauge", "Requests waiting for room in the KV budget."),

@@ -289,13 +289,29 @@ def test_metrics_are_exact_integers_and_count_every_answered_status(model):
 
 
 def test_the_server_refuses_a_budget_it_cannot_read():
-    from kvsieve.serve.command import parse_budget
+    from kvsieve.serve.command import parse_budget, total_memory
 
-    assert parse_budget("2") == 2 << 30 and parse_budget("512MiB") == 512 << 20 and parse_budget(4096) == 4096
+    assert parse_budget("2GiB") == 2 << 30 and parse_budget("512MiB") == 512 << 20 and parse_budget(4096) == 4096
+    assert parse_budget("195035136B") == 195035136 and parse_budget("186MiB") == 186 * 2**20 == 195035136
+    assert parse_budget("1.5 KiB") == 1536
     assert 0 < parse_budget("10%", tiny_model("llama")) < parse_budget("20%", tiny_model("llama")) * 0.6
-    for bad in ("lots", "0", "150%", "-1GiB"):
+    for bad in ("lots", "0B", "150%", "-1GiB"):
         with pytest.raises(ValueError, match=f"--kv-budget '{bad}'"):
             parse_budget(bad, tiny_model("llama"))
+    # the bytes /health reports, given back without a unit, were read as GiB (186 EiB) and accepted
+    with pytest.raises(ValueError, match=r"--kv-budget '195035136' has no unit: give bytes with a unit "
+                                         r"\(195035136B, 512KiB, 186MiB, 2GiB, 1TiB\)"):
+        parse_budget("195035136")
+    for bad in ("inf", "nan", "-inf", "infGiB", "1e999MiB"):  # inf printed a traceback
+        with pytest.raises(ValueError, match=f"--kv-budget '{bad}' is not a finite number"):
+            parse_budget(bad)
+    memory = total_memory()
+    too_much = f"{memory + 1}B"
+    with pytest.raises(ValueError, match=f"--kv-budget '{too_much}' is {memory + 1} bytes, more than this machine's "
+                                         f"memory \\({memory} bytes"):
+        parse_budget(too_much)
+    with pytest.raises(ValueError, match="more than this machine's memory"):
+        parse_budget(memory + 1)
 
 
 def test_a_request_larger_than_the_whole_budget_is_refused_with_both_figures(model):
