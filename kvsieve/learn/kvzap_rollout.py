@@ -92,12 +92,17 @@ class KVzapRolloutPolicy(KVzap):
     @torch.no_grad()
     def score(self, signals: Signals) -> torch.Tensor:
         start = time.perf_counter()
-        inputs = self.inputs(signals)
-        logits = self.net(inputs, signals.layer_idx, self.variant).transpose(1, 2) / self.temperature
+        # the scores through the shipped policy's own path (KVzap._score_all: the linear variant with its
+        # standardisation folded in), so the greedy rollout keeps exactly what kvzap keeps; the inputs recorded
+        # for the gradient give the same logits up to float rounding
+        seconds, calls = self.overhead_seconds, self.overhead_calls  # counted once, below
+        logits = self._score_all(signals) / self.temperature
+        self.overhead_seconds, self.overhead_calls = seconds, calls
+        inputs = self.inputs(signals) if self.record else None
         if self.generator is not None:
             logits = logits + gumbel_noise(logits.shape, self.generator, logits.device)
         # the greedy baseline only needs the decision time: no inputs kept
-        self.selection.pending.append((signals.future_position, signals.layer_idx, inputs if self.record else None))
+        self.selection.pending.append((signals.future_position, signals.layer_idx, inputs))
         self.overhead_seconds += time.perf_counter() - start
         self.overhead_calls += 1
         return logits

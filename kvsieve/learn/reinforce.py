@@ -40,6 +40,7 @@ metadata only: what ``learned(checkpoint=...)`` loads, or ``kvzap(checkpoint=...
 
 from __future__ import annotations
 
+import copy
 import csv
 import dataclasses
 import math
@@ -49,6 +50,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from kvsieve.learn.baselines import leave_one_out
+from kvsieve.learn.curriculum import active_ratios
+from kvsieve.learn.heldout import HeldOut, mean_by_step, read_heldout, write_heldout
 from kvsieve.learn.kvzap_rollout import KVzapRolloutPolicy, kvzap_decision_logits
 from kvsieve.learn.reward import Teacher
 from kvsieve.learn.rollout import (
@@ -62,6 +66,7 @@ from kvsieve.learn.rollout import (
     step_returns,
     teacher_for,
 )
+from kvsieve.learn.stopping import StoppingRule
 from kvsieve.learn.train_config import (
     RESUMABLE,
     TrainConfig,
@@ -70,6 +75,7 @@ from kvsieve.learn.train_config import (
     episode_index,
     seeded_generator,
 )
+from kvsieve.learn.trust_region import first_draw_kl
 from kvsieve.models import dtype_name
 from kvsieve.networks.checkpoint import load_checkpoint, save_checkpoint
 from kvsieve.networks.keep_net import KeepNet, NetConfig
@@ -81,7 +87,7 @@ from kvsieve.selection import Budget
 __all__ = ["reinforce", "reinforce_loss", "initial_weights", "check_budget", "plot_curve", "Trainer"]
 
 LOG_FIELDS = ("step", "episode", "ratio", "reward", "kl", "greedy_reward", "baseline", "entropy", "loss",
-              "grad_norm", "decisions", "seconds", "policy_ms")
+              "grad_norm", "decisions", "seconds", "policy_ms", "active_ratios", "trust_kl")
 
 
 def check_budget(config: TrainConfig, episode: Episode, kept: int, ratio: float) -> None:
@@ -156,6 +162,8 @@ class Trainer:
                 self.net = KeepNet(NetConfig(hidden=config.hidden))
             if config.init is not None:
                 self.net.load_state_dict(initial_weights(config.init, shape, self.net.config))
+        # the warm start, frozen: the trust region's reference (the weights before any step, also on resume)
+        self.warm = copy.deepcopy(self.net).eval().requires_grad_(False)
         self.optimizer = torch.optim.Adam(self.net.parameters(), lr=config.lr)
         self.baseline = torch.zeros(0, dtype=torch.float64)  # running mean of G per decision index
         self.teachers: dict[int, Teacher] = {}
@@ -189,8 +197,13 @@ class Trainer:
             out["baseline.mean"] = self.baseline
         return out
 
-    def save(self, out: Path) -> None:
+    def save(self, out: Path, policy: bool = True) -> None:
         save_checkpoint(out / "checkpoint.safetensors", self.meta(), self.tensors(True))
+        if policy:
+            self.save_policy(out)
+
+    def save_policy(self, out: Path) -> None:
+        """``policy.safetensors``: the network now, in the format its policy family loads."""
         if self.kvzap_meta is None:
             save_checkpoint(out / "policy.safetensors", self.meta(), self.tensors(False))
         else:  # what kvzap(checkpoint=OUT) loads: the surrogate's format, its metadata, the fine-tune's record
@@ -234,48 +247,79 @@ class Trainer:
                                                c.teacher_top_k, context_cache)
         return self.teachers[index]
 
+    def step_ratios(self, step: int) -> list[float]:
+        """The compression ratios of ``step``: every active one (``all_ratios``) or the active ones in turn."""
+        c = self.config
+        active = active_ratios(c.ratios, step, c.curriculum_steps)
+        return active if c.all_ratios else [active[step % len(active)]]
+
+    def trust_kl(self, decisions: list[Decision]) -> torch.Tensor:
+        """Mean first-draw KL from the warm start to the policy over ``decisions`` (with gradients)."""
+        terms = []
+        for d in decisions:
+            with torch.no_grad():
+                reference = self.logits_of(self.warm, d)
+            terms.append(first_draw_kl(reference, self.logits_of(self.net, d), d.protected))
+        return torch.stack(terms).mean() if terms else torch.zeros(())
+
     def run_step(self) -> dict:
         c, step = self.config, self.step
         start = time.perf_counter()
         index = episode_index(c, step, len(self.episodes))
         episode = self.episodes[index]
-        ratio = c.ratios[step % len(c.ratios)]
-        kept = Budget(ratio=ratio).resolve(episode.context.shape[1])
-        check_budget(c, episode, kept, ratio)
+        ratios = self.step_ratios(step)
         context_cache = None
         if c.mode == "prefill":
             if index not in self.context_caches:
                 self.context_caches[index] = context_cache_for(self.model, episode, c.window)
             context_cache = self.context_caches[index]
         teacher = self.teacher(index, context_cache)
-        samples, overhead = [], 0.0
-        for r in range(c.rollouts):
-            policy = self.rollout_policy(seeded_generator(c.seed, "noise", step, r))
-            samples.append(rollout(self.model, episode, policy, c.mode, kept, c.chunk_size, teacher, context_cache))
-            overhead += samples[-1].overhead_seconds
-        greedy_returns, greedy_reward = {}, float("nan")
-        if c.baseline == "greedy":
-            policy = self.rollout_policy(None, record=False)
-            greedy = rollout(self.model, episode, policy, c.mode, kept, c.chunk_size, teacher, context_cache)
-            greedy_returns, greedy_reward = step_returns(greedy), greedy.reward
-            greedy_returns = {t: greedy_returns.get(t, 0.0) for t in {d.time for s in samples for d in s.decisions}}
+        groups, overhead, greedy_rewards = [], 0.0, []
+        for ratio in ratios:  # one prefill (the cached context) serves every budget
+            kept = Budget(ratio=ratio).resolve(episode.context.shape[1])
+            check_budget(c, episode, kept, ratio)
+            samples = []
+            for r in range(c.rollouts):
+                parts = (c.seed, "noise", step, r) if len(ratios) == 1 else (c.seed, "noise", step, ratio, r)
+                policy = self.rollout_policy(seeded_generator(*parts))
+                samples.append(rollout(self.model, episode, policy, c.mode, kept, c.chunk_size, teacher,
+                                       context_cache))
+                overhead += samples[-1].overhead_seconds
+            greedy_returns = {}
+            if c.baseline == "greedy":
+                policy = self.rollout_policy(None, record=False)
+                greedy = rollout(self.model, episode, policy, c.mode, kept, c.chunk_size, teacher, context_cache)
+                greedy_returns, reward = step_returns(greedy), greedy.reward
+                greedy_rewards.append(reward)
+                greedy_returns = {t: greedy_returns.get(t, 0.0) for t in {d.time for s in samples for d in s.decisions}}
+            groups.append((samples, greedy_returns))
         self.net.train()
         self.optimizer.zero_grad(set_to_none=True)
-        losses, entropies, baselines, returns_by_index = [], [], [], []
-        for sample in samples:
-            returns = step_returns(sample)
-            times = sorted(returns)
-            if c.baseline == "greedy":
-                base = {t: greedy_returns.get(t, 0.0) for t in times}
-            else:
-                base = {t: float(self.baseline[i]) if i < len(self.baseline) else 0.0 for i, t in enumerate(times)}
-            sample_loss, entropy = reinforce_loss(self.net, sample.decisions, returns, base, c.entropy_coef,
-                                                  self.logits_of)
-            losses.append(sample_loss)
-            entropies.append(float(entropy.detach()))
-            baselines.append(sum(base.values()) / len(base) if base else 0.0)
-            returns_by_index.append([returns[t] for t in times])
-        loss = torch.stack(losses).mean()
+        losses, entropies, baselines, returns_by_index, trusts = [], [], [], [], []
+        for samples, greedy_returns in groups:
+            all_returns = [step_returns(sample) for sample in samples]
+            loo = leave_one_out(all_returns) if c.baseline == "loo" else None
+            group = []
+            for k, (sample, returns) in enumerate(zip(samples, all_returns)):
+                times = sorted(returns)
+                if c.baseline == "greedy":
+                    base = {t: greedy_returns.get(t, 0.0) for t in times}
+                elif c.baseline == "loo":
+                    base = loo[k]
+                else:
+                    base = {t: float(self.baseline[i]) if i < len(self.baseline) else 0.0 for i, t in enumerate(times)}
+                sample_loss, entropy = reinforce_loss(self.net, sample.decisions, returns, base, c.entropy_coef,
+                                                      self.logits_of)
+                if c.trust_coef > 0:
+                    trust = self.trust_kl(sample.decisions)
+                    sample_loss = sample_loss + c.trust_coef * trust
+                    trusts.append(float(trust.detach()))
+                group.append(sample_loss)
+                entropies.append(float(entropy.detach()))
+                baselines.append(sum(base.values()) / len(base) if base else 0.0)
+                returns_by_index.append([returns[t] for t in times])
+            losses.append(torch.stack(group).mean())
+        loss = torch.stack(losses).mean()  # every budget's rewards in one update
         if loss.requires_grad:
             loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.net.parameters(), c.grad_clip))
@@ -284,14 +328,16 @@ class Trainer:
         if c.baseline == "mean":
             self._update_mean(returns_by_index)
         self.step += 1
+        samples = [s for group, _ in groups for s in group]
         rewards = [s.reward for s in samples]
-        decisions = sum(len(s.decisions) for s in samples) / len(samples)
         calls = sum(len(s.decisions) for s in samples)
-        return {"step": step, "episode": index, "ratio": ratio, "reward": sum(rewards) / len(rewards),
-                "kl": -sum(rewards) / len(rewards), "greedy_reward": greedy_reward,
+        return {"step": step, "episode": index, "ratio": max(ratios), "reward": sum(rewards) / len(rewards),
+                "kl": -sum(rewards) / len(rewards),
+                "greedy_reward": sum(greedy_rewards) / len(greedy_rewards) if greedy_rewards else float("nan"),
                 "baseline": sum(baselines) / len(baselines), "entropy": sum(entropies) / len(entropies),
-                "loss": float(loss.detach()), "grad_norm": grad_norm, "decisions": decisions,
-                "seconds": time.perf_counter() - start, "policy_ms": 1000 * overhead / max(calls, 1)}
+                "loss": float(loss.detach()), "grad_norm": grad_norm, "decisions": calls / len(samples),
+                "seconds": time.perf_counter() - start, "policy_ms": 1000 * overhead / max(calls, 1),
+                "active_ratios": len(ratios), "trust_kl": sum(trusts) / len(trusts) if trusts else float("nan")}
 
     def _update_mean(self, returns_by_index: list[list[float]]) -> None:
         width = max((len(r) for r in returns_by_index), default=0)
@@ -312,7 +358,8 @@ def _read_log(path: Path, before: int) -> list[dict]:
         return []
     with path.open(newline="") as fh:
         rows = [row for row in csv.DictReader(fh) if int(row["step"]) < before]
-    return [{k: (float(v) if k not in ("step", "episode") else int(v)) for k, v in row.items()} for row in rows]
+    return [{k: (float(v) if k not in ("step", "episode") else int(v)) for k, v in row.items() if v != ""}
+            for row in rows]
 
 
 def _write_log(path: Path, rows: list[dict]) -> None:
@@ -320,11 +367,13 @@ def _write_log(path: Path, rows: list[dict]) -> None:
         writer = csv.DictWriter(fh, fieldnames=LOG_FIELDS)
         writer.writeheader()
         for row in rows:
-            writer.writerow({k: row[k] for k in LOG_FIELDS})
+            writer.writerow({k: row.get(k, "") for k in LOG_FIELDS})
 
 
-def plot_curve(rows: list[dict], path: Path, title: str = "") -> Path:
-    """Reward (minus mean KL per token) and first-draw entropy per step; a moving average over 10 steps."""
+def plot_curve(rows: list[dict], path: Path, title: str = "", heldout: list[dict] | None = None,
+               best_step: int | None = None) -> Path:
+    """Reward (minus mean KL per token) and first-draw entropy per step; a moving average over 10 steps; with
+    ``heldout`` rows, a third panel: the greedy policy's held-out KL per ratio at every evaluated step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -336,11 +385,13 @@ def plot_curve(rows: list[dict], path: Path, title: str = "") -> Path:
         return [sum(values[max(0, i - width + 1): i + 1]) / len(values[max(0, i - width + 1): i + 1])
                 for i in range(len(values))]
 
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
+    panels = 3 if heldout else 2
+    fig, axes = plt.subplots(panels, 1, figsize=(7, 2.8 * panels), sharex=True)
+    top, bottom = axes[0], axes[1]
     rewards = [r["reward"] for r in rows]
     top.plot(steps, rewards, ".", alpha=0.3, color="C0")
     top.plot(steps, smooth(rewards), color="C0", label="sampled (10-step mean)")
-    greedy = [r["greedy_reward"] for r in rows]
+    greedy = [r.get("greedy_reward", math.nan) for r in rows]
     if rows and not all(math.isnan(g) for g in greedy):
         top.plot(steps, smooth(greedy), color="C1", label="greedy (10-step mean)")
     top.set_ylabel("reward = -KL per token")
@@ -348,38 +399,81 @@ def plot_curve(rows: list[dict], path: Path, title: str = "") -> Path:
     top.set_title(title or "learned eviction: training curve")
     bottom.plot(steps, [r["entropy"] for r in rows], color="C2")
     bottom.set_ylabel("first-draw entropy / log n")
-    bottom.set_xlabel("step")
+    if heldout:
+        panel = axes[2]
+        for i, ratio in enumerate(sorted({r["ratio"] for r in heldout})):
+            points = mean_by_step(heldout, ratio)
+            panel.plot([p[0] for p in points], [p[1] for p in points], "o-", color=f"C{i + 3}",
+                       label=f"ratio {ratio} ({100 * (1 - ratio):g}% kept)")
+        points = mean_by_step(heldout)
+        panel.plot([p[0] for p in points], [p[1] for p in points], "k--", label="mean")
+        if best_step is not None:
+            panel.axvline(best_step, color="grey", linestyle=":", label=f"kept: step {best_step}")
+        panel.set_ylabel("held-out KL per token (greedy)")
+        panel.set_yscale("log")
+        panel.legend(loc="upper right", fontsize=7)
+    axes[-1].set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
-def reinforce(config: TrainConfig, model, episodes: list[Episode], progress: bool = True) -> TrainResult:
-    """REINFORCE on the KL reward (the module docstring), resumed from ``config.out`` when it holds a checkpoint."""
+def reinforce(config: TrainConfig, model, episodes: list[Episode], progress: bool = True,
+              heldout: list[Episode] | None = None) -> TrainResult:
+    """REINFORCE on the KL reward (the module docstring), resumed from ``config.out`` when it holds a checkpoint.
+
+    With ``config.eval_every`` and ``heldout`` episodes: the greedy policy's held-out KL at step 0 (the warm start)
+    and every ``eval_every`` steps (``heldout.csv``), the stopping rule (:mod:`kvsieve.learn.stopping`) and
+    ``policy.safetensors`` = the best evaluated step."""
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(config, model, ModelShape.of(model, config.model), episodes)
     checkpoint = out / "checkpoint.safetensors"
     if checkpoint.is_file():
         trainer.resume(checkpoint)
-    log_path, curve = out / "log.csv", out / "curve.png"
+    log_path, curve, heldout_path = out / "log.csv", out / "curve.png", out / "heldout.csv"
     history = _read_log(log_path, trainer.step)
+    evaluator = None
+    if config.eval_every:
+        if not heldout:
+            raise ValueError(f"eval_every={config.eval_every} needs held-out episodes")
+        evaluator = HeldOut(model, heldout, config.ratios, config.window, config.teacher_top_k)
+    rule = StoppingRule(config.patience, config.min_delta)
+    evaluations = read_heldout(heldout_path, trainer.step) if evaluator else []
+
+    def evaluate() -> bool:
+        """Held-out KL at this step (unless a saved run already has it); True when the rule says stop."""
+        if not any(r["step"] == trainer.step for r in evaluations):
+            evaluations.extend(evaluator.evaluate(lambda: trainer.rollout_policy(None, record=False), trainer.step))
+            if rule.verdict(mean_by_step(evaluations)).best_step == trainer.step:
+                trainer.save_policy(out)  # the best so far is what the run ships
+            write_heldout(heldout_path, evaluations)
+            trainer.save(out, policy=False)
+            _write_log(log_path, history)
+        return rule.verdict(mean_by_step(evaluations)).stop
+
+    stopped = evaluator is not None and trainer.step % config.eval_every == 0 and evaluate()
     bar = tqdm(total=config.steps, initial=min(trainer.step, config.steps), desc="train", unit="step",
                disable=not progress)
     try:
-        while trainer.step < config.steps:
+        while trainer.step < config.steps and not stopped:
             row = trainer.run_step()
             history.append(row)
             bar.update(1)
             bar.set_postfix(reward=f"{row['reward']:.4f}", entropy=f"{row['entropy']:.3f}")
-            if trainer.step % config.save_every == 0 or trainer.step == config.steps:
-                trainer.save(out)
+            if evaluator is not None and trainer.step % config.eval_every == 0:
+                stopped = evaluate()
+            elif trainer.step % config.save_every == 0 or trainer.step == config.steps:
+                trainer.save(out, policy=evaluator is None)
                 _write_log(log_path, history)
     finally:
         bar.close()
     if not checkpoint.is_file():  # nothing to do (steps already reached by a finished run): still write files
-        trainer.save(out)
+        trainer.save(out, policy=evaluator is None)
+    if evaluator is not None and not (out / "policy.safetensors").is_file():
+        trainer.save_policy(out)
     _write_log(log_path, history)
-    plot_curve(history, curve, f"{config.model}, {config.mode} mode, ratios {config.ratios}")
+    best = rule.verdict(mean_by_step(evaluations)).best_step if evaluations else None
+    plot_curve(history, curve, f"{config.model}, {config.mode} mode, ratios {config.ratios}", evaluations, best)
     return TrainResult(out, out / "policy.safetensors", checkpoint, log_path, curve, trainer.step, history)

@@ -14,18 +14,19 @@ from kvsieve.learn.imitate import imitate
 from kvsieve.learn.kvzap_train import KVzapTrainConfig, train_kvzap
 from kvsieve.learn.reinforce import reinforce
 from kvsieve.learn.rollout import Episode
-from kvsieve.learn.train_config import TrainConfig, TrainResult, load_episodes
+from kvsieve.learn.train_config import TrainConfig, TrainResult, load_episodes, load_heldout
 from kvsieve.models import load
 
 __all__ = ["train"]
 
 
 def train(config: TrainConfig, model=None, tokenizer=None, episodes: list[Episode] | None = None,
-          progress: bool = True) -> TrainResult:
+          progress: bool = True, heldout: list[Episode] | None = None) -> TrainResult:
     """Train (or resume, when ``config.out`` holds a checkpoint of the same settings) up to ``config.steps``.
 
     ``model``/``tokenizer`` default to ``kvsieve.models.load(config.model)``; ``episodes`` default to the
-    generated tasks (seeds from ``config.seed``) plus ``config.data``.
+    generated tasks (seeds from ``config.seed``) plus ``config.data``; ``heldout`` (the stopping rule's requests,
+    when ``config.eval_every``) to ``eval_samples`` per task from ``config.eval_seed``.
     """
     if config.objective == "kvzap":  # the KVzip surrogate: its own data (RULER + stdlib text) and fit
         result = train_kvzap(KVzapTrainConfig.from_train_config(config), model, tokenizer, progress)
@@ -41,4 +42,8 @@ def train(config: TrainConfig, model=None, tokenizer=None, episodes: list[Episod
         raise ValueError("no training episodes")
     if config.objective == "imitate":
         return imitate(config, model, tokenizer, episodes, progress)
-    return reinforce(config, model, episodes, progress)
+    if config.eval_every and heldout is None:
+        if tokenizer is None:
+            raise ValueError("give a tokenizer (or held-out episodes) to build the held-out requests")
+        heldout = load_heldout(config, tokenizer)
+    return reinforce(config, model, episodes, progress, heldout)

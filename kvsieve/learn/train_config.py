@@ -24,14 +24,14 @@ from kvsieve.tasks import TASKS
 from kvsieve.tasks.load import SampleSpec, load_samples, read_samples
 
 __all__ = ["TrainConfig", "TrainResult", "load_config", "episodes_from_samples", "load_episodes", "derived_seed",
-           "seeded_generator", "episode_index", "EVAL_SEEDS_NOTE", "MODES", "OBJECTIVES", "BASELINES", "NETWORKS",
-           "RESUMABLE"]
+           "seeded_generator", "episode_index", "load_heldout", "EVAL_SEEDS_NOTE", "MODES", "OBJECTIVES", "BASELINES",
+           "NETWORKS", "RESUMABLE"]
 
 EVAL_SEEDS_NOTE = ("evaluation grids use sample seeds from 0 and evolution dev sets from 1000/2000; training "
                    "defaults to 5000 so its samples are disjoint from both")
 MODES = ("decode", "prefill")
 OBJECTIVES = ("reinforce", "imitate", "kvzap")
-BASELINES = ("greedy", "mean")
+BASELINES = ("greedy", "mean", "loo")
 NETWORKS = ("keepnet", "kvzap")
 # fields that may change when a run is resumed (how long and where, not what it learns)
 RESUMABLE = ("steps", "out", "save_every")
@@ -78,6 +78,23 @@ class TrainConfig:
     temperature: float = 1.0
     # objective "kvzap": what the surrogate reads, "kv" (pre-RoPE keys and values) or "hidden" (KVzap's input)
     kvzap_inputs: str = "kv"
+    # one step scores every (active) ratio on the step's request, K = ``rollouts`` rollouts each, all in one update
+    # (one context prefill serves them all); False: one ratio per step, ``ratios`` in turn
+    all_ratios: bool = False
+    # the budget curriculum (kvsieve.learn.curriculum): ratios enter as low + (high - low) * step / curriculum_steps
+    # passes them; 0: every ratio from the start
+    curriculum_steps: int = 0
+    # weight of the trust region: the KL from the warm start's first-draw distribution to the policy's
+    # (kvsieve.learn.trust_region); 0: none
+    trust_coef: float = 0.0
+    # held-out greedy KL every eval_every steps (0: never) on eval_samples requests per task from eval_seed
+    # (kvsieve.learn.heldout); the stopping rule (kvsieve.learn.stopping) stops after ``patience`` evaluations
+    # without an improvement > min_delta (0: run to ``steps``) and policy.safetensors holds the best evaluated step
+    eval_every: int = 0
+    eval_samples: int = 2
+    eval_seed: int = 6000
+    patience: int = 0
+    min_delta: float = 0.0
 
     def __post_init__(self) -> None:
         def positive_int(name: str, minimum: int = 1) -> None:
@@ -88,6 +105,24 @@ class TrainConfig:
         for name in ("length", "steps", "chunk_size", "window", "rollouts", "hidden", "save_every"):
             positive_int(name)
         positive_int("samples", 0)
+        for name in ("curriculum_steps", "eval_every", "patience"):
+            positive_int(name, 0)
+        positive_int("eval_samples")
+        if isinstance(self.eval_seed, bool) or not isinstance(self.eval_seed, int):
+            raise ValueError(f"eval_seed must be an int, got {self.eval_seed!r}")
+        if not isinstance(self.all_ratios, bool):
+            raise ValueError(f"all_ratios must be true or false, got {self.all_ratios!r}")
+        for name in ("trust_coef", "min_delta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if self.baseline == "loo" and self.rollouts < 2:
+            raise ValueError(f"baseline 'loo' (leave-one-out) needs rollouts >= 2, got {self.rollouts}")
+        if self.eval_every and self.mode != "prefill":
+            raise ValueError(f"held-out evaluation (eval_every={self.eval_every}) runs in prefill mode, not "
+                             f"{self.mode!r}")
+        if self.patience and not self.eval_every:
+            raise ValueError(f"patience={self.patience} needs held-out evaluations: set eval_every > 0")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         if self.mode not in MODES:
@@ -186,6 +221,17 @@ def load_episodes(config: TrainConfig, tokenizer) -> list[Episode]:
     if config.data:
         samples.extend(read_samples(config.data))
     return episodes_from_samples(samples, tokenizer)
+
+
+def load_heldout(config: TrainConfig, tokenizer) -> list[Episode]:
+    """The held-out requests of the stopping rule: ``eval_samples`` per task, seeds from ``eval_seed``."""
+    if config.eval_seed <= config.seed < config.eval_seed + config.eval_samples or \
+            config.seed <= config.eval_seed < config.seed + config.samples:
+        raise ValueError(f"eval_seed {config.eval_seed} overlaps the training seeds {config.seed}.."
+                         f"{config.seed + config.samples - 1}: held-out requests must be disjoint")
+    spec = SampleSpec(model=config.model, tasks=config.tasks, lengths=[config.length], samples=config.eval_samples,
+                      seed=config.eval_seed)
+    return episodes_from_samples(list(load_samples(spec, tokenizer)), tokenizer)
 
 
 def derived_seed(*parts) -> int:
