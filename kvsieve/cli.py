@@ -1,4 +1,4 @@
-"""Command line: kvsieve eval | report | generate | certify | evolve | train | serve | demo.
+"""Command line: kvsieve eval | report | pick | generate | certify | evolve | train | serve | demo.
 
 Only light modules are imported at the top (argparse, the grid definition, the spec parser): torch
 and transformers load after the arguments are parsed, so ``--help`` answers at once and the thread

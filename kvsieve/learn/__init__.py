@@ -5,10 +5,7 @@ decision problem: a lightweight network reads internal model signals (attention 
 norms, entropy, position) and decides what to evict; REINFORCE trains it on a per-step reward, minus
 the KL divergence between the full-cache and the compressed-cache next-token distributions.
 
-* ``features.py``: per-entry, per-KV-head features from :class:`~kvsieve.signals.Signals`.
-* ``network.py``: the keep-logit MLP, shared across layers and heads, with a layer embedding.
-* ``policy.py``: :class:`LearnedPolicy`, registry name ``learned``; checkpoint loading and checks.
-* ``sampling.py``: Gumbel-top-k / Plackett-Luce keep sets with an exact log-probability.
-* ``reward.py``: teacher (full-cache) distributions and the per-position KL.
-* ``train.py``: :class:`TrainConfig` and :func:`train` (``kvsieve train``).
+Training only: the network and its features are :mod:`kvsieve.networks.keep_net` and
+:mod:`kvsieve.networks.keep_features`, the policy :mod:`kvsieve.policies.learned`; ``train.py`` is ``kvsieve train``'s
+entry point, and each file here names its one concept in its own docstring.
 """

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvsieve.bundled import bundled
 from kvsieve.harness.store import ResultsStore
-from kvsieve.models import bundled
 from kvsieve.policies import parse
 from kvsieve.policies.label import DECODE, FULL_CACHE, Label
 from kvsieve.tasks import task_family
