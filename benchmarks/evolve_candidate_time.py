@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from kvsieve.evolve.cascade import DevSet, evaluate_program
+from kvsieve.evolve.cascade import FITNESSES, DevSet, evaluate_program
 from kvsieve.evolve.seeds import SEEDS
 from kvsieve.language.program_source import Program
 from kvsieve.models import dtype_name, load
@@ -31,23 +31,29 @@ def main() -> None:
     parser.add_argument("--seed-program", default="tova", choices=sorted(SEEDS))
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=1000, help="first sample seed")
+    parser.add_argument("--fitness", default="task", choices=FITNESSES,
+                        help="task: stages 2-3 (decoding); likelihood: the graded stage 2 alone")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--dev-cache", default=None, help="keep the dev prefills here (read back on a rerun)")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
-    model, tokenizer = load(args.model)
+    model, tokenizer = load(args.model, dtype=args.dtype)
     spec = SampleSpec(model=args.model, tasks=args.tasks.split(","), lengths=[args.length], samples=args.samples,
-                      seed=1000)
-    dev = DevSet(model, tokenizer, list(load_samples(spec, tokenizer)), [float(r) for r in args.ratios.split(",")])
+                      seed=args.seed)
+    dev = DevSet(model, tokenizer, list(load_samples(spec, tokenizer)), [float(r) for r in args.ratios.split(",")],
+                 workdir=args.dev_cache)
     program = Program(SEEDS[args.seed_program])
-    evaluate_program(program, dev)  # warm-up
+    evaluate_program(program, dev, fitness=args.fitness)  # warm-up
     start = time.perf_counter()
-    evaluations = [evaluate_program(program, dev) for _ in range(args.repeats)]
+    evaluations = [evaluate_program(program, dev, fitness=args.fitness) for _ in range(args.repeats)]
     seconds = (time.perf_counter() - start) / args.repeats
     first = evaluations[0]
     print(f"{args.model}, {len(dev.items)} dev samples x {len(dev.ratios)} ratios, seed {args.seed_program}, "
-          f"{args.threads} thread(s), {dtype_name(model)}: {seconds:.1f} s per candidate "
+          f"{args.threads} thread(s), {dtype_name(model)}, fitness {args.fitness}: {seconds:.1f} s per candidate "
           f"(status {first.status}, proxy {first.proxy:.6f}, score {first.score})")
 
 

@@ -1,6 +1,18 @@
-"""What evolution adds over its best-of-N control and over its seeds, at equal budgets, from two program databases.
+"""What evolution adds over its controls at equal budgets.
 
-Run: python benchmarks/evolve_compare.py --run results/evolve/qwen-surrogate.sqlite \
+The replicated study (issue 50; kvsieve/evolve/study.py): evolution, best-of-N and random programs, several seeds
+each, the same number of evaluated candidates per run, each run's program picked by the fixed rule, scored on
+held-out requests:
+
+    python benchmarks/evolve_compare.py run --config configs/evolve-compare-smollm2.toml --seeds 0,1,2 \
+        --candidates 48 --step 8          (rerun the same command to resume; every run grows in rounds of --step)
+    python benchmarks/evolve_compare.py report --config configs/evolve-compare-smollm2.toml --seeds 0,1,2 \
+        --every 8 [--correlation 32]      (held-out scores cached in OUT/heldout.json; prints markdown, saves
+                                           OUT/curve.png; --correlation N: Spearman of dev fitness vs accuracy)
+
+Two databases of one evolution and its best-of-N control (the older, unreplicated comparison, on dev scores):
+
+    python benchmarks/evolve_compare.py --run results/evolve/qwen-surrogate.sqlite \
          --control results/evolve/qwen-surrogate-bestofn.sqlite
 
 Both databases must come from the same dev set and seeds (``DEV_KEYS`` equal; the search settings may differ).
@@ -20,12 +32,15 @@ from __future__ import annotations
 import argparse
 import json
 import sqlite3
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 
 from kvsieve.evolve.database import ProgramRecord, rank_key
+from kvsieve.evolve.pick import load_rule
+from kvsieve.evolve.study import ARMS, run_study, study_runs
 from kvsieve.harness.headline import bootstrap_interval
 
 # what the dev cells and the starting point depend on: equal in a run and its control, or their cells do not pair
@@ -99,6 +114,9 @@ def _describe(record: ProgramRecord | None) -> str:
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in ("run", "report"):
+        study_main(sys.argv[1], sys.argv[2:])
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", required=True, help="the evolution's program database")
     parser.add_argument("--control", required=True, help="the best-of-N control's program database")
@@ -137,6 +155,43 @@ def main() -> None:
         mean, (low, high), n = paired(a, b)
         verdict = "" if low > 0 or high < 0 else " (not distinguishable)"
         print(f"| {label} | {mean:+.1f}{verdict} | [{low:+.1f}, {high:+.1f}] | {n} |")
+
+
+def study_main(verb: str, argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog=f"evolve_compare.py {verb}")
+    parser.add_argument("--config", required=True, help="the study's shared EvolveConfig (configs/evolve-compare-*)")
+    parser.add_argument("--seeds", default="0,1,2", help="run seeds, comma-separated")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rule", default="configs/selection.toml", help="the fixed rule whose order picks")
+    if verb == "run":
+        parser.add_argument("--candidates", type=int, default=None, help="per run (default: the config's)")
+        parser.add_argument("--step", type=int, default=8, help="candidates added to every run per round")
+    else:
+        parser.add_argument("--every", type=int, default=8, help="curve points every N candidates")
+        parser.add_argument("--correlation", type=int, default=0,
+                            help="also score N distinct programs (spread over the dev fitness) on held-out requests "
+                                 "and give the Spearman correlation of dev fitness with held-out accuracy")
+    args = parser.parse_args(argv)
+    import torch
+
+    from kvsieve.evolve.evolve_config import load_config
+    from kvsieve.models import dtype_name, load
+
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)
+    base = load_config(args.config)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    arms = args.arms.split(",")
+    runs = study_runs(base, arms, seeds)
+    if verb == "run":
+        model, tokenizer = load(base.model, dtype=base.dtype)
+        run_study(runs, args.candidates or base.candidates, args.step, model, tokenizer, dtype_name(model),
+                  threads_note=f"{args.threads} torch thread(s)")
+        return
+    from kvsieve.evolve.study_report import study_report
+
+    print(study_report(base, runs, load_rule(args.rule).order, args.every, args.correlation, load))
 
 
 if __name__ == "__main__":

@@ -29,16 +29,19 @@ class Executor(Protocol):
 
 
 class LocalExecutor:
-    def __init__(self, dev: DevSet, limits: SandboxLimits | None = None) -> None:
+    def __init__(self, dev: DevSet, limits: SandboxLimits | None = None, fitness: str = "task",
+                 alternate: bool = False) -> None:
         self.dev = dev
         self.limits = limits or SandboxLimits()
+        self.fitness, self.alternate = fitness, alternate  # how a candidate is scored (evaluate_program)
 
     def evaluate(self, programs: list[Program], max_gap: float | None = None,
                  on_result: Callable[[int, Evaluation], None] | None = None,
                  known: Mapping[str, KnownKept] | None = None) -> list[Evaluation]:
         out = []
         for i, program in enumerate(programs):
-            evaluation = evaluate_program(program, self.dev, self.limits, max_gap, known)
+            evaluation = evaluate_program(program, self.dev, self.limits, max_gap, known, self.fitness,
+                                          self.alternate)
             if on_result is not None:
                 on_result(i, evaluation)
             out.append(evaluation)

@@ -12,6 +12,11 @@
 3. task score: greedy decoding on the dev set, scored by the task's metric (a row stops once further tokens
    cannot change its score: a monotone metric at 100, such as RULER's string matching).
 
+With ``fitness="likelihood"`` stage 2 is the last: the candidate's score is graded, not decoded,
+:func:`likelihood_score` of its teacher-forced answer log-likelihoods (every dev cell, no threshold), so a
+dev set of 64 requests costs seconds and the best programs do not tie the way 0/1 accuracy on a few dozen
+requests does (issue 50). Stage 3 (decoding) is then left to held-out evaluation.
+
 A candidate whose compressed dev cells keep exactly the entries an earlier program kept (every layer, head and
 cell: :func:`kept_fingerprint`) would compute the same stages 2 and 3 on the same caches: it takes that program's
 results (``known``) instead of decoding again.
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -61,9 +67,23 @@ from kvsieve.tasks.metrics import settled as metric_settled
 from kvsieve.tasks.sample import Sample
 
 __all__ = ["DevSet", "Evaluation", "KnownKept", "evaluate_program", "kept_fingerprint", "selection_problem",
-           "answer_token_ids", "STAGES"]
+           "answer_token_ids", "likelihood_score", "STAGES", "FITNESSES"]
 
 STAGES = ("static", "invariants", "proxy", "task")
+# what a candidate's dev score is: "task" the decoded answers' task metric (stage 3), "likelihood" the graded
+# teacher-forced answer likelihood (stage 2 as the last stage, :func:`likelihood_score`)
+FITNESSES = ("task", "likelihood")
+
+
+def likelihood_score(logprobs: Iterable[float]) -> float:
+    """The graded dev score of ``fitness="likelihood"``: 100 x the mean over dev cells of exp(mean log-probability
+    of the reference answer's tokens), i.e. of each cell's geometric-mean probability per answer token, teacher-
+    forced on the compressed cache. 0..100 like a task score; a cell that lost the needle contributes ~0, one that
+    kept it about what the full cache gives; unlike the mean gap in nats it is not dominated by one lost cell."""
+    values = [math.exp(lp) for lp in logprobs]
+    if not values:
+        raise ValueError("likelihood_score of no dev cells")
+    return 100.0 * statistics.fmean(values)
 
 
 @dataclass
@@ -133,6 +153,7 @@ class DevSet:
         for ratio in ratios:
             Budget(ratio=ratio)
         self.model, self.tokenizer, self.ratios, self.window = model, tokenizer, list(ratios), window
+        self._full_likelihood: dict[int, float] = {}
         self._tmp = None if workdir is not None else tempfile.TemporaryDirectory(prefix="kvsieve-dev-")
         self.workdir = Path(workdir if workdir is not None else self._tmp.name)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -220,6 +241,32 @@ class DevSet:
                 rest = self.model(input_ids=item.answer_ids[:, :-1], cache=clone_cache(cache), use_cache=True).logits[0]
             logits = torch.cat([logits, rest.float()])
         return float(torch.log_softmax(logits, dim=-1).gather(-1, answer[:, None]).mean())
+
+    @torch.no_grad()
+    def question_and_answer_logprob(self, item: DevSample, cache) -> float:
+        """Mean log-probability of the reference answer on ``cache`` (modified in place) in one forward pass over
+        the question and the answer but its last token: what :meth:`read_question` then :meth:`answer_logprob`
+        compute, in one call (the graded fitness's cost is this pass, once per dev cell)."""
+        answer = item.answer_ids[0]
+        ids = torch.cat([item.prompt.question_ids, item.answer_ids[:, :-1]], dim=1)
+        with attach(self.model, self.capture, ratio=0.0):
+            logits = self.model(input_ids=ids, cache=cache, use_cache=True,
+                                logits_to_keep=answer.shape[0]).logits[0].float()
+        return float(torch.log_softmax(logits, dim=-1).gather(-1, answer[:, None]).mean())
+
+    def full_likelihood(self, index: int) -> float:
+        """:meth:`question_and_answer_logprob` of dev sample ``index`` on its full cache (computed once)."""
+        if index not in self._full_likelihood:
+            self._full_likelihood[index] = self.question_and_answer_logprob(self.items[index],
+                                                                            clone_cache(self.items[index].cache))
+        return self._full_likelihood[index]
+
+    def cells(self, alternate: bool = False) -> list[tuple[int, float]]:
+        """The (sample, ratio) dev cells: every sample at every ratio, or with ``alternate`` each sample at one ratio,
+        the ratios taken in turn (sample i at ``ratios[i % len(ratios)]``: every budget, half the passes)."""
+        if alternate:
+            return [(i, self.ratios[i % len(self.ratios)]) for i in range(len(self.items))]
+        return [(i, ratio) for i in range(len(self.items)) for ratio in self.ratios]
 
     @torch.no_grad()
     def answers(self, item: DevSample | list[DevSample], caches: list,
@@ -325,10 +372,15 @@ def selection_problem(program: Program, dev: DevSet) -> str:
 
 @torch.no_grad()
 def evaluate_program(program: Program, dev: DevSet, limits: SandboxLimits | None = None,
-                     max_gap: float | None = None, known: Mapping[str, KnownKept] | None = None) -> Evaluation:
+                     max_gap: float | None = None, known: Mapping[str, KnownKept] | None = None,
+                     fitness: str = "task", alternate: bool = False) -> Evaluation:
     """Run ``program`` through the cascade on ``dev``. Raises only ``SandboxUnavailable`` (not the
     candidate's doing); everything the candidate causes is an :class:`Evaluation`. ``known``: earlier programs'
-    results by :func:`kept_fingerprint`, taken over when the candidate keeps the same entries."""
+    results by :func:`kept_fingerprint`, taken over when the candidate keeps the same entries. ``fitness``: one of
+    :data:`FITNESSES` (with "likelihood" ``max_gap`` is not used: there is no stage 3 to save); ``alternate``: with
+    "likelihood", each dev sample at one ratio (:meth:`DevSet.cells`)."""
+    if fitness not in FITNESSES:
+        raise ValueError(f"fitness must be one of {FITNESSES}, got {fitness!r}")
     start = time.perf_counter()
     result = run_in_sandbox(program.source, dev.features_path, window=dev.window, limits=limits or SandboxLimits())
     if result.status != "ok":
@@ -339,6 +391,8 @@ def evaluate_program(program: Program, dev: DevSet, limits: SandboxLimits | None
     if problem:
         return Evaluation("invalid", 0, problem, seconds=time.perf_counter() - start, sandbox_seconds=result.seconds)
     try:
+        if fitness == "likelihood":
+            return _likelihood_stage(program, dev, result, start, known or {}, alternate)
         return _stages_2_and_3(program, dev, result, max_gap, start, known or {})
     except Exception as err:  # noqa: BLE001 - the candidate's scores broke something here: reject it, go on
         text = " ".join(str(err).split())[:300]
@@ -346,15 +400,49 @@ def evaluate_program(program: Program, dev: DevSet, limits: SandboxLimits | None
                           seconds=time.perf_counter() - start, sandbox_seconds=result.seconds)
 
 
-def _stages_2_and_3(program: Program, dev: DevSet, result, max_gap: float | None, start: float,
-                    known: Mapping[str, KnownKept]) -> Evaluation:
+def _policies(program: Program, dev: DevSet, result) -> tuple[list[Policy], bool]:
+    """One policy per dev sample replaying the candidate's sandboxed scores, and whether the scores are
+    degenerate (constant within every KV head of every layer: each head falls back to tie order)."""
     selection = program.selection(dev.window)
-    # constant within every KV head of every layer: each head falls back to tie order
     degenerate = all(float(s.std(dim=-1).max()) < 1e-9 if s.shape[-1] > 1 else True for s in result.scores.values())
     policies = []
     for i in range(len(dev.items)):
         scores = {layer: result.scores[f"s{i}-l{layer}"] for layer in range(dev.num_layers)}
         policies.append(_Precomputed(scores, selection, dev.window))
+    return policies, degenerate
+
+
+def _likelihood_stage(program: Program, dev: DevSet, result, start: float, known: Mapping[str, KnownKept],
+                      alternate: bool) -> Evaluation:
+    """``fitness="likelihood"``: each dev cell (:meth:`DevSet.cells`) compressed, its question and answer read in one
+    teacher-forced pass; the score is :func:`likelihood_score`, the cells each cell's 100 x exp(mean log-probability),
+    the proxy the mean gap to the full cache (nats per answer token)."""
+    policies, degenerate = _policies(program, dev, result)
+    cells = dev.cells(alternate)
+    compressed = [dev.compressed(i, policies[i], ratio) for i, ratio in cells]
+    kept_hash = kept_fingerprint(compressed)
+
+    def finish(reason: str = "", **found) -> Evaluation:
+        return Evaluation("ok", 2, reason, degenerate=degenerate, kept_hash=kept_hash,
+                          seconds=time.perf_counter() - start, sandbox_seconds=result.seconds, **found)
+
+    same = known.get(kept_hash)
+    if same is not None and same.score is not None:
+        return finish(f"keeps the entries of program #{same.program_id} in every dev cell", proxy=same.proxy,
+                      score=same.score, cells=dict(same.cells))
+    logprobs, gaps, values = [], [], {}
+    for k, (i, ratio) in enumerate(cells):
+        logprob = dev.question_and_answer_logprob(dev.items[i], compressed[k])
+        compressed[k] = None
+        logprobs.append(logprob)
+        gaps.append(dev.full_likelihood(i) - logprob)
+        values[f"{i}/{ratio}"] = 100.0 * math.exp(logprob)
+    return finish(proxy=statistics.fmean(gaps), score=likelihood_score(logprobs), cells=values)
+
+
+def _stages_2_and_3(program: Program, dev: DevSet, result, max_gap: float | None, start: float,
+                    known: Mapping[str, KnownKept]) -> Evaluation:
+    policies, degenerate = _policies(program, dev, result)
     compressed = [[dev.compressed(i, policies[i], ratio) for ratio in dev.ratios] for i in range(len(dev.items))]
     kept_hash = kept_fingerprint(cache for row in compressed for cache in row)
 

@@ -80,7 +80,7 @@ def _run(config: EvolveConfig, progress: bool, model, tokenizer) -> EvolveResult
         if config.executor == "ray":  # actors build their own model and dev set; the database stays here
             executor = RayExecutor(config, limits, address=config.ray_address, workers=config.workers)
         else:
-            executor = LocalExecutor(dev, limits)
+            executor = LocalExecutor(dev, limits, config.fitness, config.dev_cells == "alternate")
         mutator = make_mutator(config, model, tokenizer)
         if hasattr(mutator, "score_of"):  # LLM prompts show the parent's and inspirations' dev scores
 

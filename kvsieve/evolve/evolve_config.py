@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from kvsieve.config import load_config as load_config_file
+from kvsieve.evolve.cascade import FITNESSES
 from kvsieve.evolve.seeds import SEEDS
 from kvsieve.tasks.load import SampleSpec, load_samples
 
@@ -35,13 +36,19 @@ class EvolveConfig:
     candidates: int = 200  # programs evaluated (duplicates and unusable proposals do not count)
     time_budget_s: float | None = None
     strategy: str = "evolve"  # or "best_of_n"
+    # "task": the dev score is the decoded answers' task metric (stages 2-3); "likelihood": the graded teacher-forced
+    # answer likelihood of every dev cell (stage 2 the last; cascade.likelihood_score), seconds per candidate
+    fitness: str = "task"
+    # with fitness "likelihood": "all" (every dev sample at every ratio) or "alternate" (each sample at one ratio, the
+    # ratios in turn: every budget, half the forward passes)
+    dev_cells: str = "all"
     islands: int = 2
     per_island: int = 4  # children per island and generation
     migration_interval: int = 5  # generations between copies of each island's best to the next island
     exploit: float = 0.6  # probability that the parent is the island's best (else a random elite)
     inspirations: int = 2
     seed_programs: list[str] = field(default_factory=lambda: ["snapkv"])
-    mutator: str = "structural"  # "structural" | "local" | "openai"
+    mutator: str = "structural"  # "structural" | "random" (a fresh random program each time) | "local" | "openai"
     local_model: str = "qwen2.5-coder-0.5b-instruct"
     llm_max_new_tokens: int = 384
     llm_base_url: str = ""
@@ -65,8 +72,14 @@ class EvolveConfig:
     def __post_init__(self) -> None:
         if self.strategy not in ("evolve", "best_of_n"):
             raise ValueError(f"strategy must be 'evolve' or 'best_of_n', got {self.strategy!r}")
-        if self.mutator not in ("structural", "local", "openai"):
-            raise ValueError(f"mutator must be 'structural', 'local' or 'openai', got {self.mutator!r}")
+        if self.mutator not in ("structural", "random", "local", "openai"):
+            raise ValueError(f"mutator must be 'structural', 'random', 'local' or 'openai', got {self.mutator!r}")
+        if self.fitness not in FITNESSES:
+            raise ValueError(f"fitness must be one of {FITNESSES}, got {self.fitness!r}")
+        if self.dev_cells not in ("all", "alternate"):
+            raise ValueError(f"dev_cells must be 'all' or 'alternate', got {self.dev_cells!r}")
+        if self.dev_cells == "alternate" and self.fitness != "likelihood":
+            raise ValueError("dev_cells 'alternate' needs fitness 'likelihood' (stage 3 decodes every cell)")
         if self.mutator == "openai" and not (self.llm_base_url and self.llm_model):
             raise ValueError("the openai mutator needs llm_base_url and llm_model (--llm-base-url, --llm-model)")
         if self.sandbox not in ("default", "strict"):

@@ -36,12 +36,13 @@ from kvsieve.policies.learned import LearnedPolicy
 from kvsieve.policies.program import ProgramPolicy
 
 __all__ = ["CRITERIA", "DEV_SET_KEYS", "Pick", "SelectionRule", "exploratory", "format_pick", "load_rule", "pick",
-           "summary", "write_pick"]
+           "pick_among", "summary", "write_pick"]
 
 FOUND_OR_LEARNED = (ProgramPolicy.name, LearnedPolicy.name, KVzap.name)  # families counted as found or learned
 # criterion -> (value of a program, +1 when higher is better, -1 when lower is)
 CRITERIA = ("dev_score", "proxy_gap", "heldout_score")
-DEV_SET_KEYS = ("model", "tasks", "length", "ratios", "dev_samples", "dev_seed", "window", "dev_max_new_tokens")
+DEV_SET_KEYS = ("model", "tasks", "length", "ratios", "dev_samples", "dev_seed", "window", "dev_max_new_tokens",
+                "fitness", "dev_cells")
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,16 @@ def _key(order: tuple[str, ...], record: ProgramRecord, heldout: float | None, d
               "proxy_gap": record.proxy if record.proxy is not None else math.inf,
               "heldout_score": -heldout if heldout is not None else math.inf}
     return (*(values[c] for c in order), db_index, record.generation, record.island, record.slot)
+
+
+def pick_among(order: tuple[str, ...], records: list[ProgramRecord],
+               heldout: dict[int, float] | None = None) -> ProgramRecord | None:
+    """The program the rule's ``order`` picks among ``records`` of one database (those with a dev score count;
+    ``heldout``: held-out scores by program id, missing counts as lowest); None when none is scored. What
+    :func:`pick` does for one database, for any subset of it (a run's first N candidates)."""
+    held = heldout or {}
+    scored = [r for r in records if r.score is not None]
+    return min(scored, key=lambda r: _key(order, r, held.get(r.id), 0)) if scored else None
 
 
 def pick(rule: SelectionRule, model: str) -> Pick:

@@ -39,13 +39,15 @@ class EvolveWorker:
         samples = dev_samples(config, tokenizer, config.dev_seed, config.dev_samples)
         # the driver's saved prefills where this machine sees them (else computed here and saved for the next actor)
         self.dev = DevSet(model, tokenizer, samples, config.ratios, config.window, config.dev_cache_folder)
+        self.fitness, self.alternate = config.fitness, config.dev_cells == "alternate"
 
     def pid(self) -> int:
         return os.getpid()
 
     def evaluate(self, source: str, max_gap: float | None, limits: SandboxLimits,
                  known: Mapping[str, KnownKept] | None = None) -> Evaluation:
-        return evaluate_program(Program(source), self.dev, limits, max_gap, known)
+        return evaluate_program(Program(source), self.dev, limits, max_gap, known, self.fitness,
+                               self.alternate)
 
 
 class RayExecutor(RayActors):

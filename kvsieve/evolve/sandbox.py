@@ -132,6 +132,12 @@ class SandboxLimits:
     counted once the worker has started; ``startup_s`` bounds the start-up before that (spawn, torch
     import, reading the features), which is not the candidate's doing. ``memory_mb`` is the worker's
     address-space limit (at least 1024: torch alone maps ~0.7 GB).
+
+    Neither time limit decides a candidate's outcome: what a candidate may do is bounded by the interpreter's
+    work budget (element work, memory, operations: counts, the same on any machine and under any load). A
+    wall-clock limit (and the CPU-seconds rlimit derived from it) is an infrastructure guard: its hit is
+    retried (``INFRA_RETRIES``) and then raises :class:`SandboxUnavailable`, so a
+    run stops (and resumes) instead of storing a result that depends on the machine's load.
     """
 
     timeout_s: float = 120.0
@@ -341,8 +347,10 @@ def _attempt(source, features_path, window, limits, seeds, layers, expected, don
         except UnicodeEncodeError:
             return done("error", "the source is not encodable as UTF-8")
         (job / "in" / "program.py").write_bytes(data)
+        # the interpreter runs without a wall-clock deadline: its work budget decides (load never does); the
+        # process's wall-clock and CPU limits below stay as guards, retried by the caller
         spec = {"window": int(window), "synthetic_seeds": [int(s) for s in seeds],
-                "limits": {"deadline_s": float(limits.timeout_s)}, "seccomp": layers.get("seccomp", True),
+                "limits": {"deadline_s": None}, "seccomp": layers.get("seccomp", True),
                 "audit_hook": layers.get("audit_hook", True)}
         if layers.get("raw_loader"):
             shutil.copyfile(layers["raw_loader"], job / "in" / "loader.py")
@@ -445,14 +453,16 @@ def _execute(cmd: list[str], job: Path, env: dict, limits: SandboxLimits, featur
         return f"sandbox worker exited with code {code} before the candidate started: {last}"
     if over:
         return "killed", f"the worker wrote more than {cap} bytes of results", b""
-    if timed_out:
-        return "killed", f"timed out after {limits.timeout_s:g} s", b""
+    if timed_out:  # a guard, not the candidate's result: the caller retries (docs: SandboxLimits)
+        return f"the candidate's run passed the wall-clock guard of {limits.timeout_s:g} s"
     code = proc.returncode
     level_ns = cmd and os.path.basename(cmd[0]) == "unshare" and "--kill-child" in cmd
     sig = -code if code < 0 else code - 128 if level_ns and code > 128 else 0
     if sig:
         name = signal.Signals(sig).name if sig in signal.valid_signals() else str(sig)
-        hint = {"SIGXCPU": " (CPU time limit)", "SIGXFSZ": " (file size limit)"}.get(name, "")
+        if name == "SIGXCPU":  # CPU seconds follow the wall-clock guard: a guard too, retried
+            return f"the worker passed the CPU-time guard of {limits.rlimits()['RLIMIT_CPU'][0]} s"
+        hint = {"SIGXFSZ": " (file size limit)"}.get(name, "")
         return "killed", f"killed by signal {sig} ({name}){hint}", b""
     if code != 0:
         return "error", f"sandbox worker exited with code {code}: {last}", b""

@@ -111,7 +111,9 @@ def evolve(config: EvolveConfig, executor: Executor, mutator: Mutator, db: Progr
     barren = 0  # consecutive generations without a new program: the mutator's neighbourhood is exhausted
     while not out_of_budget():
         before = db.evaluated_count()
-        _run_generation(config, executor, mutator, db, generation, max_gap(db, config, generation), bar)
+        # graded fitness: stage 2 is the last stage, so no threshold (it would only save decoding)
+        threshold = max_gap(db, config, generation) if config.fitness == "task" else None
+        _run_generation(config, executor, mutator, db, generation, threshold, bar)
         barren = barren + 1 if db.evaluated_count() == before else 0
         if barren >= STALL_GENERATIONS:
             print(f"kvsieve evolve: stopped after {STALL_GENERATIONS} generations without a new program "

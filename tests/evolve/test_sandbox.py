@@ -10,27 +10,25 @@ import importlib.util
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvsieve.evolve import sandbox, seccomp
+from kvsieve.evolve import sandbox
 from kvsieve.evolve.sandbox import (
     ISOLATION_LEVELS,
     SandboxLimits,
     SandboxResult,
     SandboxUnavailable,
     isolation_level,
-    isolation_report,
-    require_isolation,
     run_in_sandbox,
     sandbox_env,
 )
 from kvsieve.evolve.seeds import SEEDS
 from kvsieve.evolve.worker import INVARIANTS, check_invariants
-from kvsieve.language.interpreter import InterpreterError, LimitExceeded, ScoreProgram
+from kvsieve.language.interpreter import InterpreterError, LimitExceeded, ScoreProgram, WallClockExceeded
 from kvsieve.language.program_features import load_features, save_features, synthetic_features
 from kvsieve.language.program_source import Program
 from kvsieve.language.static_check import StaticCheckError, check_source
@@ -40,20 +38,17 @@ from kvsieve.signals import Signals
 
 WINDOW = 8
 BENIGN = "def score(f):\n    return pool(group_mean(f.attn), 5)\n"
-RICH = '''"""Touches most of the interface, to show the guards leave it working."""
+RICH = '''"""Touches most of the language, to show the guards leave it working."""
 SELECTION = {"chunk_size": 2, "sink": 1}
 
 
 def score(f):
     a = group_mean(f.attn)
-    m = f.last_attn.amax(dim=2)
-    x = torch.where(a > a.mean(dim=-1, keepdim=True), a, 0.5 * a)
-    for i in range(3):
-        x = x + 0.1 * max_pool(m, 3) * i
-    z = torch.softmax(x, dim=-1) + rank(f.key_norm) + normalize(f.value_norm) + torch.logsumexp(f.attn, dim=2)
-    v = f.attn.max(dim=2).values + torch.stack([a, m]).sum(dim=0) + x.std(dim=-1, keepdim=True)
-    v = v + torch.cumsum(a, dim=-1).flip(-1) * 0.001 + unit_mean(a) + torch.roll(a, 1, -1).sqrt()
-    return z + v + f.position * f.layer + min(f.n, 3) * 0.0
+    m = group_max(f.last_attn)
+    x = torch.maximum(a, 0.5 * a) + 0.1 * max_pool(m, 3)
+    z = torch.sigmoid(x) + rank(f.key_norm) + normalize(f.value_norm) + torch.log1p(group_mean(f.attn))
+    v = torch.clamp(unit_mean(a), -1.0, 1.0) ** 2 + torch.sqrt(torch.abs(pool(a, 9))) - torch.tanh(f.surrogate)
+    return z + v + f.position * f.layer + f.n * 0.0
 '''
 # Reaches the os module's globals without a single allowed name: the classic restricted-builtins escape.
 OS = '[c for c in ().__class__.__base__.__subclasses__() if c.__name__ == "_wrap_close"][0].__init__.__globals__'
@@ -77,15 +72,15 @@ def body(*lines: str) -> str:
 ACCEPTED = [
     BENIGN,
     RICH,
-    body("x = torch.where(f.key_norm > 1.0, f.key_norm, -f.value_norm)", "return x"),
-    body("return f.attn.amax(dim=2) + f.last_attn.amax(dim=2)"),
-    body("x = group_max(f.attn)", "for i in range(3):", "    x = x + pool(x, 3)", "return x"),
-    body("a, b = f.key_norm, f.value_norm", "a += b[..., :]", "return a if f.layer < 0.5 else -a"),
+    body("x = torch.maximum(f.key_norm, -f.value_norm)", "return x"),
+    body("return group_max(f.attn) + group_max(f.last_attn)"),
+    body("x = group_max(f.attn)", "x = x + pool(x, 3)", "x = x + pool(x, 3)", "return x"),
+    body("a = f.key_norm + f.value_norm", "return torch.clamp(a, -1.0, 1.0) * f.layer - a / f.n"),
 ]
 
 REJECTED = [
-    ("dunder attribute", body("return f.key_norm.__class__"), "'_'"),
-    ("f.__dict__", body("return f.__dict__"), "'_'"),
+    ("dunder attribute", body("return f.key_norm.__class__"), "attribute access"),
+    ("f.__dict__", body("return f.__dict__"), "not a feature"),
     ("while", body("while True:", "    pass", "return f.key_norm"), "while"),
     ("lambda", body("g = lambda x: x", "return f.key_norm"), "lambda"),
     ("import in score", body("import os", "return f.key_norm"), "import"),
@@ -101,24 +96,24 @@ REJECTED = [
     ("__import__", body("return __import__(1)"), "'__import__'"),
     ("getattr", body("return getattr(f, 1)"), "'getattr'"),
     ("eval", body("return eval(1)"), "'eval'"),
-    ("huge int", body("x = 10 ** 10", "return f.key_norm"), "integer"),
-    ("list repetition", body("x = [0] * 1000", "return f.key_norm"), "repetition"),
-    ("subscript store", body("f.attn[0] = 1.0", "return f.key_norm"), "assignment"),
+    ("huge int", body("x = 10 ** 10", "return f.key_norm"), "exponent of **"),
+    ("list repetition", body("x = [0] * 1000", "return f.key_norm"), "a list"),
+    ("subscript store", body("f.attn[0] = 1.0", "return f.key_norm"), "`name = expression`"),
     ("in-place method", body("x = f.attn.clamp_(0)", "return f.key_norm"), "clamp_"),
-    ("unbounded for", body("for x in f.attn:", "    pass", "return f.key_norm"), "range"),
+    ("unbounded for", body("for x in f.attn:", "    pass", "return f.key_norm"), "a for loop"),
     ("big loop", body("for i in range(100):", "    for j in range(100):", "        pass", "return f.key_norm"),
-     "iterations"),
-    ("class", "class A:\n    pass\n" + BENIGN, "class"),
-    ("second function", BENIGN + "\ndef helper(x):\n    return x\n", "function"),
+     "a for loop"),
+    ("class", "class A:\n    pass\n" + BENIGN, "ClassDef"),
+    ("second function", BENIGN + "\ndef helper(x):\n    return x\n", "FunctionDef"),
     ("two params", "def score(f, g):\n    return f.key_norm\n", "parameter"),
     ("no score", '"""doc"""\n', "exactly once"),
     ("shadowing", body("pool = f.attn", "return f.key_norm"), "pool"),
     ("bare torch", body("t = torch", "return f.key_norm"), "torch"),
-    ("kwargs", body("return pool(**f)"), "**kwargs"),
+    ("kwargs", body("return pool(**f)"), "keyword"),
     ("comprehension", body("x = [i for i in range(3)]", "return f.key_norm"), "comprehension"),
-    ("with", body("with f:", "    pass", "return f.key_norm"), "with"),
-    ("try", body("try:", "    pass", "except Exception:", "    pass", "return f.key_norm"), "try"),
-    ("global", body("global x", "return f.key_norm"), "global"),
+    ("with", body("with f:", "    pass", "return f.key_norm"), "With"),
+    ("try", body("try:", "    pass", "except Exception:", "    pass", "return f.key_norm"), "Try"),
+    ("global", body("global x", "return f.key_norm"), "Global"),
     ("syntax error", "def score(f)\n    return 1\n", "syntax"),
     ("too long", body("x = 1.0", *["x = x + 1.0"] * 700, "return f.key_norm"), "characters"),
     ("deep nesting", body("return " + "-" * 500 + "f.key_norm"), "deep"),
@@ -233,65 +228,22 @@ def test_without_features_only_the_invariants_run():
     assert (result.status, result.scores) == ("ok", {}) and all(result.invariants.values())
 
 
-@pytest.mark.parametrize("source,needle", [
-    (body("return f.attn"), "shape"),
-    (body("x = f.key_norm - f.key_norm", "return x / x"), "finite"),
-    (body("return f.n"), "tensor"),
+@pytest.mark.parametrize("source,status,needle", [
+    (body("return f.attn"), "rejected", r"score must return scores shaped (b, h, n), this returns (b, h, g, n)"),
+    (body("x = f.key_norm - f.key_norm", "return x / x"), "invalid", "finite"),
+    (body("return f.n"), "rejected", "this returns a number"),
 ], ids=["wrong shape", "nan", "not a tensor"])
-def test_stage1_failures_are_invalid(source, needle, features_path):
+def test_stage1_failures_are_invalid(source, status, needle, features_path):
     result = run_in_sandbox(source, features_path, window=WINDOW, limits=FAST)
-    assert result.status == "invalid" and needle in result.reason and result.scores == {}
+    assert result.status == status and needle in result.reason and result.scores == {}
 
 
 def test_candidate_exception_is_a_short_error():
-    result = run_in_sandbox(body("return f.key_norm[10 ** 6]"), window=WINDOW, limits=FAST)
-    assert result.status == "error" and result.reason.startswith("ProgramFailed: program line 2: IndexError")
-    assert "/" not in result.reason  # no traceback, no paths
-
-
-def test_the_effective_isolation_is_reported():
-    result = run_in_sandbox(BENIGN, window=WINDOW, limits=FAST)
-    level = isolation_level()
-    assert result.status == "ok" and result.isolation == level + ("+seccomp" if seccomp.supported() else "")
-    report = isolation_report()
-    assert report["level"] == level and report["full"] == (level == "full" and seccomp.supported())
-
-
-def test_strict_refuses_below_full_isolation(monkeypatch, capsys):
-    monkeypatch.setenv("KVSIEVE_SANDBOX_ISOLATION", "network")
-    with pytest.raises(SandboxUnavailable, match="--sandbox strict: sandbox isolation here is 'network'"):
-        require_isolation("strict")
-    assert require_isolation("default")["level"] == "network"
-    assert "WARNING" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="'loose'"):
-        require_isolation("loose")
-
-
-def test_infrastructure_failures_are_retried_then_raised(monkeypatch):
-    calls = []
-
-    def failing(*args, **kwargs):
-        calls.append(1)
-        return "sandbox worker could not be started: OSError: test"
-
-    monkeypatch.setattr(sandbox, "_execute", failing)
-    with pytest.raises(SandboxUnavailable, match="not because of the candidate"):
-        run_in_sandbox(BENIGN, window=WINDOW, limits=FAST)
-    assert len(calls) == 1 + sandbox.INFRA_RETRIES
-    real = sandbox._execute.__wrapped__ if hasattr(sandbox._execute, "__wrapped__") else None
-    assert real is None
-
-
-def test_an_infrastructure_failure_then_success_is_not_the_candidates(monkeypatch):
-    real, calls = sandbox._execute, []
-
-    def flaky(*args, **kwargs):
-        calls.append(1)
-        return "sandbox worker did not start within 60 s" if len(calls) == 1 else real(*args, **kwargs)
-
-    monkeypatch.setattr(sandbox, "_execute", flaky)
-    result = run_in_sandbox(BENIGN, window=WINDOW, limits=FAST)
-    assert result.status == "ok" and len(calls) == 2
+    # synthetic features sit at layer 0.5: a division by zero of numbers, the program's own run-time error
+    result = run_in_sandbox(body("return f.key_norm * (1 / (f.layer - 0.5))"), window=WINDOW, limits=FAST)
+    assert result.status == "error"
+    assert result.reason.startswith("ProgramFailed: program line 2: ZeroDivisionError"), result.reason
+    assert "/" not in result.reason.split("ZeroDivisionError")[0]  # no traceback, no paths
 
 
 def test_result_json_depth_is_bounded():
@@ -301,24 +253,23 @@ def test_result_json_depth_is_bounded():
 
 
 def test_a_sleeper_cannot_hang_a_program_policy():
-    """``kvsieve eval --policies program:best.py`` interprets the file: past the length where it turns
-    hostile the program stops at a limit, within a second, instead of hanging or exhausting memory."""
+    """``kvsieve eval --policies program:best.py``: a program that turns hostile past some length cannot be written
+    (the language has no if), one that holds too much is refused before it runs, and the wall-clock guard stops a
+    slow call between two operations."""
     sleeper = body("x = group_mean(f.attn)", "if f.n > 1000:",
                    "    x = (f.key_norm.unsqueeze(-1) * f.key_norm.unsqueeze(-2)).sum(dim=-1)", "return x")
-    policy = ProgramPolicy(source=sleeper, window=4)
-    short, long = _signals(64), _signals(5000)
-    assert tuple(policy.score(short).shape) == (1, 2, 64)
+    with pytest.raises(ValueError, match="line 3: an if statement is not allowed"):
+        ProgramPolicy(source=sleeper, window=4)
+    hoarder = body(*(f"a{i} = f.attn * {i + 1}" for i in range(64)),
+                   "return group_mean(" + " + ".join(f"a{i}" for i in range(64)) + ")")
+    policy = ProgramPolicy(source=hoarder, window=4)
     start = time.perf_counter()
-    with pytest.raises(LimitExceeded, match="limit: a tensor of 50000000 elements"):
-        policy.score(long)
+    with pytest.raises(LimitExceeded, match="MiB live at once, over the budget"):
+        policy.score(_signals(5000))
     assert time.perf_counter() - start < 5
-    busy = body("x = f.key_norm", "for i in range(4000):", "    x = torch.softmax(x + f.value_norm, dim=-1)",
-                "return x")
-    with pytest.raises(LimitExceeded, match="limit: running longer than 0.05 s"):
-        ProgramPolicy(source=busy, window=4, deadline_s=0.05).score(_signals(100000))
-    # 256 x the 1.9 M elements the call receives (b 1, h 2, g 3, n 100000)
-    with pytest.raises(LimitExceeded, match="limit: more than 486400000 elements of tensor work"):
-        ProgramPolicy(source=busy, window=4, deadline_s=600).score(_signals(100000))
+    busy = body("return " + " + ".join(f"torch.tanh(f.key_norm * {i + 1})" for i in range(80)))
+    with pytest.raises(WallClockExceeded, match="limit: running longer than 0.0001 s"):
+        ProgramPolicy(source=busy, window=4, deadline_s=0.0001).score(_signals(100000))
 
 
 def _signals(n: int) -> Signals:
@@ -362,16 +313,25 @@ class Case:
     both: tuple[str, str] | None = None  # (status, reason) in the sandbox with the interpreter; None: the
     #                                      interpreter's reason, "killed" for a limit and "invalid" otherwise
     features: str = ""  # score a features file too: "short" (n 90) or "long" (n 20000)
+    source_name: str = ""  # the case's name in CORPUS (filled in below)
+
+    @property
+    def language(self) -> str | None:
+        """What the language's parser says (None: the program is in the language)."""
+        return LANGUAGE_REFUSES.get(self.source_name, "is not an operation of the language")
 
     def expected_both(self) -> tuple[str, str]:
-        if self.both is not None:
-            return self.both
-        return ("killed" if self.interpreter.startswith("limit:") else "invalid"), self.interpreter
+        if self.language is not None:  # the worker parses the program: refused before anything of it runs
+            return "invalid", self.language
+        return self.both
 
 
 GLOBALS = "the attribute '__globals__'"
 CALL = "calling subscript"
 REFUSED = ("error", "PermissionError: [Errno 1] Operation not permitted")  # the seccomp filter
+# the wall-clock guard (only Python run by the tests' raw loader can reach it): killed, retried, then the run stops
+# with SandboxUnavailable; no result is stored for the candidate, so none depends on the machine's load
+GUARD = ("unavailable", "passed the wall-clock guard of 8 s")
 
 CORPUS = {
     "import os": Case("import os\n" + body("z = os.system('true')", "return f.key_norm"),
@@ -432,12 +392,12 @@ CORPUS = {
     "memory bomb": Case(body("x = [0] * 10 ** 10", "return f.key_norm"), "repetition", "Mult on a list",
                         ("killed", "memory limit")),
     "endless loop": Case(body("while True:", "    pass", "return f.key_norm"), "while loop", "While",
-                         ("killed", "timed out")),
+                         GUARD),
     # these pass stage 0: names hide the sizes from it
     "integer bomb from names": Case(body("a = 1000000", "b = a * a * a * a", "return f.key_norm + b"), None,
                                     "limit: an integer of about 80 bits", ("error", "OverflowError")),
     "range bomb": Case(body("a = 1000", "x = max(range(a * a * a))", "return f.key_norm"), None,
-                       "limit: a sequence or range of 1000000000 items", ("killed", "timed out")),
+                       "limit: a sequence or range of 1000000000 items", GUARD),
     "sequence bomb": Case(body("a = 100000", "x = f.key_norm.shape * a", "y = x * a", "return f.key_norm"), None,
                           "Mult on a tuple", ("killed", "memory limit")),
     "outer product sleeper": Case(body("x = f.key_norm", "if f.n > 200:",
@@ -461,15 +421,31 @@ def _fill(source: str, tmp_path) -> tuple[str, Path]:
     return source.replace(OUTSIDE, str(outside)).replace("{secret}", str(secret)), outside
 
 
+# What the language's parser says of each case (issue 48): every attack but one is text the language cannot express;
+# the integer bomb folds to a float (1e24) and runs harmlessly. Cases not named here escape through a call of
+# something that is not an operation.
+LANGUAGE_REFUSES: dict[str, str | None] = {
+    "import os": "an import", "dunder getattr": "'getattr' is not an operation",
+    "setsid child outlives the run": "an if statement", "audit hook switched off via its globals": "indexing",
+    "path check switched off via posixpath": "indexing", "secret into the reason": "must end with `return",
+    "memory bomb": "a list", "endless loop": "a while loop", "integer bomb from names": None,
+    "range bomb": "'max' is not an operation", "sequence bomb": "attribute access",
+    "outer product sleeper": "an if statement", "in-place add on an input": "augmented assignment",
+    "behaves only on synthetic shapes": "an if statement",
+}
+CORPUS = {name: replace(case, source_name=name, both=case.both if name != "integer bomb from names" else ("ok", ""))
+          for name, case in CORPUS.items()}
+
+
 @pytest.mark.parametrize("name", list(CORPUS))
 def test_corpus_stage0(name):
     case = CORPUS[name]
-    if case.static is None:
+    if case.language is None:
         check_source(case.source)
         return
     with pytest.raises(StaticCheckError) as err:
         check_source(case.source)
-    assert case.static in str(err.value)
+    assert case.language in str(err.value) and len(str(err.value)) < 400, str(err.value)
 
 
 @pytest.mark.parametrize("name", list(CORPUS))
@@ -478,14 +454,14 @@ def test_corpus_interpreter_alone(name, tmp_path):
     source, outside = _fill(case.source, tmp_path)
     features = synthetic_features(0, group=3, n=5000, window=WINDOW)
     before = {k: v.clone() for k, v in features.tensors().items()}
-    if case.interpreter is None:  # stage-1 properties: the interpreter runs them, harmlessly
-        out = ScoreProgram(source, static_check=False)(features)
+    if case.language is None:  # in the language: the interpreter runs it, harmlessly
+        out = ScoreProgram(source)(features)
         assert isinstance(out, torch.Tensor)
-        assert all(torch.equal(before[k], v) for k, v in features.tensors().items())  # += is not in place
+        assert all(torch.equal(before[k], v) for k, v in features.tensors().items())
         return
-    with pytest.raises(InterpreterError) as err:
-        ScoreProgram(source, static_check=False)(features)
-    assert case.interpreter in str(err.value), str(err.value)
+    with pytest.raises(InterpreterError) as err:  # the interpreter is the language: it refuses what it cannot parse
+        ScoreProgram(source)(features)
+    assert case.language in str(err.value), str(err.value)
     assert not outside.exists()
 
 
@@ -500,8 +476,14 @@ def _sandboxed(case: Case, tmp_path, paths: dict, raw: bool) -> SandboxResult:
     source, outside = _fill(case.source, tmp_path)
     layers = {"raw_loader": LOADER} if raw else None
     limits = SandboxLimits(timeout_s=8.0, memory_mb=1536)
-    result = run_in_sandbox(source, paths.get(case.features), window=WINDOW, limits=limits, static_check=False,
-                            layers=layers)
+    start = time.perf_counter()
+    try:
+        result = run_in_sandbox(source, paths.get(case.features), window=WINDOW, limits=limits, static_check=False,
+                                layers=layers)
+    except SandboxUnavailable as err:  # the guard, hit on every try: no result (the process was killed each time)
+        assert not outside.exists()
+        assert time.perf_counter() - start < (1 + sandbox.INFRA_RETRIES) * 60
+        return SandboxResult("unavailable", str(err), time.perf_counter() - start)
     assert not outside.exists()
     assert SECRET not in result.reason
     assert result.seconds < 60
@@ -621,27 +603,30 @@ def test_job_dirs_are_removed_kept_on_request_and_orphans_swept(monkeypatch, tmp
     sandbox._sweep_orphans.cache_clear()
 
 
-def test_the_interpreters_size_prediction_follows_torch_broadcasting():
-    import random
+def test_the_languages_shape_rule_follows_torch_broadcasting():
+    """Where the symbols agree, torch broadcasts to the shape the checker infers (dims given distinct sizes)."""
+    import itertools
 
-    from kvsieve.language.interpreter import _broadcast_numel
+    from kvsieve.language import operations as ops
 
-    rng = random.Random(0)
-    for _ in range(2000):
-        shapes = [tuple(rng.choice([1, 2, 3]) for _ in range(rng.randint(0, 4))) for _ in range(rng.randint(1, 3))]
+    sizes = {"b": 2, "h": 3, "g": 5, "n": 7}
+    shapes = [(), ("n",), ("b", "h", "n"), ("b", "h", "g", "n")]
+    for a, b in itertools.product(shapes, repeat=2):
         try:
-            expected = torch.Size(torch.broadcast_shapes(*shapes)).numel()
-        except RuntimeError:  # not broadcastable: the largest operand (the operation refuses them itself)
-            expected = max(torch.Size(s).numel() for s in shapes)
-        assert _broadcast_numel(shapes) == expected, shapes
+            inferred = ops.broadcast(a, b)
+        except ops.TypeRefusal:
+            assert {a, b} == {("b", "h", "n"), ("b", "h", "g", "n")}, (a, b)
+            continue
+        actual = torch.broadcast_shapes(tuple(sizes[d] for d in a), tuple(sizes[d] for d in b))
+        assert tuple(actual) == tuple(sizes[d] for d in inferred), (a, b)
 
 
 def test_interpreted_scores_equal_plain_tensor_maths():
     """The interpreter computes what the same expressions compute when written out by hand."""
     f = synthetic_features(4, group=3, n=300, window=WINDOW)
     a = f.attn.mean(dim=2)
-    expected = 0.4 * (a / a.mean(dim=-1, keepdim=True).clamp_min(1e-12)) + torch.where(
-        f.key_norm > 10.0, f.key_norm, -f.value_norm) ** 2
-    source = body("a = group_mean(f.attn)", "x = torch.where(f.key_norm > 10.0, f.key_norm, -f.value_norm)",
+    expected = 0.4 * (a / a.abs().mean(dim=-1, keepdim=True).clamp_min(1e-12)) + torch.maximum(
+        f.key_norm, -f.value_norm) ** 2
+    source = body("a = group_mean(f.attn)", "x = torch.maximum(f.key_norm, -f.value_norm)",
                   "return 0.4 * unit_mean(a) + x ** 2")
     assert torch.allclose(ScoreProgram(source)(f), expected, rtol=0, atol=0)

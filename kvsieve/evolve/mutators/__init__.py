@@ -1,6 +1,7 @@
 """Mutators: propose a child program from a parent and a few inspirations, one back end per file.
 
 - ``structural.py``: edits of the syntax tree, no language model (the default);
+- ``random_programs.py``: a fresh random program each time, parent and scores unread (a control);
 - ``local_model.py``: an in-process causal LM (the bundled coder model);
 - ``openai_compatible.py``: any OpenAI-compatible endpoint.
 
@@ -14,14 +15,17 @@ from kvsieve.evolve.evolve_config import EvolveConfig
 from kvsieve.evolve.mutators.base import Mutator
 from kvsieve.evolve.mutators.local_model import LocalLLMMutator
 from kvsieve.evolve.mutators.openai_compatible import OpenAIMutator
+from kvsieve.evolve.mutators.random_programs import RandomProgramMutator
 from kvsieve.evolve.mutators.structural import StructuralMutator
 
-__all__ = ["Mutator", "StructuralMutator", "LocalLLMMutator", "OpenAIMutator", "make_mutator"]
+__all__ = ["Mutator", "StructuralMutator", "RandomProgramMutator", "LocalLLMMutator", "OpenAIMutator", "make_mutator"]
 
 
 def make_mutator(config: EvolveConfig, model=None, tokenizer=None) -> Mutator:
     if config.mutator == "structural":
         return StructuralMutator()
+    if config.mutator == "random":
+        return RandomProgramMutator()
     if config.mutator == "local":
         same = config.local_model == config.model and model is not None
         return LocalLLMMutator(model_name=config.local_model, model=model if same else None,

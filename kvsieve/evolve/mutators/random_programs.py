@@ -1,0 +1,59 @@
+"""Random programs: the control that reads neither a parent nor any score (issue 50's "random programs" arm).
+
+Each proposal is a fresh program drawn from the same vocabulary the structural mutator edits with: one to three
+terms, each a signal of ``structural.TERMS`` (its pooling kernel redrawn from ``structural.KERNELS``) put on a unit
+scale by one of the scale helpers and weighted by one of ``WEIGHTS``, summed; and a ``SELECTION`` drawn from the
+same options as the structural mutator's ``selection`` edit (chunks of 1 when the allocation is not uniform, which
+the language requires). Every draw comes from the ``rng`` the loop passes,
+so a run is reproducible; the parent and the inspirations are ignored.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from kvsieve.evolve.mutators.structural import KERNELS, TERMS
+from kvsieve.language.program_source import SELECTION_CHOICES, Program, ProgramError
+
+__all__ = ["RandomProgramMutator", "SCALES", "WEIGHTS", "SELECTION_OPTIONS"]
+
+SCALES = ("unit_mean", "normalize", "rank")
+WEIGHTS = (0.1, 0.2, 0.3, 0.5, 1.0)
+SELECTION_OPTIONS = {"chunk_size": (1, 2, 4, 8, 16), "sink": (0, 4, 8, 16), **SELECTION_CHOICES}
+_KERNEL = re.compile(r", (\d+)\)")
+
+
+def random_source(rng: random.Random) -> str:
+    """One random program's text (see the module docstring)."""
+    terms = []
+    for _ in range(rng.randint(1, 3)):
+        signal = _KERNEL.sub(lambda _: f", {rng.choice(KERNELS)})", rng.choice(TERMS))
+        terms.append(f"{rng.choice(WEIGHTS)} * {rng.choice(SCALES)}({signal})")
+    selection = {key: rng.choice(options) for key, options in SELECTION_OPTIONS.items()}
+    if selection["allocation"] != "uniform":  # budgets moved between heads cannot move whole chunks
+        selection["chunk_size"] = 1
+    return (f'"""Random program."""\nSELECTION = {selection!r}\n\n\ndef score(f):\n'
+            f"    return {' + '.join(terms)}\n")
+
+
+class RandomProgramMutator:
+    """``propose`` returns a fresh random program (:func:`random_source`) whatever the parent."""
+
+    name = "random"
+
+    def __init__(self) -> None:
+        self.proposed = 0
+        self.failed = 0
+        self.last_operation = ""
+
+    def propose(self, parent: Program, inspirations: list[Program], rng: random.Random) -> Program | None:
+        self.proposed += 1
+        child = Program(random_source(rng))
+        try:
+            child.selection_params  # noqa: B018 - parses SELECTION, raises if out of range
+        except ProgramError:
+            self.failed += 1
+            return None
+        self.last_operation = "random"
+        return child

@@ -1,0 +1,185 @@
+"""The matched-budget study (issue 50): does evolution find better programs than its controls at equal cost?
+
+Three arms start from the same seed program(s) and evaluate the same number of candidates per run, each run under
+its own seed (``EvolveConfig.seed``: every random choice of the run):
+
+- ``evolve``: the islands and MAP-Elites parents of ``search.py``, structural mutator;
+- ``best_of_n``: every child a structural mutation of the first seed program, no score read (selection only at
+  the end);
+- ``random``: every child a fresh random program (``mutators/random_programs.py``), no parent, no score read.
+
+All runs of a study share one model and one dev set in one process (:func:`run_study`); they grow in rounds of
+``step`` candidates, every run of a round before the next round, so a study stopped at any time holds runs of
+equal budgets (up to one round), and a rerun resumes every run from its database (``search.evolve``).
+
+Each run's program is picked by the fixed rule (``configs/selection.toml``'s ``order``, :func:`pick.pick_among`)
+among its first N evaluated candidates (seeds included; duplicates and unusable proposals cost nothing), for every
+N of the curve; the picks are then scored on held-out requests (:class:`HeldoutScores`, cached by code hash).
+Comparisons pool the seeds: :func:`two_level_interval` resamples seeds and requests.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from kvsieve.evolve.candidate_executor import LocalExecutor
+from kvsieve.evolve.cascade import DevSet, evaluate_program
+from kvsieve.evolve.database import ProgramDatabase, ProgramRecord
+from kvsieve.evolve.evolve_config import EvolveConfig, dev_samples
+from kvsieve.evolve.mutators import make_mutator
+from kvsieve.evolve.pick import pick_among
+from kvsieve.evolve.sandbox import SandboxLimits, require_isolation
+from kvsieve.evolve.search import evolve
+from kvsieve.files import written_whole
+from kvsieve.language.program_source import Program
+
+__all__ = ["ARMS", "StudyRun", "study_runs", "run_study", "evaluated_records", "picks_at", "per_request",
+           "two_level_interval", "HeldoutScores"]
+
+ARMS = {"evolve": dict(strategy="evolve", mutator="structural"),
+        "best_of_n": dict(strategy="best_of_n", mutator="structural"),
+        "random": dict(strategy="best_of_n", mutator="random")}
+SKIPPED = ("duplicate", "no_proposal", "migrated")  # rows that cost no evaluation
+
+
+@dataclass(frozen=True)
+class StudyRun:
+    arm: str
+    seed: int
+    config: EvolveConfig
+
+
+def study_runs(base: EvolveConfig, arms: Iterable[str], seeds: Iterable[int]) -> list[StudyRun]:
+    """One run per (seed, arm): ``base`` with the arm's strategy and mutator, the seed, and its own database and
+    folder under ``base.out`` (``ARM-sSEED.sqlite``); the dev cache stays ``base``'s (shared)."""
+    runs = []
+    for seed in seeds:
+        for arm in arms:
+            if arm not in ARMS:
+                raise ValueError(f"unknown arm {arm!r}; allowed: {', '.join(ARMS)}")
+            name = f"{arm}-s{seed}"
+            config = replace(base, **ARMS[arm], seed=seed, db=str(Path(base.out) / f"{name}.sqlite"),
+                             out=str(Path(base.out) / name), dev_cache=str(base.dev_cache_folder))
+            runs.append(StudyRun(arm, seed, config))
+    return runs
+
+
+def run_study(runs: list[StudyRun], candidates: int, step: int, model, tokenizer, dtype: str, threads_note: str = "",
+              log: Callable[[str], None] = print) -> None:
+    """Grow every run to ``candidates`` evaluated programs in rounds of ``step`` (each round: every run in turn).
+    Rerun to resume: each run continues from its database."""
+    if step < 1 or candidates < 1:
+        raise ValueError(f"candidates and step must be >= 1, got {candidates}, {step}")
+    base = runs[0].config
+    isolation = require_isolation(base.sandbox)
+    dev = DevSet(model, tokenizer, dev_samples(base, tokenizer, base.dev_seed, base.dev_samples), base.ratios,
+                 base.window, base.dev_cache_folder, progress=True)
+    limits = SandboxLimits(timeout_s=base.sandbox_timeout_s, memory_mb=base.sandbox_memory_mb)
+    executor = LocalExecutor(dev, limits, base.fitness, base.dev_cells == "alternate")
+    budgets = sorted({*range(step, candidates + 1, step), candidates})
+    for budget in budgets:
+        for run in runs:
+            config = replace(run.config, candidates=budget)
+            db = ProgramDatabase(config.db)
+            try:
+                db.check_config(config.identity())
+                db.set_meta("isolation", isolation)
+                db.check_dtype(dtype)
+                if threads_note:
+                    db.set_meta("threads", threads_note)
+                if db.evaluated_count() >= budget:
+                    continue
+                start = time.perf_counter()
+                before = db.evaluated_count()
+                evolve(config, executor, make_mutator(config), db, progress=False)
+                done = db.evaluated_count() - before
+                best = db.best()
+                log(f"{time.strftime('%H:%M:%S')} {run.arm}-s{run.seed}: {db.evaluated_count()}/{budget} evaluated "
+                    f"(+{done} in {time.perf_counter() - start:.0f} s), best dev {best.score:.2f}")
+            finally:
+                db.close()
+
+
+def evaluated_records(path: str | Path) -> tuple[dict, list[ProgramRecord]]:
+    """A run's configuration and its evaluated programs in (generation, island, slot) order."""
+    if not Path(path).is_file():
+        raise ValueError(f"no program database at {path}")
+    db = ProgramDatabase(path)  # SQLite's locking lets a running study go on writing it
+    try:
+        config = db.meta("config") or {}
+        records = [r for r in db.records() if r.status not in SKIPPED]
+    finally:
+        db.close()
+    return config, records
+
+
+def picks_at(records: list[ProgramRecord], order: tuple[str, ...], budgets: Iterable[int],
+             heldout: dict[int, float] | None = None) -> dict[int, ProgramRecord | None]:
+    """The rule's pick among the first N evaluated programs, for each N of ``budgets``."""
+    return {n: pick_among(order, records[:n], heldout) for n in budgets}
+
+
+def per_request(cells: dict[str, float]) -> dict[int, float]:
+    """Each request's score averaged over the ratios it was scored at (cells are keyed "sample/ratio")."""
+    by_sample: dict[int, list[float]] = defaultdict(list)
+    for key, value in cells.items():
+        by_sample[int(key.split("/")[0])].append(value)
+    return {k: float(np.mean(v)) for k, v in sorted(by_sample.items())}
+
+
+def two_level_interval(values: np.ndarray, resamples: int = 10_000, seed: int = 0,
+                       level: float = 0.95) -> tuple[float, float, float]:
+    """Mean of a (seeds, requests) array and its percentile-bootstrap interval, resampling the seeds (rows) and,
+    independently, the requests (columns, the same draw for every row: the requests are shared), each with
+    replacement: the interval covers both the run-to-run and the request-to-request variation."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.ndim != 2 or x.size == 0:
+        raise ValueError(f"two_level_interval needs a non-empty (seeds, requests) array, got shape {x.shape}")
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(0, x.shape[0], (resamples, x.shape[0]))
+    cols = rng.integers(0, x.shape[1], (resamples, x.shape[1]))
+    means = np.array([x[np.ix_(r, c)].mean() for r, c in zip(rows, cols)])
+    low, high = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+    return float(x.mean()), float(low), float(high)
+
+
+class HeldoutScores:
+    """Held-out scores of programs by code hash, in a JSON file written whole after each program: ``task`` (the
+    decoded answers' task metric, every request at every ratio) and ``likelihood`` (the graded fitness on the same
+    cells), each with its cells."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.scores: dict[str, dict] = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        self.dev: DevSet | None = None
+
+    def __contains__(self, code_hash: str) -> bool:
+        return code_hash in self.scores
+
+    def get(self, code_hash: str) -> dict:
+        return self.scores[code_hash]
+
+    def score(self, record: ProgramRecord, held: Callable[[], DevSet], limits: SandboxLimits) -> dict:
+        """The held-out scores of ``record`` (evaluated once; ``held`` builds the held-out dev set when first
+        needed)."""
+        if record.code_hash not in self.scores:
+            if self.dev is None:
+                self.dev = held()
+            program = Program(record.source)
+            entry = {}
+            for fitness in ("task", "likelihood"):
+                evaluation = evaluate_program(program, self.dev, limits, fitness=fitness)
+                entry[fitness] = evaluation.score
+                entry[f"{fitness}_cells"] = evaluation.cells
+                entry[f"{fitness}_status"] = evaluation.status
+            self.scores[record.code_hash] = entry
+            with written_whole(self.path) as tmp:
+                tmp.write_text(json.dumps(self.scores, indent=0, sort_keys=True))
+        return self.scores[record.code_hash]

@@ -1,0 +1,194 @@
+"""The matched-budget study's report: each run's pick on held-out requests, the arms compared pooled over seeds, the
+best-so-far curve, and (optionally) how well the dev fitness ranks programs as held-out accuracy does."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from kvsieve.evolve.cascade import DevSet
+from kvsieve.evolve.database import ProgramRecord
+from kvsieve.evolve.evolve_config import EvolveConfig, dev_samples
+from kvsieve.evolve.sandbox import SandboxLimits
+from kvsieve.evolve.study import HeldoutScores, StudyRun, evaluated_records, per_request, picks_at, two_level_interval
+
+__all__ = ["study_report", "spearman", "spread_programs"]
+
+PAIRS = (("evolve", "best_of_n"), ("evolve", "random"), ("best_of_n", "random"))
+
+
+def spearman(x, y) -> float:
+    """Spearman's rank correlation (average ranks for ties): Pearson's correlation of the ranks."""
+    from scipy.stats import rankdata
+
+    rx, ry = rankdata(x), rankdata(y)
+    if rx.std() == 0 or ry.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def spearman_interval(x, y, resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """Spearman's rho and its 95% percentile-bootstrap interval over the programs (pairs resampled)."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    rng = np.random.default_rng(seed)
+    draws = [spearman(x[i], y[i]) for i in rng.integers(0, len(x), (resamples, len(x)))]
+    low, high = np.nanquantile(draws, [0.025, 0.975])
+    return spearman(x, y), float(low), float(high)
+
+
+def spread_programs(records: list[ProgramRecord], count: int) -> list[ProgramRecord]:
+    """``count`` distinct scored programs spread evenly over the dev fitness (sorted by it, evenly spaced)."""
+    distinct: dict[str, ProgramRecord] = {}
+    for record in records:
+        if record.score is not None:
+            distinct.setdefault(record.code_hash, record)
+    ordered = sorted(distinct.values(), key=lambda r: (r.score, r.code_hash))
+    if len(ordered) <= count:
+        return ordered
+    return [ordered[round(i * (len(ordered) - 1) / (count - 1))] for i in range(count)]
+
+
+def _fmt(mean: float, low: float, high: float, signed: bool = False) -> str:
+    f = "{:+.1f}" if signed else "{:.1f}"
+    return f"{f.format(mean)} [{f.format(low)}, {f.format(high)}]"
+
+
+def study_report(base: EvolveConfig, runs: list[StudyRun], order: tuple[str, ...], every: int, correlation: int,
+                 loader: Callable) -> str:
+    """Markdown: the runs, their picks' held-out scores, the pooled comparisons, the curve (also ``OUT/curve.png``)
+    and, with ``correlation`` > 0, the fitness's rank agreement with held-out accuracy."""
+    found = {}
+    for run in runs:
+        if Path(run.config.db).is_file():
+            found[(run.arm, run.seed)] = evaluated_records(run.config.db)[1]
+    if not found:
+        raise ValueError(f"no study database under {base.out}")
+    budget = min(len(r) for r in found.values())
+    marks = sorted({*range(every, budget + 1, every), budget})
+    picks = {key: picks_at(records, order, marks) for key, records in found.items()}
+    cache = HeldoutScores(Path(base.out) / "heldout.json")
+    limits = SandboxLimits(timeout_s=base.sandbox_timeout_s, memory_mb=base.sandbox_memory_mb)
+    loaded: dict = {}
+
+    def held() -> DevSet:
+        model, tokenizer = loader(base.model, dtype=base.dtype)
+        loaded["model"] = model
+        return DevSet(model, tokenizer, dev_samples(base, tokenizer, base.heldout_seed, base.heldout_samples),
+                      base.ratios, base.window, Path(base.out) / "heldout-cache", progress=True)
+
+    def score(record: ProgramRecord) -> dict:
+        if record.code_hash not in cache:
+            print(f"held-out: program #{record.id} (dev {record.score:.2f})", file=sys.stderr, flush=True)
+        return cache.score(record, held, limits)
+
+    seed_record = next(iter(found.values()))[0]
+    for n in [budget] + marks[::-1]:  # the final picks first, then the curve from the end
+        for key in found:
+            score(picks[key][n])
+    score(seed_record)
+    arms = list(dict.fromkeys(arm for arm, _ in found))
+    seeds = sorted({seed for _, seed in found})
+    lines = [f"Study: {len(found)} runs ({', '.join(arms)} x seeds {', '.join(map(str, seeds))}), {budget} evaluated "
+             f"candidates each (seed program included); dev fitness: {base.fitness} over {base.dev_samples} x "
+             f"{len(base.tasks)} requests ({base.dev_cells} cells); held-out: {base.heldout_samples} x "
+             f"{len(base.tasks)} requests (seeds from {base.heldout_seed}) at ratios {base.ratios}, decoded; the pick: "
+             f"order {list(order)}.", ""]
+    seed_held = cache.get(seed_record.code_hash)
+    lines += [f"Seed program #{seed_record.id} ({seed_record.operation}): dev {seed_record.score:.2f}, held-out "
+              f"accuracy {seed_held['task']:.1f}, held-out likelihood {seed_held['likelihood']:.2f}", "",
+              "| arm | seed | pick (generation) | dev fitness | held-out accuracy | held-out likelihood |",
+              "|---|---:|---|---:|---:|---:|"]
+    for arm in arms:
+        for seed in seeds:
+            if (arm, seed) not in found:
+                continue
+            p = picks[(arm, seed)][budget]
+            h = cache.get(p.code_hash)
+            lines.append(f"| {arm} | {seed} | #{p.id} ({p.generation}) | {p.score:.2f} | {h['task']:.1f} | "
+                         f"{h['likelihood']:.2f} |")
+
+    def matrix(arm: str, n: int, measure: str) -> np.ndarray:
+        rows = []
+        for seed in seeds:
+            cells = cache.get(picks[(arm, seed)][n].code_hash)[f"{measure}_cells"]
+            rows.append(list(per_request(cells).values()))
+        return np.array(rows)
+
+    seed_cells = {m: np.array(list(per_request(seed_held[f"{m}_cells"]).values())) for m in ("task", "likelihood")}
+    lines += ["", f"Pooled over seeds at {budget} candidates (held-out, per request averaged over the ratios; 95% "
+              "bootstrap resampling seeds and requests):", "",
+              "| comparison | accuracy difference | likelihood difference |", "|---|---|---|"]
+    for a, b in PAIRS + tuple((arm, "seed") for arm in arms):
+        if a not in arms or (b not in arms and b != "seed"):
+            continue
+        out = []
+        for measure in ("task", "likelihood"):
+            other = matrix(b, budget, measure) if b != "seed" else seed_cells[measure][None, :]
+            out.append(_fmt(*two_level_interval(matrix(a, budget, measure) - other), signed=True))
+        lines.append(f"| {a} - {'seed program' if b == 'seed' else b} | {out[0]} | {out[1]} |")
+    per_seed = []
+    for seed in seeds:
+        if ("evolve", seed) in found and ("best_of_n", seed) in found:
+            d = matrix("evolve", budget, "task")[seeds.index(seed)] - matrix("best_of_n", budget, "task")[
+                seeds.index(seed)]
+            per_seed.append(f"seed {seed}: {d.mean():+.1f}")
+    if per_seed:
+        lines += ["", "Evolution - best-of-N accuracy per seed: " + "; ".join(per_seed)]
+    lines += ["", "Best-so-far curve: held-out accuracy of the rule's pick among the first N candidates (mean over "
+              "seeds [95% bootstrap over seeds and requests]); dev fitness of the pick (mean over seeds)", "",
+              "| N | " + " | ".join(f"{a}: held-out | {a}: dev" for a in arms) + " |",
+              "|---:|" + "---|---:|" * len(arms)]
+    curve = {a: [] for a in arms}
+    for n in marks:
+        cols = []
+        for arm in arms:
+            m = two_level_interval(matrix(arm, n, "task"))
+            curve[arm].append(m)
+            dev = np.mean([picks[(arm, s)][n].score for s in seeds])
+            cols += [_fmt(*m), f"{dev:.2f}"]
+        lines.append(f"| {n} | " + " | ".join(cols) + " |")
+    _plot(curve, marks, Path(base.out) / "curve.png")
+    lines += ["", f"Curve: {Path(base.out) / 'curve.png'}"]
+    if correlation > 0:
+        pooled = [r for records in found.values() for r in records]
+        chosen = spread_programs(pooled, correlation)
+        for record in chosen:
+            score(record)
+        dev = [r.score for r in chosen]
+        acc = [cache.get(r.code_hash)["task"] for r in chosen]
+        lik = [cache.get(r.code_hash)["likelihood"] for r in chosen]
+        lines += ["", f"Fitness vs accuracy over {len(chosen)} distinct programs of the study (spread over the dev "
+                  "fitness): Spearman's rho [95% bootstrap over programs]", "",
+                  f"- held-out likelihood vs held-out accuracy (same requests): {_rho(lik, acc)}",
+                  f"- dev fitness vs held-out accuracy: {_rho(dev, acc)}",
+                  f"- held-out accuracy range {min(acc):.1f}-{max(acc):.1f}, distinct values {len(set(acc))}"]
+    return "\n".join(lines)
+
+
+def _rho(x, y) -> str:
+    rho, low, high = spearman_interval(x, y)
+    return f"{rho:.2f} [{low:.2f}, {high:.2f}]"
+
+
+def _plot(curve: dict, marks: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for arm, points in curve.items():
+        mean = [p[0] for p in points]
+        ax.plot(marks, mean, marker="o", label=arm)
+        ax.fill_between(marks, [p[1] for p in points], [p[2] for p in points], alpha=0.15)
+    ax.set_xlabel("candidates evaluated")
+    ax.set_ylabel("held-out accuracy of the rule's pick")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
