@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from kvsieve.tasks import haystack as hs
 from kvsieve.tasks.sample import Sample
 
-__all__ = ["TASKS", "generate", "generate_many", "fit_units", "task_family"]
+__all__ = ["TASKS", "Needles", "draw_needles", "generate", "generate_many", "fit_units", "needle", "task_family"]
 
 CountTokens = Callable[[str], int]
 
@@ -105,8 +105,63 @@ def _number(rng: random.Random) -> str:
     return str(rng.randint(1_000_000, 9_999_999))  # 7 digits, as in RULER
 
 
-def _needle(kind: str, key: str, value: str) -> str:
+def needle(kind: str, key: str, value: str) -> str:
+    """RULER's needle sentence; ``kind`` is the values' plural (``numbers``, ``uuids``)."""
     return f"One of the special magic {kind} for {key} is: {value}."
+
+
+def _clashes(key: str, others: Iterable[str]) -> bool:
+    """'purple-lake' inside 'purple-lakeshore' would make matching the answer's key ambiguous."""
+    return any(key in o or o in key for o in others)
+
+
+@dataclass
+class Needles:
+    """The keys and values of a NIAH task's needles: ``values[i]`` are key ``i``'s, all values distinct."""
+
+    value_kind: str  # "numbers" or "uuids"
+    keys: list[str]
+    values: list[list[str]]
+    make_key: Callable[[random.Random], str]
+    make_value: Callable[[random.Random], str]
+
+    def distractors(self) -> Callable[[random.Random], str]:
+        """A maker of distractor needles (for a haystack of needles): each with a key and a value not used
+        before in this sample and a key that clashes with none of the real ones."""
+        taken = set(self.keys)
+        used = {v for row in self.values for v in row}
+
+        def distractor(r: random.Random) -> str:
+            while True:
+                k, v = self.make_key(r), self.make_value(r)
+                if k not in taken and v not in used and not _clashes(k, self.keys):
+                    taken.add(k)
+                    return needle(self.value_kind, k, v)
+
+        return distractor
+
+
+def draw_needles(rng: random.Random, key_kind: str, value_kind: str, n_keys: int, n_values: int) -> Needles:
+    """``n_keys`` distinct, non-clashing keys (``words`` or ``uuids``), then ``n_values`` values (``numbers`` or
+    ``uuids``) per key, none repeated; drawn from ``rng`` in that order (both RULER layouts use it)."""
+    make_key = _word_key if key_kind == "words" else _uuid
+    make_value = _number if value_kind == "numbers" else _uuid
+    keys: list[str] = []
+    while len(keys) < n_keys:
+        k = make_key(rng)
+        if not _clashes(k, keys):
+            keys.append(k)
+    values: list[list[str]] = []
+    seen: set[str] = set()
+    for _ in keys:
+        row: list[str] = []
+        while len(row) < n_values:
+            v = make_value(rng)
+            if v not in seen:
+                seen.add(v)
+                row.append(v)
+        values.append(row)
+    return Needles(value_kind, keys, values, make_key, make_value)
 
 
 def _interleave(
@@ -233,31 +288,12 @@ _NIAH: dict[str, tuple[str, str, str, int, int, int]] = {
 def _niah(task: str, seed: int) -> _Spec:
     hay, key_type, value_type, n_keys, n_values, n_queries = _NIAH[task]
     rng = _rng(task, seed)
-    make_key = _word_key if key_type == "words" else _uuid
-    make_value = _number if value_type == "numbers" else _uuid
     singular = value_type[:-1]
-
-    def clashes(k: str, others: Iterable[str]) -> bool:  # 'purple-lake' vs 'purple-lakeshore'
-        return any(k in o or o in k for o in others)
-
-    keys: list[str] = []
-    while len(keys) < n_keys:
-        k = make_key(rng)
-        if not clashes(k, keys):
-            keys.append(k)
-    values: list[list[str]] = []
-    seen_values: set[str] = set()
-    for _ in keys:
-        vs: list[str] = []
-        while len(vs) < n_values:
-            v = make_value(rng)
-            if v not in seen_values:
-                seen_values.add(v)
-                vs.append(v)
-        values.append(vs)
+    drawn = draw_needles(rng, key_type, value_type, n_keys, n_values)
+    keys, values = drawn.keys, drawn.values
     queries = keys[:n_queries]
     items = [
-        (rng.random(), _needle(value_type, k, v), ki < n_queries)
+        (rng.random(), needle(value_type, k, v), ki < n_queries)
         for ki, (k, vs) in enumerate(zip(keys, values, strict=True))
         for v in vs
     ]
@@ -271,16 +307,7 @@ def _niah(task: str, seed: int) -> _Spec:
         stream = hs.ProseStream(f"{task}:{seed}")
         units = stream.sentences
     else:  # a haystack of distractor needles with other keys and values
-        used_keys = set(keys)
-
-        def distractor(r: random.Random) -> str:
-            while True:
-                k, v = make_key(r), make_value(r)
-                if k not in used_keys and v not in seen_values and not clashes(k, keys):
-                    used_keys.add(k)
-                    return _needle(value_type, k, v)
-
-        units = hs.UnitStream(distractor, f"{task}:{seed}").take
+        units = hs.UnitStream(drawn.distractors(), f"{task}:{seed}").take
 
     head = (
         f"Some special magic {value_type} are hidden within the following text. Make sure to memorize it. "

@@ -17,7 +17,9 @@ the first, that differs the way a user's data may:
   and distractor needles for the multikey tasks.
 
 The needle sentence, questions and metric stay RULER's ("One of the special magic numbers for
-{key} is: {value}.", string_match_all), so scores compare with the first layout task by task.
+{key} is: {value}.", string_match_all), so scores compare with the first layout task by task; the needles'
+keys and values (and the distractor needles) are drawn as the first layout draws them
+(:func:`kvsieve.tasks.ruler.draw_needles`, from this layout's own seed), so only the layout differs.
 Task names carry the prefix ``fmt2:`` (``fmt2:niah_single_1``); :func:`base_task` strips it.
 Deterministic for ``(task, length, seed)`` and the tokenizer.
 """
@@ -26,12 +28,11 @@ from __future__ import annotations
 
 import random
 import string
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvsieve.tasks import haystack as hs
-from kvsieve.tasks.ruler import fit_units
+from kvsieve.tasks.ruler import draw_needles, fit_units, needle
 from kvsieve.tasks.sample import Sample
 
 __all__ = ["PREFIX", "TASKS", "base_task", "generate", "is_alt_task"]
@@ -133,44 +134,13 @@ def _lines(layout: _Layout, n: int) -> tuple[str, list[tuple[int, int]]]:
     return text, spans
 
 
-def _word_key(rng: random.Random) -> str:
-    return f"{rng.choice(hs.adjectives())}-{rng.choice(hs.nouns())}"
-
-
-def _uuid(rng: random.Random) -> str:
-    return str(uuid.UUID(int=rng.getrandbits(128), version=4))
-
-
-def _number(rng: random.Random) -> str:
-    return str(rng.randint(1_000_000, 9_999_999))
-
-
 def _niah(task: str, seed: int) -> _Layout:
     hay, key_kind, value_kind, n_keys, n_values, n_asked = _NIAH[base_task(task)]
     rng = _rng(task, seed, "needles")
-    make_key = _word_key if key_kind == "words" else _uuid
-    make_value = _number if value_kind == "numbers" else _uuid
     one = value_kind[:-1]  # "number" / "uuid"
-
-    def overlaps(k: str, others) -> bool:  # 'blue-lake' inside 'blue-lakeside' would make matching ambiguous
-        return any(k in o or o in k for o in others)
-
-    keys: list[str] = []
-    while len(keys) < n_keys:
-        k = make_key(rng)
-        if not overlaps(k, keys):
-            keys.append(k)
-    values: list[list[str]] = []
-    used: set[str] = set()
-    for _ in keys:
-        row: list[str] = []
-        while len(row) < n_values:
-            v = make_value(rng)
-            if v not in used:
-                used.add(v)
-                row.append(v)
-        values.append(row)
-    items = [(rng.random(), f"One of the special magic {value_kind} for {k} is: {v}.", i < n_asked)
+    drawn = draw_needles(rng, key_kind, value_kind, n_keys, n_values)  # the first layout's drawing, this rng
+    keys, values = drawn.keys, drawn.values
+    items = [(rng.random(), needle(value_kind, k, v), i < n_asked)
              for i, (k, row) in enumerate(zip(keys, values, strict=True)) for v in row]
 
     if hay == "noise":
@@ -179,16 +149,7 @@ def _niah(task: str, seed: int) -> _Layout:
     elif hay == "prose":
         units = _Prose(f"{task}:{seed}").take
     else:
-        taken = set(keys)
-
-        def distractor(r: random.Random) -> str:
-            while True:
-                k, v = make_key(r), make_value(r)
-                if k not in taken and v not in used and not overlaps(k, keys):
-                    taken.add(k)
-                    return f"One of the special magic {value_kind} for {k} is: {v}."
-
-        units = hs.UnitStream(distractor, f"fmt2:{task}:{seed}").take
+        units = hs.UnitStream(drawn.distractors(), f"fmt2:{task}:{seed}").take
 
     hidden = len(items)
     if hay == "needles":

@@ -327,3 +327,24 @@ def test_longbench_errors(tmp_path):
     path.write_text(json.dumps(dict(good, answers=[])) + "\n")
     with pytest.raises(ValueError, match="answers"):
         load_longbench(path)
+
+
+PINNED_NEEDLES = "700be282e643252ca82232aabc8fc8296cad43f36fb7828c1b1edfc8c75bff2c"  # the same before and after the shared drawing (checked on 84 samples of both layouts)
+
+
+def test_needle_samples_of_both_layouts_are_pinned():
+    """The NIAH samples of both layouts, byte for byte, as they were before the layouts shared their key and value
+    drawing (ruler.draw_needles, issue 52): stored rows name samples by (task, length, seed), so their text must
+    not move. sha256 over context, question, answer prefix, answers, spans and max_new_tokens."""
+    import hashlib
+
+    from kvsieve.tasks import ruler, ruler_alt
+
+    digest = hashlib.sha256()
+    for module in (ruler, ruler_alt):
+        for task in [t for t in module.TASKS if "niah" in t]:
+            for length, seed in ((600, 0), (600, 1), (3000, 2)):
+                s = module.generate(task, length, seed, lambda text: len(text) // 4)
+                digest.update(json.dumps([s.context, s.question, s.answer_prefix, s.answers, s.spans,
+                                          s.max_new_tokens]).encode())
+    assert digest.hexdigest() == PINNED_NEEDLES
