@@ -229,7 +229,7 @@ class _Run:
         if self.shared is not None:
             left = self.shared.seconds - self.shared.spent
             if left <= 0:
-                raise WallClockExceeded(f"{program.filename}: the run's budget of {self.shared.seconds:g} s for "
+                raise WallClockExceeded(f"{program.filename}: limit: the run's budget of {self.shared.seconds:g} s for "
                                         "programs is spent")
             if self.deadline is None or self.started + left < self.deadline:
                 self.deadline = self.started + left
@@ -252,7 +252,7 @@ class _Run:
         for index in order:
             node = graph.nodes[index]
             if self.deadline is not None and node.computes and time.monotonic() > self.deadline:
-                raise WallClockExceeded(f"{self.p.where(index)}: {self.deadline_why}")
+                raise WallClockExceeded(f"{self.p.where(index)}: limit: {self.deadline_why}")
             values[index] = self.node(index, [values[i] for i in node.inputs])
             for i in node.inputs:
                 uses[i] -= 1

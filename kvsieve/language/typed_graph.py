@@ -110,6 +110,12 @@ def build_graph(source: str, filename: str = "<program>") -> TypedGraph:
         raise ProgramRefused(f"{filename}: the program nests too deeply") from None
 
 
+def _short(node: ast.AST, limit: int = 60) -> str:
+    """The source of ``node``, cut to ``limit`` characters (an error never echoes a whole hostile line)."""
+    text = ast.unparse(node)
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
 def _describe(node: ast.AST) -> str:
     names = {ast.For: "a for loop", ast.While: "a while loop", ast.If: "an if statement", ast.IfExp: "a conditional",
              ast.AugAssign: "augmented assignment (x += y)", ast.Subscript: "indexing", ast.Tuple: "a tuple",
@@ -237,7 +243,7 @@ class _Builder:
                     raise self.refuse(node, f"{self.param}.{node.attr} is not a feature; the features are "
                                             + ", ".join(ops.FEATURE_TYPES))
                 return self.add(Node("feature", node.attr, (), ops.FEATURE_TYPES[node.attr], line))
-            raise self.refuse(node, f"attribute access {ast.unparse(node)!r} is not allowed (only "
+            raise self.refuse(node, f"attribute access {_short(node)} is not allowed (only "
                                     f"{self.param}.<feature>; torch.NAME only as a call)")
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
             inner = self.expr(node.operand, depth + 1)
@@ -302,7 +308,7 @@ class _Builder:
             name = f"torch.{func.attr}"
         else:
             allowed = ", ".join(ops.FUNCTIONS)
-            raise self.refuse(node, f"{ast.unparse(func)!r} is not an operation of the language; the operations "
+            raise self.refuse(node, f"{_short(func)} is not an operation of the language; the operations "
                                     f"are {allowed}")
         op = ops.FUNCTIONS[name]
         if node.keywords:
@@ -318,7 +324,7 @@ class _Builder:
             if isinstance(arg, ast.UnaryOp) and isinstance(arg.op, ast.USub) and kind == "number":
                 arg, sign = arg.operand, -1
             if not isinstance(arg, ast.Constant):
-                raise self.refuse(arg, f"{name}: argument must be a number literal, got {ast.unparse(arg)!r}")
+                raise self.refuse(arg, f"{name}: argument must be a number literal, got {_short(arg)}")
             try:
                 value = ops.check_literal(kind, arg.value)
             except ops.TypeRefusal as err:

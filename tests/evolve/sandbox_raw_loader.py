@@ -13,6 +13,6 @@ from kvsieve.language import program_features as features
 
 
 def load(source: str):
-    namespace = {"__builtins__": builtins, "torch": torch, **features.HELPERS, **features.MATH_CONSTANTS}
+    namespace = {"__builtins__": builtins, "torch": torch, **features.HELPERS}
     exec(compile(source, "candidate", "exec"), namespace)  # noqa: S102 - the point of this file
     return namespace["score"]

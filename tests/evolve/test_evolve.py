@@ -212,8 +212,7 @@ def test_scale_helpers_divide_by_a_magnitude_whatever_the_sign():
     a = x.numpy()
     expected_mean = a / np.abs(a).mean(axis=-1, keepdims=True)
     expected_max = a / np.abs(a).max(axis=-1, keepdims=True)
-    program = ScoreProgram("def score(f):\n    return unit_mean(f.key_norm) + 10.0 * normalize(f.key_norm)\n",
-                           static_check=False)
+    program = ScoreProgram("def score(f):\n    return unit_mean(f.key_norm) + 10.0 * normalize(f.key_norm)\n")
     f = synthetic_features(0, n=4, window=2)
     f.key_norm = x
     assert np.allclose(program(f).numpy(), expected_mean + 10 * expected_max)

@@ -239,8 +239,8 @@ def test_stage1_failures_are_invalid(source, status, needle, features_path):
 
 
 def test_candidate_exception_is_a_short_error():
-    # synthetic features sit at layer 0.5: a division by zero of numbers, the program's own run-time error
-    result = run_in_sandbox(body("return f.key_norm * (1 / (f.layer - 0.5))"), window=WINDOW, limits=FAST)
+    # a division by zero of numbers: the program's own run-time error
+    result = run_in_sandbox(body("return f.key_norm * (1 / (f.window - f.window))"), window=WINDOW, limits=FAST)
     assert result.status == "error"
     assert result.reason.startswith("ProgramFailed: program line 2: ZeroDivisionError"), result.reason
     assert "/" not in result.reason.split("ZeroDivisionError")[0]  # no traceback, no paths
