@@ -48,13 +48,15 @@ class HeldOut:
 
     @torch.no_grad()
     def evaluate(self, make_policy, step: int) -> list[dict]:
-        """Rows ``{step, episode, ratio, kl}``; ``make_policy()`` gives a fresh greedy policy."""
+        """Rows ``{step, episode, ratio, kl}``; ``make_policy(shared)`` gives a fresh greedy policy, ``shared`` a dict
+        its scores of one request's cache may be kept in for the other ratios (or ignored)."""
         rows = []
         for index, episode in enumerate(self.episodes):
             cache, teacher = self._prepared(index)
+            shared: dict = {}
             for ratio in self.ratios:
                 kept = Budget(ratio=ratio).resolve(episode.context.shape[1])
-                result = rollout(self.model, episode, make_policy(), "prefill", kept, 1, teacher, cache)
+                result = rollout(self.model, episode, make_policy(shared), "prefill", kept, 1, teacher, cache)
                 rows.append({"step": step, "episode": episode.name or str(index), "ratio": ratio,
                              "kl": float(result.kl.mean()) if result.kl.numel() else 0.0})
         return rows

@@ -164,22 +164,32 @@ class Trainer:
                 self.net.load_state_dict(initial_weights(config.init, shape, self.net.config))
         # the warm start, frozen: the trust region's reference (the weights before any step, also on resume)
         self.warm = copy.deepcopy(self.net).eval().requires_grad_(False)
-        self.optimizer = torch.optim.Adam(self.net.parameters(), lr=config.lr)
+        if config.trainable == "bias":  # the output biases: per (layer, head) for the linear variant
+            for name, parameter in self.net.named_parameters():
+                parameter.requires_grad_(name in ("linear_bias", "mlp_b2"))
+        self.optimizer = torch.optim.Adam([p for p in self.net.parameters() if p.requires_grad], lr=config.lr)
         self.baseline = torch.zeros(0, dtype=torch.float64)  # running mean of G per decision index
         self.teachers: dict[int, Teacher] = {}
         self.context_caches: dict = {}  # prefill mode: the context's full cache, once per episode (rollouts clone it)
         self.step = 0
+        self._step_logits: dict = {}  # logits_of's memo, emptied every step
 
-    def rollout_policy(self, generator: torch.Generator | None, record: bool = True):
-        """The network as a policy: Gumbel-perturbed with ``generator``, greedy without."""
+    def rollout_policy(self, generator: torch.Generator | None, record: bool = True, shared: dict | None = None):
+        """The network as a policy: Gumbel-perturbed with ``generator``, greedy without; ``shared``: the surrogate's
+        scores of one cache, kept for the other rollouts on copies of it with the same weights."""
         c = self.config
         if self.kvzap_meta is not None:
-            return KVzapRolloutPolicy(self.net, self.kvzap_meta, c.temperature, generator, record)
+            return KVzapRolloutPolicy(self.net, self.kvzap_meta, c.temperature, generator, record, shared)
         return RolloutPolicy(self.net, self.shape, c.window, generator, record=record, temperature=c.temperature)
 
     def logits_of(self, net: torch.nn.Module, decision: Decision) -> torch.Tensor:
         if self.kvzap_meta is not None:
-            return kvzap_decision_logits(net, decision, self.kvzap_meta["variant"], self.config.temperature)
+            # a step's rollouts share their inputs (copies of one cache): the logits, with their graph, once per step
+            key = (id(net), tuple(id(inputs) for _, inputs in decision.features))
+            if key not in self._step_logits:
+                self._step_logits[key] = kvzap_decision_logits(net, decision, self.kvzap_meta["variant"],
+                                                               self.config.temperature)
+            return self._step_logits[key]
         return keepnet_logits(net, decision) / self.config.temperature
 
     # -- checkpoints --------------------------------------------------------------------------------
@@ -275,19 +285,21 @@ class Trainer:
             context_cache = self.context_caches[index]
         teacher = self.teacher(index, context_cache)
         groups, overhead, greedy_rewards = [], 0.0, []
+        shared: dict | None = {} if c.mode == "prefill" else None  # every rollout compresses a copy of one cache
+        self._step_logits = {}
         for ratio in ratios:  # one prefill (the cached context) serves every budget
             kept = Budget(ratio=ratio).resolve(episode.context.shape[1])
             check_budget(c, episode, kept, ratio)
             samples = []
             for r in range(c.rollouts):
                 parts = (c.seed, "noise", step, r) if len(ratios) == 1 else (c.seed, "noise", step, ratio, r)
-                policy = self.rollout_policy(seeded_generator(*parts))
+                policy = self.rollout_policy(seeded_generator(*parts), shared=shared)
                 samples.append(rollout(self.model, episode, policy, c.mode, kept, c.chunk_size, teacher,
                                        context_cache))
                 overhead += samples[-1].overhead_seconds
             greedy_returns = {}
             if c.baseline == "greedy":
-                policy = self.rollout_policy(None, record=False)
+                policy = self.rollout_policy(None, record=False, shared=shared)
                 greedy = rollout(self.model, episode, policy, c.mode, kept, c.chunk_size, teacher, context_cache)
                 greedy_returns, reward = step_returns(greedy), greedy.reward
                 greedy_rewards.append(reward)
@@ -325,6 +337,7 @@ class Trainer:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.net.parameters(), c.grad_clip))
         self.optimizer.step()
         self.net.eval()
+        self._step_logits = {}
         if c.baseline == "mean":
             self._update_mean(returns_by_index)
         self.step += 1
@@ -445,7 +458,8 @@ def reinforce(config: TrainConfig, model, episodes: list[Episode], progress: boo
     def evaluate() -> bool:
         """Held-out KL at this step (unless a saved run already has it); True when the rule says stop."""
         if not any(r["step"] == trainer.step for r in evaluations):
-            evaluations.extend(evaluator.evaluate(lambda: trainer.rollout_policy(None, record=False), trainer.step))
+            evaluations.extend(evaluator.evaluate(lambda shared: trainer.rollout_policy(None, False, shared),
+                                                  trainer.step))
             if rule.verdict(mean_by_step(evaluations)).best_step == trainer.step:
                 trainer.save_policy(out)  # the best so far is what the run ships
             write_heldout(heldout_path, evaluations)

@@ -33,6 +33,7 @@ MODES = ("decode", "prefill")
 OBJECTIVES = ("reinforce", "imitate", "kvzap")
 BASELINES = ("greedy", "mean", "loo")
 NETWORKS = ("keepnet", "kvzap")
+TRAINABLE = ("all", "bias")
 # fields that may change when a run is resumed (how long and where, not what it learns)
 RESUMABLE = ("steps", "out", "save_every")
 
@@ -95,6 +96,9 @@ class TrainConfig:
     eval_seed: int = 6000
     patience: int = 0
     min_delta: float = 0.0
+    # network "kvzap": which weights REINFORCE moves, "all" or "bias" (the per-layer, per-head output bias only:
+    # with global allocation it moves budget between heads and layers and leaves each head's ranking to the surrogate)
+    trainable: str = "all"
 
     def __post_init__(self) -> None:
         def positive_int(name: str, minimum: int = 1) -> None:
@@ -116,6 +120,10 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if self.trainable not in TRAINABLE:
+            raise ValueError(f"trainable {self.trainable!r} is not one of {', '.join(TRAINABLE)}")
+        if self.trainable != "all" and self.network != "kvzap":
+            raise ValueError(f"trainable {self.trainable!r} applies to network 'kvzap', not {self.network!r}")
         if self.baseline == "loo" and self.rollouts < 2:
             raise ValueError(f"baseline 'loo' (leave-one-out) needs rollouts >= 2, got {self.rollouts}")
         if self.eval_every and self.mode != "prefill":

@@ -145,3 +145,16 @@ def test_step_0_keeps_exactly_what_the_shipped_surrogate_keeps_on_smollm2(smollm
     teacher = teacher_for(model, ep, "prefill", config.window, 1, 256, cache)
     result = rollout(model, ep, trainer.rollout_policy(None, record=False), "prefill", kept, 1, teacher, cache)
     assert result.kl.numel() == ep.continuation.shape[1]
+
+
+def test_trainable_bias_moves_only_the_output_biases(setup):
+    model, path = setup
+    config = TrainConfig(init=str(path), ratios=[0.5, 0.75], all_ratios=True, rollouts=2, baseline="loo",
+                         trainable="bias", steps=1, out="unused", **COMMON)
+    trainer = reinforce_module.Trainer(config, model, ModelShape.of(model, "tiny-llama"), [episode(0, 80, 12)])
+    before = {k: v.clone() for k, v in trainer.net.state_dict().items()}
+    trainer.run_step()
+    moved = {k for k, v in trainer.net.state_dict().items() if not torch.equal(v, before[k])}
+    assert moved == {"linear_bias"}
+    with pytest.raises(ValueError, match="trainable 'bias' applies to network 'kvzap', not 'keepnet'"):
+        TrainConfig(trainable="bias")
