@@ -311,7 +311,7 @@ class Growth:
         return f"{t1 / 1e3:.0f} us at n {n1}, {t2 / 1e3:.0f} us at n {n2} (grows as n^{self.exponent:.2f})"
 
 
-def work_growth(program: ScoreProgram, n: int = 4096, batch: int = 1, kv_heads: int = 8, group: int = 4) -> Growth:
+def work_growth(program: ScoreProgram, n: int = 1 << 16, batch: int = 1, kv_heads: int = 8, group: int = 4) -> Growth:
     """The predicted time of ``program`` at ``n`` and ``2 n`` entries (no operation runs). Every operation is linear
     in n but ``rank``; per-call overheads make small n look flatter, so measure at thousands of entries."""
     times = [program.predict(batch, kv_heads, group, size).total_ns for size in (n, 2 * n)]

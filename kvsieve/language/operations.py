@@ -117,10 +117,12 @@ def _clamp(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
     return torch.clamp(x, min=lo, max=hi)
 
 
+# name -> (doc, calibration class): a memory-bound pass ("cheap"), a transcendental ("exp"), trigonometry, tanh
 _ELEMENTWISE = {
-    "abs": "absolute value", "exp": "exponential", "log": "natural logarithm", "log1p": "log(1 + x)",
-    "sqrt": "square root", "sigmoid": "logistic sigmoid", "tanh": "hyperbolic tangent", "relu": "max(x, 0)",
-    "sign": "-1, 0 or 1", "square": "x * x", "sin": "sine", "cos": "cosine",
+    "abs": ("absolute value", "cheap"), "exp": ("exponential", "exp"), "log": ("natural logarithm", "exp"),
+    "log1p": ("log(1 + x)", "exp"), "sqrt": ("square root", "exp"), "sigmoid": ("logistic sigmoid", "exp"),
+    "tanh": ("hyperbolic tangent", "tanh"), "relu": ("max(x, 0)", "cheap"), "sign": ("-1, 0 or 1", "cheap"),
+    "square": ("x * x", "cheap"), "sin": ("sine", "trig"), "cos": ("cosine", "trig"),
 }
 
 FUNCTIONS: dict[str, Operation] = {
@@ -140,14 +142,14 @@ FUNCTIONS: dict[str, Operation] = {
     "group_max": Operation("group_max", "(b, h, g, n) -> (b, h, n): max over the query heads", 1, (), _group,
                            feats.group_max, "group", touches="input"),
     # torch functions (called as torch.NAME)
-    **{f"torch.{name}": Operation(f"torch.{name}", doc, 1, (), _same, getattr(torch, name), "unary")
-       for name, doc in _ELEMENTWISE.items()},
+    **{f"torch.{name}": Operation(f"torch.{name}", doc, 1, (), _same, getattr(torch, name), cost)
+       for name, (doc, cost) in _ELEMENTWISE.items()},
     "torch.maximum": Operation("torch.maximum", "elementwise larger of two tensors", 2, (), _pair, torch.maximum,
                                "binary"),
     "torch.minimum": Operation("torch.minimum", "elementwise smaller of two tensors", 2, (), _pair, torch.minimum,
                                "binary"),
     "torch.clamp": Operation("torch.clamp", "x limited to [lo, hi] (two numbers)", 1, ("number", "number"), _same,
-                             _clamp, "unary"),
+                             _clamp, "cheap"),
 }
 
 # the infix operators: (symbol, precedence level in the grammar, torch/Python function)

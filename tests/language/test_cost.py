@@ -19,7 +19,7 @@ import torch
 from kvsieve.evolve.seeds import SEEDS
 from kvsieve.language import operations as ops
 from kvsieve.language import program_features as feats
-from kvsieve.language.cost import CALIBRATION, dims_of, predict
+from kvsieve.language.cost import CALIBRATION, CALL_OVERHEAD_NS, dims_of, predict
 from kvsieve.language.interpreter import (
     InterpreterError,
     LimitExceeded,
@@ -56,7 +56,7 @@ def test_peak_bytes_and_time_match_a_hand_derivation():
     # a (live), a * 2 (live while the sum is made), the sum: three at once, then a and a * 2 are dropped
     assert p.peak_bytes == 3 * out and p.largest_tensor == out
     group, binary = CALIBRATION["group"], CALIBRATION["binary"]
-    expected = (group.overhead_ns + group.ns_per_element * b * h * g * n  # group_mean reads all of attn
+    expected = (CALL_OVERHEAD_NS + group.overhead_ns + group.ns_per_element * b * h * g * n  # reads all of attn
                 + 2 * (binary.overhead_ns + binary.ns_per_element * b * h * n))
     assert p.total_ns == pytest.approx(expected)
 
@@ -65,7 +65,8 @@ def test_rank_and_pools_are_priced_by_their_sort_and_kernel():
     dims = dims_of(1, 8, 4, 32768)
     rank = predict(ScoreProgram(body("return rank(f.key_norm)")).graph, dims)
     cal = CALIBRATION["rank"]
-    assert rank.total_ns == pytest.approx(cal.overhead_ns + cal.ns_per_element * 15 * 8 * 32768)  # log2 32768 = 15
+    # log2 32768 = 15 sort passes over the 8 * 32768 entries
+    assert rank.total_ns == pytest.approx(CALL_OVERHEAD_NS + cal.overhead_ns + cal.ns_per_element * 15 * 8 * 32768)
     pooled = [predict(ScoreProgram(body(f"return pool(f.key_norm, {k})")).graph, dims).total_ns for k in (1, 257)]
     assert pooled[1] - pooled[0] == pytest.approx(CALIBRATION["pool"].ns_per_kernel * 256 * 8 * 32768)
 
