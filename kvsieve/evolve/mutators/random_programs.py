@@ -4,8 +4,8 @@ Each proposal is a fresh program drawn from the same vocabulary the structural m
 terms, each a signal of ``structural.TERMS`` (its pooling kernel redrawn from ``structural.KERNELS``) put on a unit
 scale by one of the scale helpers and weighted by one of ``WEIGHTS``, summed; and a ``SELECTION`` drawn from the
 same options as the structural mutator's ``selection`` edit (chunks of 1 when the allocation is not uniform, which
-the language requires). Every draw comes from the ``rng`` the loop passes,
-so a run is reproducible; the parent and the inspirations are ignored.
+the language requires), drawn again until the language's static check accepts it. Every draw comes from the ``rng``
+the loop passes, so a run is reproducible; the parent and the inspirations are ignored.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import re
 
 from kvsieve.evolve.mutators.structural import KERNELS, TERMS
 from kvsieve.language.program_source import SELECTION_CHOICES, Program, ProgramError
+from kvsieve.language.static_check import StaticCheckError, check_source
 
 __all__ = ["RandomProgramMutator", "SCALES", "WEIGHTS", "SELECTION_OPTIONS"]
 
@@ -22,6 +23,7 @@ SCALES = ("unit_mean", "normalize", "rank")
 WEIGHTS = (0.1, 0.2, 0.3, 0.5, 1.0)
 SELECTION_OPTIONS = {"chunk_size": (1, 2, 4, 8, 16), "sink": (0, 4, 8, 16), **SELECTION_CHOICES}
 _KERNEL = re.compile(r", (\d+)\)")
+TRIES = 50
 
 
 def random_source(rng: random.Random) -> str:
@@ -48,12 +50,17 @@ class RandomProgramMutator:
         self.last_operation = ""
 
     def propose(self, parent: Program, inspirations: list[Program], rng: random.Random) -> Program | None:
+        """A random program the language accepts (stage 0 and its ``SELECTION``): drawn again, from the same
+        ``rng``, while it is not (e.g. a sum of terms none of which has the score's shape), at most ``TRIES`` times."""
         self.proposed += 1
-        child = Program(random_source(rng))
-        try:
-            child.selection_params  # noqa: B018 - parses SELECTION, raises if out of range
-        except ProgramError:
-            self.failed += 1
-            return None
-        self.last_operation = "random"
-        return child
+        for _ in range(TRIES):
+            child = Program(random_source(rng))
+            try:
+                check_source(child.source)
+                child.selection_params  # noqa: B018 - parses SELECTION, raises if out of range
+            except (StaticCheckError, ProgramError):
+                continue
+            self.last_operation = "random"
+            return child
+        self.failed += 1
+        return None

@@ -1,0 +1,176 @@
+"""The graded fitness, the random-program control and the matched-budget study (issue 50)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from test_evolve import tiny_model_and_tokenizer, tiny_run_config
+
+from kvsieve.engine.cache import clone_cache
+from kvsieve.evolve.cascade import DevSet, evaluate_program, likelihood_score
+from kvsieve.evolve.database import ProgramDatabase, ProgramRecord
+from kvsieve.evolve.evolve_config import EvolveConfig, dev_samples
+from kvsieve.evolve.mutators.random_programs import RandomProgramMutator
+from kvsieve.evolve.pick import pick_among
+from kvsieve.evolve.seeds import SEEDS
+from kvsieve.evolve.study import evaluated_records, per_request, run_study, study_runs, two_level_interval
+from kvsieve.evolve.study_report import spearman, spread_programs, study_report
+from kvsieve.language.program_source import Program
+from kvsieve.language.static_check import check_source
+
+ORDER = ("dev_score", "proxy_gap", "heldout_score")
+
+
+def record(i: int, score: float | None, proxy: float | None = 0.5, code: str = "") -> ProgramRecord:
+    return ProgramRecord(id=i, generation=i, island=0, slot=0, parent_id=None, inspiration_ids=[], mutator="m",
+                         operation="o", source="", code_hash=code or f"h{i}", status="ok", stage=2, reason="",
+                         proxy=proxy, score=score, cells={}, degenerate=False, cell="", seconds=0.0,
+                         sandbox_seconds=0.0, kept_hash="")
+
+
+def test_likelihood_score_is_the_mean_geometric_token_probability():
+    logprobs = [-0.1, -2.0, -7.5]
+    assert likelihood_score(logprobs) == pytest.approx(100 * np.mean(np.exp(logprobs)), rel=1e-12)
+    with pytest.raises(ValueError, match="no dev cells"):
+        likelihood_score([])
+
+
+def test_pick_at_a_budget_follows_the_rule_on_the_first_n():
+    """The best dev score among the first N, ties broken by the smaller gap, then the earlier slot (by hand)."""
+    records = [record(0, 10.0), record(1, 30.0, 0.9), record(2, 30.0, 0.2), record(3, 50.0), record(4, None)]
+    assert pick_among(ORDER, records[:1]).id == 0
+    assert pick_among(ORDER, records[:2]).id == 1
+    assert pick_among(ORDER, records[:3]).id == 2  # tie on 30: the smaller gap
+    assert pick_among(ORDER, records).id == 3
+    assert pick_among(ORDER, [record(4, None)]) is None
+
+
+def test_two_level_interval_covers_seeds_and_requests():
+    """x[s, r] = a_s + b_r: every resampled mean is mean(a[rows]) + mean(b[cols]) (derived with plain numpy from
+    the same draws); a constant array has a point interval."""
+    a, b = np.array([0.0, 3.0, 9.0]), np.linspace(-5, 5, 40)
+    x = a[:, None] + b[None, :]
+    mean, low, high = two_level_interval(x, resamples=4000, seed=7)
+    rng = np.random.default_rng(7)
+    rows, cols = rng.integers(0, 3, (4000, 3)), rng.integers(0, 40, (4000, 40))
+    means = a[rows].mean(axis=1) + b[cols].mean(axis=1)
+    assert mean == pytest.approx(x.mean())
+    assert (low, high) == pytest.approx(tuple(np.quantile(means, [0.025, 0.975])))
+    assert two_level_interval(np.full((3, 5), 2.5)) == pytest.approx((2.5, 2.5, 2.5))
+    with pytest.raises(ValueError, match="seeds, requests"):
+        two_level_interval(np.zeros(4))
+
+
+def test_per_request_averages_the_ratios_and_spearman_matches_a_hand_ranking():
+    assert per_request({"0/0.75": 10.0, "0/0.875": 30.0, "1/0.75": 5.0}) == {0: 20.0, 1: 5.0}
+    # ranks of x: 1 2 3 4; of y: 2 1 4 3 -> d^2 sums to 4 -> rho = 1 - 6 * 4 / (4 * 15) = 0.6
+    assert spearman([1, 2, 3, 4], [20, 10, 40, 30]) == pytest.approx(0.6)
+    chosen = spread_programs([record(i, float(i)) for i in range(10)], 4)
+    assert [r.score for r in chosen] == [0.0, 3.0, 6.0, 9.0]
+
+
+def test_random_programs_pass_stage_0_ignore_the_parent_and_are_reproducible():
+    mutator = RandomProgramMutator()
+    sources = set()
+    for i in range(60):
+        child = mutator.propose(Program(SEEDS["snapkv"]), [], random.Random(i))
+        check_source(child.source)
+        child.selection_params  # noqa: B018 - a valid SELECTION
+        again = RandomProgramMutator().propose(Program(SEEDS["frc"]), [Program(SEEDS["tova"])], random.Random(i))
+        assert again.source == child.source  # the parent and inspirations are not read
+        sources.add(child.source)
+    assert len(sources) > 50 and mutator.failed == 0
+
+
+def test_config_checks_the_fitness_and_cells():
+    with pytest.raises(ValueError, match="fitness must be one of"):
+        EvolveConfig(fitness="kl")
+    with pytest.raises(ValueError, match="needs fitness 'likelihood'"):
+        EvolveConfig(dev_cells="alternate")
+    with pytest.raises(ValueError, match="unknown arm"):
+        study_runs(EvolveConfig(), ["greedy"], [0])
+
+
+@pytest.mark.model
+def test_likelihood_fitness_scores_each_cell_by_its_teacher_forced_answer(smollm2, tmp_path):
+    """Each cell's value is 100 exp(mean answer log-probability), computed here independently: the question read
+    on the compressed cache, then the answer teacher-forced token by token; alternate cells: sample i at ratio
+    ratios[i % 2]; the full cache's reference is the same quantity on the uncompressed cache."""
+    model, tokenizer = tiny_model_and_tokenizer(smollm2[1])
+    config = tiny_run_config(tmp_path, 4, ratios=[0.5, 0.75], dev_samples=3)
+    dev = DevSet(model, tokenizer, dev_samples(config, tokenizer, config.dev_seed, 3), config.ratios, config.window)
+    program = Program(SEEDS["tova"])
+    evaluation = evaluate_program(program, dev, fitness="likelihood", alternate=True)
+    assert evaluation.status == "ok" and evaluation.stage == 2
+    assert sorted(evaluation.cells) == ["0/0.5", "1/0.75", "2/0.5"]
+    policy = Program(SEEDS["tova"])  # the same program as an ordinary policy, outside the sandbox
+    from kvsieve.policies.program import ProgramPolicy
+
+    logprobs, gaps = [], []
+    for key in sorted(evaluation.cells):
+        i, ratio = int(key.split("/")[0]), float(key.split("/")[1])
+        item = dev.items[i]
+        expected = []
+        for cache in (dev.compressed(i, ProgramPolicy(source=policy.source, window=dev.window), ratio),
+                      clone_cache(item.cache)):
+            with torch.no_grad():
+                ids = torch.cat([item.prompt.question_ids, item.answer_ids], dim=1)
+                from kvsieve.engine.attach import attach
+
+                with attach(model, dev.capture, ratio=0.0):
+                    logits = model(input_ids=ids, cache=cache, use_cache=True).logits[0].float()
+            q, a = item.prompt.question_ids.shape[1], item.answer_ids.shape[1]
+            lp = torch.log_softmax(logits[q - 1:q - 1 + a], dim=-1).gather(-1, item.answer_ids[0][:, None])
+            expected.append(float(lp.mean()))
+        logprobs.append(expected[0])
+        gaps.append(expected[1] - expected[0])
+        assert evaluation.cells[key] == pytest.approx(100 * math.exp(expected[0]), rel=1e-4)
+    assert evaluation.score == pytest.approx(100 * np.mean(np.exp(logprobs)), rel=1e-4)
+    assert evaluation.proxy == pytest.approx(np.mean(gaps), abs=1e-4)
+
+
+@pytest.mark.model
+def test_study_runs_grow_in_equal_rounds_resume_and_report(smollm2, tmp_path):
+    """Every run of a study holds the same number of evaluated candidates after each round; a rerun with a larger
+    budget extends them without changing the rows stored; the report picks by the rule and reads held-out scores
+    from its cache the second time."""
+    model, tokenizer = tiny_model_and_tokenizer(smollm2[1])
+    base = replace(tiny_run_config(tmp_path, 4), fitness="likelihood", dev_cells="alternate", heldout_samples=1,
+                   out=str(tmp_path / "study"))
+    runs = study_runs(base, ["evolve", "best_of_n", "random"], [0, 1])
+    run_study(runs, 3, 3, model, tokenizer, "float32", log=lambda _: None)
+    first = {run.config.db: evaluated_records(run.config.db)[1] for run in runs}
+    assert {len(r) for r in first.values()} == {3}
+    run_study(runs, 5, 2, model, tokenizer, "float32", log=lambda _: None)
+    for run in runs:
+        config, records = evaluated_records(run.config.db)
+        assert len(records) == 5 and config["seed"] == run.seed
+        assert [r.source for r in records[:3]] == [r.source for r in first[run.config.db]]
+        assert records[0].operation == "snapkv"  # the same seed program opens every run
+        if run.arm == "random":
+            assert all(r.operation.startswith("random") for r in records[1:])
+        db = ProgramDatabase(run.config.db)
+        assert db.meta("config")["strategy"] == ("evolve" if run.arm == "evolve" else "best_of_n")
+        db.close()
+    report = study_report(base, runs, ORDER, 2, 0, lambda name, dtype: (model, tokenizer))
+    assert "| evolve - best_of_n |" in report and (tmp_path / "study" / "curve.png").is_file()
+    cached = json.loads((tmp_path / "study" / "heldout.json").read_text())
+    assert all(set(v) >= {"task", "likelihood", "task_cells"} for v in cached.values())
+
+    def refuse(*_, **__):
+        raise AssertionError("held-out scores are cached")
+
+    import kvsieve.evolve.study as study
+
+    original = study.evaluate_program
+    study.evaluate_program = refuse
+    try:
+        assert study_report(base, runs, ORDER, 2, 0, lambda name, dtype: (model, tokenizer)) == report
+    finally:
+        study.evaluate_program = original
