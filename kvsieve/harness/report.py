@@ -19,9 +19,10 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from kvsieve.harness.pairing import reference_key
 from kvsieve.harness.provenance import check_one_machine, describe
 from kvsieve.harness.store import RATIO_DECIMALS, CellResult, FailedCell
-from kvsieve.policies.label import FULL_CACHE, Label
+from kvsieve.policies.label import FULL_CACHE, Label, display_order
 
 __all__ = ["by_model", "line_styles", "score_table", "format_table",
            "format_summary", "format_failures", "plot_scores", "plot_task_panels", "report_text", "requests",
@@ -40,11 +41,6 @@ def _display(key) -> str:
 
 def _is_reference(name: str) -> bool:
     return Label.parse(name).is_reference
-
-
-def _policy_order(names: Iterable[str]) -> list[str]:
-    """The full cache first, then ordinary policies, then reference policies, each group alphabetical."""
-    return sorted(set(names), key=lambda n: (not Label.parse(n).is_full, _is_reference(n), n))
 
 
 def by_model(results: Iterable[CellResult]) -> dict[str, list[CellResult]]:
@@ -87,12 +83,14 @@ def score_table(results: Iterable[CellResult]) -> ScoreTable:
 
 
 def _full_reference(table: ScoreTable) -> dict[str, tuple[float, int]]:
-    """Per-task ``full`` scores, taken from the lowest ratio where ``full`` was evaluated (normally 0)."""
-    for ratio in sorted(table):
-        cells = {task: row[FULL_CACHE] for task, row in table[ratio].items() if FULL_CACHE in row}
-        if cells:
-            return cells
-    return {}
+    """Per-task ``full`` scores, from the rows :func:`~kvsieve.harness.pairing.reference_key` names (the lowest ratio
+    where ``full`` was evaluated, normally 0)."""
+    keys = {(policy, ratio) for ratio, by_task in table.items() for row in by_task.values() for policy in row}
+    key = reference_key(keys, FULL_CACHE)
+    if key is None:
+        return {}
+    name, ratio = key
+    return {task: row[name] for task, row in table[ratio].items() if name in row}
 
 
 def _columns(table: ScoreTable, ratio: float) -> tuple[list[str], list[str], dict[str, dict[str, float]]]:
@@ -104,7 +102,7 @@ def _columns(table: ScoreTable, ratio: float) -> tuple[list[str], list[str], dic
     for task, by_policy in table.get(ratio, {}).items():
         for policy, (mean, _) in by_policy.items():
             cells[task][policy] = mean
-    policies = _policy_order(p for row in cells.values() for p in row)
+    policies = display_order(p for row in cells.values() for p in row)
     return tasks, policies, cells
 
 
@@ -165,7 +163,7 @@ def format_summary(table: ScoreTable, digits: int = 1) -> str:
             value = _average(cells, tasks, policy)
             rows.setdefault(policy, [MISSING] * len(ratios))[i] = MISSING if value is None else f"{value:.{digits}f}"
     lines = ["| policy | " + " | ".join(f"{r:g}" for r in ratios) + " |", "|---|" + "---:|" * len(ratios)]
-    lines += [f"| {p} | " + " | ".join(rows[p]) + " |" for p in _policy_order(rows)]
+    lines += [f"| {p} | " + " | ".join(rows[p]) + " |" for p in display_order(rows)]
     return "\n".join(lines) + "\n"
 
 
@@ -204,9 +202,10 @@ Style = tuple[str, str, str]  # (colour, line style, marker)
 
 
 def line_styles(policies: Iterable[str]) -> dict[str, Style]:
-    """A distinct (colour, line style, marker) per policy, in :func:`_policy_order`; reference policies dashed."""
+    """A distinct (colour, line style, marker) per policy, in :func:`~kvsieve.policies.label.display_order`;
+    reference policies dashed."""
     styles: dict[str, Style] = {}
-    for i, policy in enumerate(_policy_order(policies)):
+    for i, policy in enumerate(display_order(policies)):
         linestyle = _REFERENCE_STYLE if _is_reference(policy) else _LINESTYLES[(i // len(_COLORS)) % len(_LINESTYLES)]
         styles[policy] = (_COLORS[i % len(_COLORS)], linestyle, _MARKERS[i % len(_MARKERS)])
     return styles
@@ -304,7 +303,7 @@ def task_panels_figure(results: Iterable[CellResult], ncols: int = 3):
             handles.setdefault(label, handle)
     fig.suptitle(f"{model}: score by task, n = {n} requests")
     fig.tight_layout()
-    labels = _policy_order(handles)
+    labels = display_order(handles)
     fig.legend([handles[label] for label in labels], labels, loc="center left", bbox_to_anchor=(1.0, 0.5),
                fontsize="small", ncol=_legend_columns(len(labels)))
     return fig
@@ -335,7 +334,7 @@ def format_failures(failures: Iterable[FailedCell], results: Iterable[CellResult
     for f in failures:
         groups[(_display(f.key), round(float(f.key.ratio), RATIO_DECIMALS))].append(f)
     lines = ["| policy | ratio | failed | scored | first reason |", "|---|---:|---:|---:|---|"]
-    for (policy, ratio), items in sorted(groups.items(), key=lambda kv: (_policy_order([kv[0][0]]), kv[0])):
+    for (policy, ratio), items in sorted(groups.items(), key=lambda kv: (Label.parse(kv[0][0]).sort_key, kv[0][1])):
         reason = items[0].reason.replace("|", "/")[:200]
         lines.append(f"| {policy} | {ratio:g} | {len(items)} | {scored.get((policy, ratio), 0)} | {reason} |")
     return "\n".join(lines) + "\n"

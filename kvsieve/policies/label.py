@@ -14,6 +14,7 @@ no longer registered (rows of an older kvsieve) reads as an ordinary compressing
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -21,7 +22,7 @@ from kvsieve.policies.registry import family_class
 from kvsieve.policy import FullCache, Policy
 from kvsieve.spec import parse_spec
 
-__all__ = ["DECODE", "FULL_CACHE", "MODES", "PREFILL", "QA_SUFFIX", "Label"]
+__all__ = ["DECODE", "FULL_CACHE", "MODES", "PREFILL", "QA_SUFFIX", "Label", "display_order"]
 
 FULL_CACHE: str = FullCache.name  # the full cache's spec and stored label (prefill); the reference of every row
 PREFILL, DECODE = "prefill", "decode"
@@ -138,3 +139,14 @@ class Label:
     def reference(self) -> Label:
         """The full-cache label this one's rows are paired with: the same chunking, nothing evicted."""
         return Label(FULL_CACHE, self.chunk_size, self.evict_every)
+
+    @property
+    def sort_key(self) -> tuple[bool, bool, str]:
+        """Where a row of this label goes in tables and legends: the full cache first, then ordinary policies, then
+        reference ones (the oracle, question-aware rows), each group by display name."""
+        return not self.is_full, self.is_reference, self.display
+
+
+def display_order(labels: Iterable[str]) -> list[str]:
+    """Labels (display or stored form), once each, in :attr:`Label.sort_key` order: every table and legend's order."""
+    return sorted(set(labels), key=lambda text: Label.parse(text).sort_key)

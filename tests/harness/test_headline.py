@@ -8,17 +8,10 @@ import math
 import numpy as np
 import pytest
 
-from kvsieve.harness.headline import (
-    BLOCK,
-    NOT_DISTINGUISHABLE,
-    bootstrap_interval,
-    bootstrap_ratio_interval,
-    compare,
-    format_comparisons,
-    format_headline,
-    headline,
-    headline_report,
-)
+from kvsieve.harness.bootstrap import BLOCK, bootstrap_interval, bootstrap_ratio_interval
+from kvsieve.harness.headline import headline_report
+from kvsieve.harness.headline_format import format_comparisons, format_headline
+from kvsieve.harness.headline_tables import NOT_DISTINGUISHABLE, compare, headline
 from kvsieve.harness.store import CellKey, CellResult, ResultsStore
 from kvsieve.policies.label import Label
 

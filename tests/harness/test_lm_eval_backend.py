@@ -16,7 +16,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from tokenizers import Tokenizer, decoders, models  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
-from kvsieve.harness.headline import headline  # noqa: E402
+from kvsieve.harness.headline_tables import headline  # noqa: E402
 from kvsieve.harness.lm_eval_backend import (  # noqa: E402
     TASK_PREFIX,
     KvsieveLM,

@@ -14,7 +14,8 @@ import pytest
 
 from kvsieve.cli import main
 from kvsieve.harness import provenance
-from kvsieve.harness.headline import compare, format_headline, headline
+from kvsieve.harness.headline_format import format_headline
+from kvsieve.harness.headline_tables import compare, headline
 from kvsieve.harness.provenance import MIXED_FLAG, UNKNOWN, check_one_machine, current, describe
 from kvsieve.harness.report import report_text
 from kvsieve.harness.store import CellKey, CellResult, ResultsStore

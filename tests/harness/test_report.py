@@ -224,3 +224,23 @@ def test_task_panels_titles_and_legend_outside(results):
     renderer = fig.canvas.get_renderer()
     legend = fig.legends[0].get_window_extent(renderer)
     assert all(not legend.overlaps(ax.get_window_extent(renderer)) for ax in fig.axes)
+
+
+def test_one_lookup_of_a_labels_full_cache_rows():
+    """pairing.reference_key: the reference label (full, or full@decodeN for decode-time rows; never +qa) at the
+    lowest ratio it was stored at. report's full column uses it too: full stored only at 0.5 is still the reference."""
+    from kvsieve.harness.pairing import reference_key
+    from kvsieve.harness.report import format_table, score_table
+    from kvsieve.harness.store import CellKey, CellResult
+
+    keys = {("full", 0.5), ("full", 0.25), ("snapkv", 0.5), ("full@decode64", 0.5), ("full@decode64", 0.0)}
+    assert reference_key(keys, "snapkv") == ("full", 0.25)
+    assert reference_key(keys, "snapkv+qa") == ("full", 0.25)
+    assert reference_key(keys, "tova@decode64") == ("full@decode64", 0.0)
+    assert reference_key(keys, "tova@decode32") is None
+
+    def row(policy, ratio, score):
+        return CellResult(CellKey("m", "t", 1, "0", policy, ratio, False), "", score, ["a"], 1, 1, 1, 0.0, 0.0, {})
+
+    table = score_table([row("full", 0.6, 10.0), row("full", 0.5, 80.0), row("snapkv", 0.75, 40.0)])
+    assert "| t | 80.000 | 40.000 |" in format_table(table, 0.75, fmt="markdown")  # full from its lowest ratio

@@ -155,3 +155,14 @@ def test_the_grep_finds_what_it_forbids(tmp_path, monkeypatch):
     (root / "x.py").write_text('if normalization == "full":\n')
     monkeypatch.setitem(globals(), "ROOT", root)
     assert offending_lines() == ["x.py:1: compares to 'full': if normalization == \"full\":"]
+
+
+def test_one_order_of_labels_for_every_table_and_legend():
+    """display_order (report's columns, legends, the headline's listing): full cache first, then ordinary policies,
+    then reference ones (a reference family, question-aware rows), each group alphabetical; duplicates once."""
+    from kvsieve.policies.label import display_order
+
+    names = ["snapkv", "oracle", "tova+qa", "full@decode64", "knorm", "full", "snapkv", "unregistered_family"]
+    assert display_order(names) == ["full", "full@decode64", "knorm", "snapkv", "unregistered_family", "oracle",
+                                    "tova+qa"]
+    assert Label.parse("oracle").sort_key == (True, True, "oracle")

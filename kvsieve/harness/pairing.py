@@ -1,0 +1,86 @@
+"""Rows grouped for pairing: per (model, length), per (display label, ratio), per request; and which rows are a
+label's full-cache reference.
+
+A *request* is one ``(task, length, sample_id)``. Rows of different models, lengths or prompt layouts
+(``tasks/ruler_alt.py``'s ``fmt2:`` tasks) are never pooled. A label's reference is its full-cache label
+(``full``, or ``full@decodeN`` for decode-time rows: :attr:`~kvsieve.policies.label.Label.reference`) at the lowest
+ratio it was stored at (normally 0): :func:`reference_key` is the one lookup of it, for the headline tables and the
+report's tables alike.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+from kvsieve.harness.store import RATIO_DECIMALS, CellResult
+from kvsieve.policies.label import Label, display_order
+from kvsieve.tasks.ruler_alt import PREFIX as ALT_PREFIX
+from kvsieve.tasks.ruler_alt import is_alt_task
+
+__all__ = ["Cells", "Request", "by_layout", "group_cells", "layout_of", "pair_ratios", "reference_cells",
+           "reference_key", "resolve_label"]
+
+Request = tuple[str, int, str]  # (task, length, sample_id)
+Cells = dict[tuple[str, float], dict[Request, CellResult]]  # (display label, ratio) -> request -> cell
+
+
+def layout_of(task: str) -> str:
+    """Which prompt layout a task's samples use: ``fmt2`` (``tasks/ruler_alt.py``) or ``""`` (every other)."""
+    return ALT_PREFIX.rstrip(":") if is_alt_task(task) else ""
+
+
+def by_layout(rows: Iterable[CellResult]) -> dict[str, list[CellResult]]:
+    """Rows split by layout: each layout gets its own tables, never one mean over both."""
+    parts: dict[str, list[CellResult]] = defaultdict(list)
+    for r in rows:
+        parts[layout_of(r.key.task)].append(r)
+    return parts
+
+
+def group_cells(rows: Iterable[CellResult]) -> dict[tuple[str, int], Cells]:
+    """(model, length) -> (display label, ratio) -> request -> cell. Rows of different models never mix."""
+    groups: dict[tuple[str, int], Cells] = defaultdict(lambda: defaultdict(dict))
+    for r in rows:
+        k = r.key
+        label = Label.parse(k.policy, k.question_aware).display
+        groups[(k.model, int(k.length))][(label, round(float(k.ratio), RATIO_DECIMALS))][
+            (k.task, int(k.length), k.sample_id)] = r
+    return groups
+
+
+def reference_key(keys: Iterable[tuple[str, float]], label: str) -> tuple[str, float] | None:
+    """Among ``(display label, ratio)`` keys, the one holding ``label``'s full-cache rows: its reference label at
+    the lowest ratio stored (normally 0); None when there is none."""
+    ref = Label.parse(label).reference.display
+    ratios = sorted(ratio for name, ratio in keys if name == ref)
+    return (ref, ratios[0]) if ratios else None
+
+
+def reference_cells(cells: Cells, label: str) -> dict[Request, CellResult]:
+    """The full-cache cells ``label``'s rows are paired with (:func:`reference_key`); empty when none."""
+    key = reference_key(cells, label)
+    return cells[key] if key is not None else {}
+
+
+def resolve_label(cells: Cells, name: str, model: str) -> str:
+    """A display label for ``name``: exact (``oracle+qa``), or a policy spec held under one label only."""
+    labels = {label for label, _ in cells}
+    if name in labels:
+        return name
+    matches = {label for label in labels if Label.parse(label).stored == name}
+    if len(matches) == 1:
+        return matches.pop()
+    problem = "has no rows" if not matches else f"is ambiguous ({', '.join(sorted(matches))})"
+    raise ValueError(f"policy {name!r} {problem} for model {model}; available: {', '.join(display_order(labels))}")
+
+
+def pair_ratios(cells: Cells, a: str, b: str) -> list[float]:
+    """The ratios a pair can be compared at: both sides' common ratios; a full-cache side fits every ratio."""
+    def ratios(label: str) -> set[float]:
+        return {r for name, r in cells if name == label}
+
+    full_a, full_b = Label.parse(a).is_full, Label.parse(b).is_full
+    if full_a and full_b:
+        return [0.0]
+    return sorted(ratios(b) if full_a else ratios(a) if full_b else ratios(a) & ratios(b))
