@@ -166,9 +166,12 @@ class ProgramPolicy(Policy):
 
 
 def _reads_surrogate(path: Path) -> bool:
-    """Whether the program in ``path`` reads ``f.surrogate`` (False for a file that does not parse: building the
-    policy names that error)."""
+    """Whether the program in ``path`` reads ``f.surrogate``. The program is checked here, when its spec is parsed
+    (a grid, a contract, the server's points): a file that is not a program is refused before any work, naming the
+    file and line."""
+    source = _read(str(path))
     try:
-        return "surrogate" in _parsed(path.read_text(encoding="utf-8"), str(path))[0].fields
-    except (OSError, UnicodeDecodeError, InterpreterError, ProgramError):
-        return False
+        return "surrogate" in _parsed(source, str(path))[0].fields
+    except (InterpreterError, ProgramError) as err:
+        text = str(err)
+        raise ValueError(text if text.startswith(str(path)) else f"{path}: {text}") from None
