@@ -458,6 +458,7 @@ def create_app(state: ServerState) -> FastAPI:
         gauges["kvsieve_kv_budget_bytes"] = scheduler.budget
         gauges["kvsieve_kv_admitted_bytes"] = scheduler.charged
         gauges["kvsieve_kv_admitted_peak_bytes"] = scheduler.peak_charged
+        gauges["kvsieve_kv_allocated_peak_bytes"] = scheduler.peak_allocated
         return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app

@@ -139,6 +139,7 @@ class Scheduler:
         self.steps = self.row_steps = 0  # decode steps, and rows summed over them (mean rows in flight)
         self.prefill_seconds = self.decode_seconds = 0.0  # time spent in each part of the steps
         self.longest_step = 0.0  # the longest step (prefill chunk + decode step), seconds
+        self.peak_allocated = 0  # the most KV bytes the batch and the prefills in progress allocated after a step
         self._seconds: collections.deque[float] = collections.deque(maxlen=50)  # recent service times
         self._accepting = True
         self._abort: BaseException | None = None
@@ -216,12 +217,14 @@ class Scheduler:
 
     # -- the model thread -------------------------------------------------------------------------------
     def _admit(self) -> None:
-        """Drop cancelled waiting jobs; admit waiting jobs, first come first served, while they fit."""
+        """Drop cancelled waiting jobs; admit waiting jobs, first come first served, while they fit and the prefills
+        admitted already leave room in this step's chunk (admitting more would only hold their bytes idle)."""
         with self._cond:
             for job in [j for j in self._waiting if j.cancelled.is_set()]:
                 self._waiting.remove(job)
                 job.future.set_exception(Cancelled())
-            while self._waiting and self.charged + self._waiting[0].need <= self.budget:
+            while (self._waiting and self.charged + self._waiting[0].need <= self.budget
+                   and sum(j.prefill.remaining for j in self._prefilling) < self.prefill_chunk):
                 job = self._waiting.popleft()
                 if not job.future.set_running_or_notify_cancel():
                     continue
@@ -259,9 +262,17 @@ class Scheduler:
                     for row in rows:
                         self._fail(row, err)
             end = time.perf_counter()
+            self._measure()
             self.prefill_seconds += middle - start
             self.decode_seconds += end - middle
             self.longest_step = max(self.longest_step, end - start)
+
+    def _measure(self) -> None:
+        """The KV bytes allocated now (the decode batch and every prefill in progress), for ``peak_allocated``."""
+        allocated = 0 if self._cache is None else cache_allocated_bytes(self._cache)
+        allocated += sum(cache_allocated_bytes(j.prefill.cache) for j in self._prefilling
+                         if j.prefill is not None and j.prefill.cache is not None)
+        self.peak_allocated = max(self.peak_allocated, allocated)
 
     def _drop_all(self, err: BaseException) -> None:
         with self._cond:

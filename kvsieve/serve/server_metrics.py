@@ -58,6 +58,8 @@ class Metrics:
         "kvsieve_kv_budget_bytes": ("gauge", "The KV-cache byte budget requests are admitted against."),
         "kvsieve_kv_admitted_bytes": ("gauge", "KV bytes charged to admitted requests now."),
         "kvsieve_kv_admitted_peak_bytes": ("gauge", "The most KV bytes ever charged at once."),
+        "kvsieve_kv_allocated_peak_bytes": ("gauge", "The most KV bytes the decode batch and the prefills in progress "
+                                                     "allocated at once (measured after each step)."),
     }
 
     def __init__(self) -> None:
