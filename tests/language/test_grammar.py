@@ -12,7 +12,7 @@ import pytest
 from lark import Lark
 
 from kvsieve.evolve.seeds import SEEDS
-from kvsieve.language import grammar
+from kvsieve.language import grammar, operations
 from kvsieve.language.static_check import check_source
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,10 +39,13 @@ def _kept_programs() -> list[str]:
     return list(sources)
 
 
-def test_the_committed_grammar_files_are_the_generated_ones():
+def test_the_committed_grammar_files_and_the_language_page_are_the_generated_ones():
     folder = ROOT / "docs" / "grammar"
     assert (folder / "policy.lark").read_text() == grammar.lark_text()
     assert (folder / "policy.gbnf").read_text() == grammar.gbnf_text()
+    page = (ROOT / "docs" / "policy-language.md").read_text()
+    for line in operations.describe():  # the page lists every operation as the table has it
+        assert line in page, line
 
 
 def test_every_kept_program_is_in_the_language_and_the_grammar(parsers):
