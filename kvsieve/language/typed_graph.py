@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import math
+import warnings
 from dataclasses import dataclass, field
 
 from kvsieve.language import operations as ops
@@ -99,7 +100,9 @@ def build_graph(source: str, filename: str = "<program>") -> TypedGraph:
     if len(source) > MAX_SOURCE_CHARS:
         raise ProgramRefused(f"{filename}: source has {len(source)} characters, more than {MAX_SOURCE_CHARS}")
     try:
-        tree = ast.parse(source)
+        with warnings.catch_warnings():  # a candidate's text is data: its SyntaxWarnings are not the user's
+            warnings.simplefilter("ignore")
+            tree = ast.parse(source)
     except SyntaxError as err:
         raise ProgramRefused(f"{filename} line {err.lineno}: syntax error: {err.msg}") from None
     except (ValueError, RecursionError, MemoryError) as err:  # null bytes, deep nesting
