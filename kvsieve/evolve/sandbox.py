@@ -4,10 +4,10 @@ Layers, outermost first (each one alone should stop a hostile program; together 
 mistake in any one of them survivable). docs/security.md has the threat model and the table of
 which hostile case each layer stops.
 
-1. Stage 0 in this process: ``static.check_source`` (nothing runs); ``static_check=False`` skips it,
-   only so tests can show that the layers below hold alone.
-2. The interpreter (``interpreter.py``) in the worker: the program is data; no candidate code runs as
-   Python; every operation is checked against limits before it runs.
+1. Stage 0 in this process: ``static_check.check_source`` (parsed and priced; nothing runs);
+   ``static_check=False`` skips it, only so tests can show that the layers below hold alone.
+2. The interpreter (``interpreter.py``) in the worker: the program is a typed graph, never Python; each call
+   is priced from its shapes before its first operation runs.
 3. A separate process (``worker.py``) with an environment built from scratch (:func:`sandbox_env`),
    in its own session, killed with its process group at a wall-clock deadline, with kernel limits
    it sets on itself before importing anything (address space, file size, CPU seconds, open files,

@@ -1,4 +1,4 @@
-"""Seed programs: where an evolution run starts (``--seed-programs``), written against ``features.py``."""
+"""Seed programs: where an evolution run starts (``--seed-programs``), in the policy language."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A candidate policy: one small Python source file against the compact interface (``features.py``).
+"""A candidate policy: one small source file in the policy language, against the compact interface ``f``.
 
 The file has exactly two parts, the editable block and the selection parameters::
 

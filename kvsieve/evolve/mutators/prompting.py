@@ -31,7 +31,7 @@ _SHAPES = {"b": "batch", "h": "KV heads", "g": "query heads per KV head", "n": "
 
 
 def _field_docs() -> dict[str, str]:
-    """Field descriptions parsed from the ``Features`` docstring, so the prompt follows features.py."""
+    """Field descriptions parsed from the ``Features`` docstring, so the prompt follows program_features.py."""
     doc = inspect.getdoc(feats.Features) or ""
     _, _, section = doc.partition("Attributes:")
     out: dict[str, str] = {}
@@ -56,7 +56,7 @@ def _plain(text: str) -> str:
 
 @lru_cache(maxsize=1)
 def interface_doc() -> str:
-    """The compact interface a program is written against, generated from features.py and program.py.
+    """The compact interface a program is written against, generated from program_features.py and the operations table.
 
     Generated rather than hand written so the prompt can never promise a name the static check rejects.
     """
