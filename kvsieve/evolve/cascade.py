@@ -1,7 +1,8 @@
 """The cascade evaluator: a candidate program climbs four stages and stops at the first it fails.
 
 0. static check of the source (``language/static_check.py``: parsed and priced, in this process: nothing
-   runs), and the program's ``SELECTION`` against the dev set's real budgets (its sinks and the window must fit every cell);
+   runs), and the program's ``SELECTION`` against the dev set's real budgets (its sinks and the window must
+   fit every cell);
 1. invariants on synthetic features, inside the sandbox (``sandbox.py``): shape, dtype, finite,
    deterministic, inputs untouched, selection within budget, also at the dev features' real shapes;
    in the same sandboxed run the program is interpreted on the dev set's cached features, so its
