@@ -17,7 +17,7 @@ from test_serve import BYTES_PER_TOKEN, NAME, ChatTokenizer, _wait, client, hook
 from kvsieve.engine.attach import attach
 from kvsieve.engine.cache import cache_allocated_bytes, sieve_layers
 from kvsieve.engine.generate import generate, prefill_prompt
-from kvsieve.policies import parse
+from kvsieve.policies import get, parse
 from kvsieve.prompt import build_prompt
 from kvsieve.risk.runtime import OperatingPoint
 from kvsieve.serve.command import point_source
@@ -45,18 +45,19 @@ def _engine_cache(model, prompt, policy, ratio: float, question_aware: bool):
 
 
 SPECS = [("knorm", False), ("snapkv", False), ("h2o", False), ("expected_attention", False), ("tova", True),
-         ("adakv", False), ("kvzap", False), ("full", False)]
+         ("adakv", False), ("kvzap", False), ("kvzip", False), ("full", False)]
 
 
 @pytest.mark.parametrize(("spec", "question_aware"), SPECS)
 def test_a_prompt_read_in_chunks_is_compressed_as_if_read_at_once(model, tmp_path, spec, question_aware):
     """Keys (knorm), window queries (snapkv, tova), accumulated attention (h2o), query statistics (expected attention),
-    per-head budgets (adakv), global allocation over a surrogate's scores (kvzap): each policy keeps the same entries
-    of a prompt read in chunks of 17 and 64 tokens as of the prompt read in one forward."""
+    per-head budgets (adakv), global allocation over a surrogate's scores (kvzap), a reconstruction (kvzip): each
+    policy keeps the same entries of a prompt read in chunks of 17 and 64 tokens as of the prompt read in one
+    forward."""
     if spec == "kvzap":
         spec = f"kvzap(checkpoint='{random_kvzap(model, tmp_path / 'z.safetensors', name=NAME)}', allocation='global')"
     parsed = parse(spec)
-    policy = parsed.build()
+    policy = get("kvzip", tokenizer=ChatTokenizer()) if spec == "kvzip" else parsed.build()
     policy.check_model(model, NAME)
     ratio = 0.0 if spec == "full" else 0.5
     point = OperatingPoint(parsed, policy, ratio, question_aware, "-", spec == "full")
