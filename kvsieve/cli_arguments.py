@@ -122,7 +122,8 @@ def _evolve(parser: argparse.ArgumentParser) -> None:
     flag("--time-budget", type=float, help="stop starting new candidates after this many seconds")
     flag("--seed", type=int)
     flag("--strategy", help="evolve (islands, MAP-Elites) or best_of_n (every child from the seed)")
-    flag("--llm", help="mutator: structural (default, offline), local (the bundled coder model) or openai")
+    flag("--llm", help="mutator: structural (default, offline), random (a control), local (the bundled coder "
+                       "model), constrained (local, decoding under the language's grammar) or openai")
     flag("--llm-base-url", help="OpenAI-compatible endpoint, e.g. http://localhost:8000/v1")
     flag("--llm-model", help="model name at that endpoint")
     flag("--llm-api-key-env", help="environment variable holding the API key (default OPENAI_API_KEY)")

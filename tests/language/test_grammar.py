@@ -74,3 +74,11 @@ def test_the_typed_grammar_refuses_what_would_fail_the_checker(parsers):
                 "(f.key_norm / 0)\n", "(f.key_norm ** 9)\n"):
         with pytest.raises(Exception):  # noqa: B017 - lark's several error types
             parsers["typed_program"].parse(header + bad)
+
+
+def test_every_string_of_the_depth_bounded_decoding_grammar_passes_stage_0():
+    decoding = Lark(grammar.decoding_lark(fenced=False), start="start", parser="earley")
+    for seed in range(150):
+        source = grammar.sample(seed, max_depth=99, depth=grammar.DECODING_DEPTH)
+        check_source(source)
+        decoding.parse(source)

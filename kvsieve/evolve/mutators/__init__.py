@@ -3,6 +3,7 @@
 - ``structural.py``: edits of the syntax tree, no language model (the default);
 - ``random_programs.py``: a fresh random program each time, parent and scores unread (a control);
 - ``local_model.py``: an in-process causal LM (the bundled coder model);
+- ``constrained.py``: the same, decoding under the language's typed grammar (every proposal passes stage 0);
 - ``openai_compatible.py``: any OpenAI-compatible endpoint.
 
 All implement :class:`~kvsieve.evolve.mutators.base.Mutator`; ``prompting.py`` holds what the two LLM
@@ -13,12 +14,14 @@ from __future__ import annotations
 
 from kvsieve.evolve.evolve_config import EvolveConfig
 from kvsieve.evolve.mutators.base import Mutator
+from kvsieve.evolve.mutators.constrained import ConstrainedLLMMutator
 from kvsieve.evolve.mutators.local_model import LocalLLMMutator
 from kvsieve.evolve.mutators.openai_compatible import OpenAIMutator
 from kvsieve.evolve.mutators.random_programs import RandomProgramMutator
 from kvsieve.evolve.mutators.structural import StructuralMutator
 
-__all__ = ["Mutator", "StructuralMutator", "RandomProgramMutator", "LocalLLMMutator", "OpenAIMutator", "make_mutator"]
+__all__ = ["Mutator", "StructuralMutator", "RandomProgramMutator", "LocalLLMMutator", "ConstrainedLLMMutator",
+           "OpenAIMutator", "make_mutator"]
 
 
 def make_mutator(config: EvolveConfig, model=None, tokenizer=None) -> Mutator:
@@ -26,9 +29,10 @@ def make_mutator(config: EvolveConfig, model=None, tokenizer=None) -> Mutator:
         return StructuralMutator()
     if config.mutator == "random":
         return RandomProgramMutator()
-    if config.mutator == "local":
+    if config.mutator in ("local", "constrained"):
         same = config.local_model == config.model and model is not None
-        return LocalLLMMutator(model_name=config.local_model, model=model if same else None,
+        cls = ConstrainedLLMMutator if config.mutator == "constrained" else LocalLLMMutator
+        return cls(model_name=config.local_model, model=model if same else None,
                                tokenizer=tokenizer if same else None, dtype=config.dtype,
                                max_new_tokens=config.llm_max_new_tokens)
     return OpenAIMutator(config.llm_base_url, config.llm_model, api_key_env=config.llm_api_key_env,

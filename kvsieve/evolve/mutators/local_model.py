@@ -57,6 +57,10 @@ class LocalLLMMutator(CountingMutator):
             return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return "".join(f"{m['role']}:\n{m['content']}\n\n" for m in messages) + "assistant:\n"
 
+    def _constraints(self, tokenizer: Any, prompt_length: int) -> list:
+        """Logits processors that run before sampling (none here; the constrained mutator masks by its grammar)."""
+        return []
+
     def generate(self, messages: list[dict[str, str]], seed: int) -> str:
         """The model's reply to ``messages``, sampled with a generator seeded by ``seed``."""
         import torch
@@ -73,7 +77,8 @@ class LocalLLMMutator(CountingMutator):
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=None if mask is None else mask.to(device),
                                  max_new_tokens=self.max_new_tokens, do_sample=False,
-                                 logits_processor=LogitsProcessorList([sampler]), pad_token_id=pad)
+                                 logits_processor=LogitsProcessorList([*self._constraints(tokenizer, ids.shape[1]),
+                                                                       sampler]), pad_token_id=pad)
         self.seconds += time.perf_counter() - start
         return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
