@@ -8,7 +8,8 @@ its own seed (``EvolveConfig.seed``: every random choice of the run):
   the end);
 - ``random``: every child a fresh random program (``mutators/random_programs.py``), no parent, no score read.
 
-All runs of a study share one model and one dev set in one process (:func:`run_study`); they grow in rounds of
+All runs of a study share one model, one dev set and their evaluations (:class:`SharedExecutor`) in one process
+(:func:`run_study`); they grow in rounds of
 ``step`` candidates, every run of a round before the next round, so a study stopped at any time holds runs of
 equal budgets (up to one round), and a rerun resumes every run from its database (``search.evolve``).
 
@@ -23,14 +24,14 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from kvsieve.evolve.candidate_executor import LocalExecutor
-from kvsieve.evolve.cascade import DevSet, evaluate_program
+from kvsieve.evolve.cascade import DevSet, Evaluation, KnownKept, evaluate_program
 from kvsieve.evolve.database import ProgramDatabase, ProgramRecord
 from kvsieve.evolve.evolve_config import EvolveConfig, dev_samples
 from kvsieve.evolve.mutators import make_mutator
@@ -40,13 +41,14 @@ from kvsieve.evolve.search import evolve
 from kvsieve.files import written_whole
 from kvsieve.language.program_source import Program
 
-__all__ = ["ARMS", "StudyRun", "study_runs", "run_study", "evaluated_records", "picks_at", "per_request",
-           "two_level_interval", "HeldoutScores"]
+__all__ = ["ARMS", "SharedExecutor", "StudyRun", "study_runs", "run_study", "evaluated_records", "picks_at",
+           "per_request", "two_level_interval", "HeldoutScores"]
 
 ARMS = {"evolve": dict(strategy="evolve", mutator="structural"),
         "best_of_n": dict(strategy="best_of_n", mutator="structural"),
         "random": dict(strategy="best_of_n", mutator="random")}
 SKIPPED = ("duplicate", "no_proposal", "migrated")  # rows that cost no evaluation
+KEPT_REASON = "keeps the entries of program #"  # cascade's reason for a result taken from a run's earlier program
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,46 @@ def study_runs(base: EvolveConfig, arms: Iterable[str], seeds: Iterable[int]) ->
     return runs
 
 
+class SharedExecutor:
+    """A :class:`LocalExecutor` whose fresh evaluations are shared by every run of the study, by program text: the
+    runs score on one dev set, and an evaluation is deterministic (the same program, dev set and process give the same
+    row), so the seed program and the children two runs both propose (common in the seed's small one-edit
+    neighbourhood) are computed once. A result a run takes from its own earlier programs (``known``: "keeps the
+    entries of program #N", naming that run's row) is never shared; a shared result is given that form when the
+    run's ``known`` holds its kept entries, exactly as a fresh evaluation in that run would be."""
+
+    def __init__(self, inner: LocalExecutor) -> None:
+        self.inner = inner
+        self.shared: dict[str, Evaluation] = {}
+        self.hits = 0
+
+    def evaluate(self, programs: list[Program], max_gap: float | None = None,
+                 on_result: Callable[[int, Evaluation], None] | None = None,
+                 known: Mapping[str, KnownKept] | None = None) -> list[Evaluation]:
+        out = []
+        for i, program in enumerate(programs):
+            found = self.shared.get(program.source)
+            if found is None:
+                evaluation = self.inner.evaluate([program], max_gap, None, known)[0]
+                if not evaluation.reason.startswith(KEPT_REASON):
+                    self.shared[program.source] = evaluation
+            else:
+                self.hits += 1
+                same = (known or {}).get(found.kept_hash) if found.kept_hash else None
+                if same is not None and same.score is not None and found.status == "ok":
+                    evaluation = replace(found, reason=f"{KEPT_REASON}{same.program_id} in every dev cell",
+                                         proxy=same.proxy, score=same.score, cells=dict(same.cells))
+                else:
+                    evaluation = replace(found, cells=dict(found.cells))
+            if on_result is not None:
+                on_result(i, evaluation)
+            out.append(evaluation)
+        return out
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 def run_study(runs: list[StudyRun], candidates: int, step: int, model, tokenizer, dtype: str, threads_note: str = "",
               log: Callable[[str], None] = print) -> None:
     """Grow every run to ``candidates`` evaluated programs in rounds of ``step`` (each round: every run in turn).
@@ -82,7 +124,7 @@ def run_study(runs: list[StudyRun], candidates: int, step: int, model, tokenizer
     dev = DevSet(model, tokenizer, dev_samples(base, tokenizer, base.dev_seed, base.dev_samples), base.ratios,
                  base.window, base.dev_cache_folder, progress=True)
     limits = SandboxLimits(timeout_s=base.sandbox_timeout_s, memory_mb=base.sandbox_memory_mb)
-    executor = LocalExecutor(dev, limits, base.fitness, base.dev_cells == "alternate")
+    executor = SharedExecutor(LocalExecutor(dev, limits, base.fitness, base.dev_cells == "alternate"))
     budgets = sorted({*range(step, candidates + 1, step), candidates})
     for budget in budgets:
         for run in runs:

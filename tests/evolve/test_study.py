@@ -152,12 +152,26 @@ def test_study_runs_grow_in_equal_rounds_resume_and_report(smollm2, tmp_path):
         config, records = evaluated_records(run.config.db)
         assert len(records) == 5 and config["seed"] == run.seed
         assert [r.source for r in records[:3]] == [r.source for r in first[run.config.db]]
-        assert records[0].operation == "snapkv"  # the same seed program opens every run
+        assert [r.operation for r in records[:2]] == ["snapkv", "tova"]  # the same seed programs open every run
         if run.arm == "random":
-            assert all(r.operation.startswith("random") for r in records[1:])
+            assert all(r.operation.startswith("random") for r in records[2:])
         db = ProgramDatabase(run.config.db)
         assert db.meta("config")["strategy"] == ("evolve" if run.arm == "evolve" else "best_of_n")
         db.close()
+    # a run alone, with its own executor and nothing shared, stores the same rows (but the timings)
+    from test_evolve import rows
+
+    from kvsieve.evolve.candidate_executor import LocalExecutor
+    from kvsieve.evolve.mutators import make_mutator
+    from kvsieve.evolve.search import evolve
+
+    alone = replace(runs[-2].config, candidates=5, db=str(tmp_path / "alone.sqlite"))
+    dev = DevSet(model, tokenizer, dev_samples(alone, tokenizer, alone.dev_seed, alone.dev_samples), alone.ratios,
+                 alone.window, alone.dev_cache_folder)
+    db = ProgramDatabase(alone.db)
+    evolve(alone, LocalExecutor(dev, fitness="likelihood", alternate=True), make_mutator(alone), db, progress=False)
+    db.close()
+    assert rows(alone.db) == rows(runs[-2].config.db)
     report = study_report(base, runs, ORDER, 2, 0, lambda name, dtype: (model, tokenizer))
     assert "| evolve - best_of_n |" in report and (tmp_path / "study" / "curve.png").is_file()
     cached = json.loads((tmp_path / "study" / "heldout.json").read_text())
