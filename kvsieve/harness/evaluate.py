@@ -35,7 +35,6 @@ from kvsieve.harness.store import TIMING_CONFIG_KEYS, CellKey, CellResult, Faile
 from kvsieve.models import dtype_name
 from kvsieve.policy import FullCache, Policy
 from kvsieve.prompt import Prompt, build_prompt
-from kvsieve.selection import Budget
 from kvsieve.tasks.metrics import score as metric_score
 from kvsieve.tasks.sample import Sample
 
@@ -51,11 +50,11 @@ def _reason(err: BaseException) -> str:
 
 
 def _policy_for(cell: Cell, sample: Sample, prompt: Prompt, tokenizer) -> Policy:
-    if cell.spec.needs_spans:  # the reference keeps the template header and the answer's tokens
+    if cell.policy_spec.needs_spans:  # the reference keeps the template header and the answer's tokens
         header = prompt.header_length(tokenizer)
         important = list(range(header)) + prompt.token_positions(tokenizer, [tuple(s) for s in sample.spans])
-        return cell.spec.build(important_positions=important)
-    policy = cell.spec.build()
+        return cell.policy_spec.build(important_positions=important)
+    policy = cell.policy_spec.build()
     if policy.needs_reconstruction and policy.tokenizer is None:  # KVzip prompts the model
         policy.tokenizer = tokenizer
     return policy
@@ -66,7 +65,7 @@ def _reconstructions(model, tokenizer, cache, ids, cells, policies, protected: i
     out = {}
     for cell in cells:
         policy = policies[cell]
-        if policy.needs_reconstruction and cell.ratio > 0:
+        if policy.needs_reconstruction and cell.budget is not None:
             key = policy.reconstruction_key()
             if key not in out:
                 out[key] = reconstruction_scores(model, cache, ids, ReconstructionPrompt.from_tokenizer(tokenizer),
@@ -85,7 +84,7 @@ class _SampleRun:
         self.stop = tuple(sample.stop)
         self.results: list[CellResult | FailedCell] = []
         self.landed = 0
-        self.order = {(c.label, round(c.ratio, 6), c.question_aware): i for i, c in enumerate(cells)}
+        self.order = {(c.stored, round(c.ratio, 6), c.question_aware): i for i, c in enumerate(cells)}
 
     def policy(self, cell: Cell) -> Policy:
         """The cell's policy, checked against the model: the grid's configuration, refused before any work."""
@@ -95,11 +94,11 @@ class _SampleRun:
 
     def key(self, cell: Cell) -> CellKey:
         s = self.sample
-        return CellKey(self.model_name, s.task, s.length, s.id, cell.label, cell.ratio, cell.question_aware)
+        return CellKey(self.model_name, s.task, s.length, s.id, cell.stored, cell.ratio, cell.question_aware)
 
     def failed(self, cell: Cell, err: BaseException) -> None:
         self.results.append(FailedCell(self.key(cell), _reason(err), dict(
-            self.config, policy_digest=cell.spec.digest, cell=cell.as_dict(), sample_seed=self.sample.seed,
+            self.config, policy_digest=cell.policy_spec.digest, cell=cell.as_dict(), sample_seed=self.sample.seed,
             context_tokens=self.prompt.context_ids.shape[1], kvsieve=kvsieve.__version__)))
 
     def record(self, cell: Cell, text: str, kept: int, kept_bytes: int, full_bytes: int, prefill_s: float,
@@ -107,7 +106,7 @@ class _SampleRun:
         sample, model = self.sample, self.model
         # the dtype the model computed in, not the "auto" that asked for it; in a shared grid ``timing`` holds
         # the sample's own prefill and this cell's compression, timed in one process (the headline's overhead)
-        cfg = dict(self.config, **(timing or {}), dtype=dtype_name(model), policy_digest=cell.spec.digest,
+        cfg = dict(self.config, **(timing or {}), dtype=dtype_name(model), policy_digest=cell.policy_spec.digest,
                    cell=cell.as_dict(), sample_seed=sample.seed, metric=sample.metric, shared=self.shared,
                    context_tokens=self.prompt.context_ids.shape[1], kvsieve=kvsieve.__version__,
                    transformers=transformers.__version__)
@@ -208,13 +207,12 @@ def _compress_group(run: _SampleRun, group: list[Cell], policies: dict, full_cac
         start, policy, rebuilt_s = time.perf_counter(), policies[cell], 0.0
         cache = clone_cache(full_cache)
         try:
-            if policy.compresses and cell.ratio > 0 and policy.needs_reconstruction:
+            if cell.budget is not None and policy.needs_reconstruction:
                 rec = rebuilt[policy.reconstruction_key()]
-                compress_with_reconstruction(run.model, cache, ids, policy, Budget(ratio=cell.ratio), protected,
-                                             reconstruction=rec)
+                compress_with_reconstruction(run.model, cache, ids, policy, cell.budget, protected, reconstruction=rec)
                 rebuilt_s = rec.seconds
-            elif policy.compresses and cell.ratio > 0:
-                compress_cache(cache, policy, Budget(ratio=cell.ratio), protected)
+            elif cell.budget is not None:
+                compress_cache(cache, policy, cell.budget, protected)
         except Exception as err:  # noqa: BLE001 - a budget, NaN scores, a selection that does not fit
             run.failed(cell, err)
             continue

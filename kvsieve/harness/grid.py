@@ -1,7 +1,7 @@
 """One evaluation grid: its configuration (:class:`GridConfig`) and the cells it expands to.
 
-The grid's policy specs are parsed once, here, into :class:`~kvsieve.policies.registry.PolicySpec`s;
-cells, validation, the runner and the store read those.
+The grid's policy specs are parsed once, here, into :class:`~kvsieve.policies.registry.PolicySpec`s; a cell is a
+:class:`~kvsieve.policies.label.Point` holding its spec, and validation, the runner and the store read those.
 """
 
 from __future__ import annotations
@@ -10,38 +10,13 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvsieve.bundled import canonical_name
-from kvsieve.policies.label import FULL_CACHE, Label
+from kvsieve.policies.label import DECODE, FULL_CACHE, Mode, Point
 from kvsieve.policies.registry import PolicySpec, parse
 from kvsieve.tasks.load import SampleSpec
 
 __all__ = ["Cell", "GridConfig", "cells_for"]
 
-@dataclass(frozen=True)
-class Cell:
-    spec: PolicySpec  # a spec string is parsed on construction
-    ratio: float
-    question_aware: bool = False
-    chunk_size: int = 0  # > 0: decode-time eviction, the context read in chunks of this many tokens
-    evict_every: int = 1  # decode mode: generated tokens between evictions (1: after every token)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.spec, str):
-            object.__setattr__(self, "spec", parse(self.spec))
-
-    @property
-    def policy(self) -> str:
-        """The spec's text, e.g. ``snapkv(window=32)``."""
-        return self.spec.text
-
-    @property
-    def label(self) -> str:
-        """The policy as the store keys it (:attr:`Label.stored`): the spec, with ``@decodeN`` for decode-time
-        eviction reading the context in chunks of N (and ``eE`` when generated tokens are evicted every E > 1)."""
-        return Label(self.policy, self.chunk_size, self.evict_every if self.chunk_size else 1).stored
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"policy": self.policy, "ratio": self.ratio, "question_aware": self.question_aware,
-                "chunk_size": self.chunk_size, "evict_every": self.evict_every}
+Cell = Point  # a grid cell is a point: the policy (its spec parsed once, by the grid), ratio, question-awareness, mode
 
 
 @dataclass
@@ -106,21 +81,22 @@ class GridConfig:
 
 
 def cells_for(config: GridConfig) -> list[Cell]:
+    """Every point of the grid: each compressing policy at each ratio (and question-aware where asked), the full
+    cache once at ratio 0, in the grid's mode; question-aware reference policies in prefill mode."""
+    mode = Mode(config.chunk_size, config.evict_every) if config.mode == DECODE else Mode()
     cells: list[Cell] = []
-    decode = dict(chunk_size=config.chunk_size, evict_every=config.evict_every) if config.mode == "decode" else {}
     for spec in config.policies:
-        if not spec.compresses:  # the full cache: once per sample
-            cells.append(Cell(spec, 0.0, **decode))
+        point = Point(spec, 0.0, False, mode)
+        if not point.compresses:  # the full cache: once per sample
+            cells.append(point)
             continue
         for ratio in config.ratios:
-            cells.append(Cell(spec, float(ratio), **decode))
+            cells.append(point.at(float(ratio)))
             if config.question_aware:
-                cells.append(Cell(spec, float(ratio), True))
+                cells.append(Point(spec, float(ratio), True))
     for spec in config.qa_policies:
         for ratio in config.ratios:
-            cell = Cell(spec, float(ratio), True)
+            cell = Point(spec, float(ratio), True)
             if cell not in cells:
                 cells.append(cell)
     return cells
-
-

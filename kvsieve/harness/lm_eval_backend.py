@@ -72,7 +72,7 @@ from kvsieve.harness.evaluate import evaluate_sample
 from kvsieve.harness.grid import Cell
 from kvsieve.harness.store import CellKey, CellResult, ResultsStore
 from kvsieve.models import dtype_name, load, local_source
-from kvsieve.policies.label import FULL_CACHE
+from kvsieve.policies.label import FULL_CACHE, check_ratio
 from kvsieve.policies.registry import parse
 from kvsieve.tasks.sample import Sample, write_jsonl
 
@@ -158,10 +158,8 @@ class KvsieveLM(LM):
         if threads is not None:
             torch.set_num_threads(int(threads))
         self.model_name = canonical_name(str(model))
-        ratio, spec = float(ratio), parse(str(policy))
-        if not 0 <= ratio < 1:
-            raise ValueError(f"ratio must be in [0, 1), got {ratio}")
-        self.cell = Cell(spec, ratio if spec.compresses else 0.0)  # the full cache: once, at ratio 0
+        point = Cell(parse(str(policy)), check_ratio(float(ratio), "kvsieve backend's model_args"))
+        self.cell = point if point.compresses else point.at(0.0)  # the full cache: once, at ratio 0
         split_prompt("x", qa=qa)  # checks qa before the model loads
         self.qa, self.length = qa, int(length)
         # lm-eval's --device (cpu, cuda, cuda:N) is where the model runs; None: kvsieve's default (KVSIEVE_DEVICE)
@@ -169,7 +167,7 @@ class KvsieveLM(LM):
         self.store = None if store in (None, "", "none", "None") else ResultsStore(Path(str(store)))
         if self.store is not None:
             try:
-                check_store(self.store, self.model_name, {self.cell.label: self.cell.spec.digest})
+                check_store(self.store, self.model_name, {self.cell.stored: self.cell.policy_spec.digest})
                 check_dtype(self.store, self.model_name, dtype_name(self.model))
             except ValueError:
                 self.store.close()
@@ -194,7 +192,7 @@ class KvsieveLM(LM):
 
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
         out = []
-        for request in tqdm(requests, disable=disable_tqdm, desc=f"kvsieve {self.cell.label} @ {self.cell.ratio:g}"):
+        for request in tqdm(requests, disable=disable_tqdm, desc=f"kvsieve {self.cell.stored} @ {self.cell.ratio:g}"):
             prompt, gen_kwargs = request.args
             text = self.answer(prompt, dict(gen_kwargs or {}), request.doc or {}, str(request.task_name),
                                request.doc_id)
@@ -211,8 +209,8 @@ class KvsieveLM(LM):
         sample, split = sample_for(prompt, gen_kwargs, doc, task, doc_id, self.qa, self.length)
         answers, digest = _answers(doc), sample.id.rpartition("-")[2]
         # the full cache is one reference for every cell, question-aware or not (Label.reference has no +qa)
-        cell = Cell(self.cell.spec, self.cell.ratio, split.question_aware and self.cell.spec.compresses)
-        key = CellKey(self.model_name, sample.task, sample.length, sample.id, cell.label, cell.ratio,
+        cell = Cell(self.cell.policy_spec, self.cell.ratio, split.question_aware and self.cell.compresses)
+        key = CellKey(self.model_name, sample.task, sample.length, sample.id, cell.stored, cell.ratio,
                       cell.question_aware)
         if self.store is not None and answers is not None:
             stored = self.store.rows(model=key.model, task=key.task, length=key.length, sample_id=key.sample_id,

@@ -43,7 +43,7 @@ def group_cells(rows: Iterable[CellResult]) -> dict[tuple[str, int], Cells]:
     groups: dict[tuple[str, int], Cells] = defaultdict(lambda: defaultdict(dict))
     for r in rows:
         k = r.key
-        label = Label.parse(k.policy, k.question_aware).display
+        label = Label.parse(k.policy, question_aware=k.question_aware).display
         groups[(k.model, int(k.length))][(label, round(float(k.ratio), RATIO_DECIMALS))][
             (k.task, int(k.length), k.sample_id)] = r
     return groups

@@ -36,7 +36,7 @@ ScoreTable = dict[float, dict[str, dict[str, tuple[float, int]]]]
 
 def _display(key) -> str:
     """The name a stored cell's policy is shown under (its label's display form: ``+qa`` when question-aware)."""
-    return Label.parse(key.policy, key.question_aware).display
+    return Label.parse(key.policy, question_aware=key.question_aware).display
 
 
 def _is_reference(name: str) -> bool:

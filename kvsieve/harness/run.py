@@ -40,12 +40,12 @@ def run_grid(config: GridConfig, progress: bool = True, executor=None) -> Result
     owned = executor is None
     executor = LocalGridExecutor() if owned else executor
     try:
-        check_store(store, config.model, {c.label: c.spec.digest for c in cells})
+        check_store(store, config.model, {c.stored: c.policy_spec.digest for c in cells})
         samples = executor.samples(config)
         check_dtype(store, config.model, executor.dtype(config))
         todo = []
         for sample in samples:
-            keys = {c: CellKey(config.model, sample.task, sample.length, sample.id, c.label, c.ratio,
+            keys = {c: CellKey(config.model, sample.task, sample.length, sample.id, c.stored, c.ratio,
                                c.question_aware) for c in cells}
             missing = set(store.missing(list(keys.values())))
             todo_cells = [c for c in cells if keys[c] in missing]

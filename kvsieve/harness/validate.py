@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvsieve.models import check_length
+from kvsieve.policies.label import Point
 from kvsieve.selection import Budget
 from kvsieve.tasks.load import ALL_TASKS, read_samples
 
@@ -24,7 +25,7 @@ def validate(config) -> None:
                 raise ValueError(f"{spec.text} keeps the answer's spans, and {len(no_spans)} sample(s) of "
                                  f"{config.data} carry none (e.g. {no_spans[0]!r}); give a file whose samples have "
                                  "'spans' (kvsieve generate writes them) or drop it")
-    if any(spec.compresses for spec in specs) and not config.ratios:
+    if any(Point(spec).compresses for spec in specs) and not config.ratios:
         raise ValueError("the grid is empty: give at least one compression ratio")
     for ratio in config.ratios:
         Budget(ratio=ratio)

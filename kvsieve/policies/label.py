@@ -1,28 +1,41 @@
-"""The label a results row is keyed by: a policy spec, how it was run, and whether it saw the question.
+"""A policy run at a setting (:class:`Point`), and the label a results row is keyed by.
+
+A point is a policy spec, a compression ratio, whether the question was kept out of compression, and the mode
+(:class:`Mode`: prefill compression, or decode-time eviction with its chunk and eviction interval). It is what a
+grid cell (``harness/grid.py``: ``Cell``) and a certification candidate (``risk/losses.py``: ``Candidate``) are,
+and everything derived from it is derived here, once: its stored and display text, whether its family
+``compresses``, whether it ``protects_question``, its full-KV ``reference``, its ``budget``. The ratio is checked
+here, once (``selection.Budget`` checks its own).
 
 Stored form (the store's ``policy`` column): ``SPEC`` for prefill compression, ``SPEC@decodeN`` for
 decode-time eviction (the context read in chunks of N tokens), ``SPEC@decodeNeE`` when generated tokens are
 evicted every E > 1 of them. Display form (tables, plots, comparisons): the stored form with ``+qa`` appended
 for a question-aware row (the question kept out of compression; the store keeps that in its own column).
 
-:class:`Label` is the one parser and formatter of both forms: nothing else in kvsieve splits or builds a
-label, or compares a policy or mode name as text. Reading a label opens no file: a store holds labels of
-program files and checkpoints that may no longer exist, and its tables must still be drawn. A family that is
+:meth:`Point.parse` and :attr:`Point.stored` / :attr:`Point.display` are the one parser and formatter of both
+forms (``Label`` is the same type, the name older code reads a label by): nothing else in kvsieve splits or builds
+a label. The stored text forms are unchanged, so every store, contract and config written before still reads.
+Reading a point opens no file: a store holds labels of program files and checkpoints that may no longer exist,
+and its tables must still be drawn. A family that is
 no longer registered (rows of an older kvsieve) reads as an ordinary compressing policy, not a reference.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
-from kvsieve.policies.registry import family_class
+from kvsieve.policies.registry import PolicySpec, family_class, parse
 from kvsieve.policy import FullCache, Policy
+from kvsieve.selection import Budget
 from kvsieve.spec import parse_spec
 
-__all__ = ["DECODE", "FULL_CACHE", "MODES", "PREFILL", "QA_SUFFIX", "Label", "display_order"]
+__all__ = ["DECODE", "FULL_CACHE", "MODES", "PREFILL", "QA_SUFFIX", "Label", "Mode", "Point", "check_ratio",
+           "display_order"]
 
 FULL_CACHE: str = FullCache.name  # the full cache's spec and stored label (prefill); the reference of every row
 PREFILL, DECODE = "prefill", "decode"
@@ -40,56 +53,141 @@ def _family_of(spec: str) -> str:
 
 
 @dataclass(frozen=True)
-class Label:
-    """One row's identity as text: ``spec`` (the policy spec's text), ``chunk_size`` (> 0: decode-time eviction
-    reading the context in chunks of that many tokens), ``evict_every`` (decode mode: generated tokens between
-    evictions) and ``question_aware`` (the question was kept out of a prefill compression)."""
+class Mode:
+    """How the cache is held under the budget: prefill compression (``chunk_size`` 0, compress once after the
+    context), or decode-time eviction reading the context in chunks of ``chunk_size`` tokens and evicting every
+    ``evict_every`` generated tokens. Compares equal to its name (:data:`PREFILL`, :data:`DECODE`) too."""
 
-    spec: str
     chunk_size: int = 0
     evict_every: int = 1
-    question_aware: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.spec, str) or not self.spec.strip():
-            raise ValueError(f"a label's spec is a non-empty policy spec, got {self.spec!r}")
-        if self.spec != self.spec.strip():
-            object.__setattr__(self, "spec", self.spec.strip())
-        if self.spec.endswith(QA_SUFFIX) or _ANY_DECODE_SUFFIX.search(self.spec):
-            raise ValueError(f"spec {self.spec!r} carries a label suffix ({QA_SUFFIX} or @decode...): "
-                             "read the whole label with Label.parse")
         for name, least in (("chunk_size", 0), ("evict_every", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"a label's {name} is an int >= {least}, got {value!r}")
+                raise ValueError(f"a mode's {name} is an int >= {least}, got {value!r}")
         if self.evict_every != 1 and not self.chunk_size:
             raise ValueError(f"evict_every={self.evict_every} means decode-time eviction: give its chunk_size too")
+
+    @property
+    def name(self) -> str:
+        return DECODE if self.chunk_size else PREFILL
+
+    @property
+    def suffix(self) -> str:
+        """What the stored label adds: ``""``, ``@decodeN`` or ``@decodeNeE``."""
+        if not self.chunk_size:
+            return ""
+        return f"@decode{self.chunk_size}" + (f"e{self.evict_every}" if self.evict_every != 1 else "")
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str):
+            return self.name == other
+        if isinstance(other, Mode):
+            return (self.chunk_size, self.evict_every) == (other.chunk_size, other.evict_every)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.chunk_size, self.evict_every))
+
+    def __str__(self) -> str:
+        return self.name
+
+
+PREFILL_MODE = Mode()
+
+
+def check_ratio(ratio: object, where: str) -> float:
+    """``ratio`` as a float when it is a compression ratio in [0, 1) (the fraction of the cache removed), else
+    ValueError naming ``where`` it came from. The one ratio check outside :class:`~kvsieve.selection.Budget`."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio) or not 0 <= ratio < 1:
+        raise ValueError(f"{where} has ratio {ratio!r}; a compression ratio is in [0, 1) (the fraction of the "
+                         f"cache removed), so {ratio!r} is out of range")
+    return float(ratio)
+
+
+@dataclass(frozen=True, eq=False)
+class Point:
+    """A policy run at a setting: ``spec`` (the policy spec's text; a :class:`PolicySpec` given here is kept, so its
+    files are not read again), ``ratio`` in [0, 1), ``question_aware`` (the question kept out of a prefill
+    compression) and ``mode``. Reading a point opens no file; :attr:`policy_spec` parses the spec when asked.
+
+    Equal, hashed and ordered by (stored label, ratio, question-awareness)."""
+
+    spec: str
+    ratio: float = 0.0
+    question_aware: bool = False
+    mode: Mode = PREFILL_MODE
+    parsed: PolicySpec | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        spec = self.spec
+        if isinstance(spec, PolicySpec):
+            object.__setattr__(self, "parsed", spec)
+            spec = spec.text
+        if not isinstance(spec, str) or not spec.strip():
+            raise ValueError(f"a point's policy is a non-empty policy spec, got {spec!r}")
+        spec = spec.strip()
+        if spec.endswith(QA_SUFFIX):
+            raise ValueError(f"spec {spec!r} carries {QA_SUFFIX}: give question_aware=True, or read the whole label "
+                             "with Point.parse")
+        if _ANY_DECODE_SUFFIX.search(spec):  # a stored label: its decode suffix is the mode
+            match = _DECODE_SUFFIX.search(spec)
+            if match is None:
+                raise ValueError(f"bad label {spec!r}: a decode-time label ends in @decodeN or @decodeNeE "
+                                 "(N the chunk size, E the generated tokens between evictions, both positive)")
+            if self.mode != PREFILL_MODE:
+                raise ValueError(f"label {spec!r} names its mode, and mode={self.mode!r} was given too: give it once")
+            spec = spec[: match.start()].strip()
+            object.__setattr__(self, "mode", Mode(int(match["chunk"]), int(match["every"] or 1)))
+        if not spec:
+            raise ValueError(f"a point's policy is a non-empty policy spec, got {self.spec!r}")
+        object.__setattr__(self, "spec", spec)
+        object.__setattr__(self, "ratio", check_ratio(self.ratio, f"policy {self.spec!r}"))
         if not isinstance(self.question_aware, bool):
-            raise ValueError(f"question_aware is true or false, got {self.question_aware!r}")
+            raise ValueError(f"policy {self.spec!r} has question_aware {self.question_aware!r}; allowed: true, false")
+        if not isinstance(self.mode, Mode):
+            raise ValueError(f"a point's mode is a Mode (prefill, or decode with its chunk), got {self.mode!r}")
 
     @classmethod
-    def parse(cls, text: str, question_aware: bool = False) -> Label:
-        """Read ``SPEC``, ``SPEC@decodeN`` or ``SPEC@decodeNeE``, with an optional trailing ``+qa`` (which, like
-        ``question_aware``, marks the label question-aware). ValueError for a malformed ``@decode`` suffix."""
+    def parse(cls, text: str, ratio: float = 0.0, question_aware: bool = False) -> Point:
+        """Read a label ``SPEC``, ``SPEC@decodeN`` or ``SPEC@decodeNeE``, with an optional trailing ``+qa`` (which,
+        like ``question_aware``, marks the point question-aware). ValueError for a malformed ``@decode`` suffix.
+        (``Point(label, ratio)`` reads the decode suffix too; only ``+qa`` needs ``parse``.)"""
         if not isinstance(text, str):
             raise ValueError(f"a label is a string such as 'snapkv@decode128', got {type(text).__name__} {text!r}")
         text = text.strip()
         if text.endswith(QA_SUFFIX):
             text, question_aware = text[: -len(QA_SUFFIX)].rstrip(), True
-        match = _DECODE_SUFFIX.search(text)
-        if match is None:
-            if _ANY_DECODE_SUFFIX.search(text):
-                raise ValueError(f"bad label {text!r}: a decode-time label ends in @decodeN or @decodeNeE "
-                                 "(N the chunk size, E the generated tokens between evictions, both positive)")
-            return cls(text, question_aware=question_aware)
-        return cls(text[: match.start()], int(match["chunk"]), int(match["every"] or 1), question_aware)
+        return cls(text, ratio, question_aware)
 
+    def at(self, ratio: float) -> Point:
+        """The same policy and setting at another ratio."""
+        return Point(self.parsed or self.spec, ratio, self.question_aware, self.mode)
+
+    # -- identity ----------------------------------------------------------------------------------------------
+    def _key(self) -> tuple[str, float, bool]:
+        return self.stored, self.ratio, self.question_aware
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Point) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __lt__(self, other: Point) -> bool:
+        return self._key() < other._key()
+
+    # -- text --------------------------------------------------------------------------------------------------
     @property
     def stored(self) -> str:
         """The store's ``policy`` column: the spec with its decode suffix, never ``+qa``."""
-        if not self.chunk_size:
-            return self.spec
-        return f"{self.spec}@decode{self.chunk_size}" + (f"e{self.evict_every}" if self.evict_every != 1 else "")
+        return self.spec + self.mode.suffix
+
+    @property
+    def policy(self) -> str:
+        """The stored label (a results row's and a contract's ``policy``)."""
+        return self.stored
 
     @property
     def display(self) -> str:
@@ -97,12 +195,28 @@ class Label:
         return self.stored + (QA_SUFFIX if self.question_aware else "")
 
     def __str__(self) -> str:
-        return self.display
+        return f"{self.display}@{self.ratio:g}"
+
+    def as_dict(self) -> dict[str, Any]:
+        """A results row's ``cell`` record (its stored form: the spec and the mode's two numbers)."""
+        return {"policy": self.spec, "ratio": self.ratio, "question_aware": self.question_aware,
+                "chunk_size": self.chunk_size, "evict_every": self.evict_every}
 
     @property
-    def mode(self) -> str:
-        """``decode`` (eviction while the context is read in chunks) or ``prefill`` (compression after it)."""
-        return DECODE if self.chunk_size else PREFILL
+    def chunk_size(self) -> int:
+        return self.mode.chunk_size
+
+    @property
+    def evict_every(self) -> int:
+        return self.mode.evict_every
+
+    # -- what the point is -------------------------------------------------------------------------------------
+    @property
+    def policy_spec(self) -> PolicySpec:
+        """The spec parsed by the registry (its family class, parameters and file digest), once."""
+        if self.parsed is None:
+            object.__setattr__(self, "parsed", parse(self.spec))
+        return self.parsed
 
     @property
     def family(self) -> str:
@@ -131,14 +245,43 @@ class Label:
 
     @property
     def compresses(self) -> bool:
-        """Whether the policy evicts anything: the family's ``compresses``; an unregistered family does."""
+        """Whether the policy evicts anything (at a ratio above 0): the family's ``compresses``; an unregistered
+        family does."""
         cls = self.family_class
         return cls.compresses if cls is not None else not self.is_full
 
     @property
-    def reference(self) -> Label:
-        """The full-cache label this one's rows are paired with: the same chunking, nothing evicted."""
-        return Label(FULL_CACHE, self.chunk_size, self.evict_every)
+    def budget(self) -> Budget | None:
+        """What the engine is given: ``Budget(ratio)``, or None where nothing is evicted (full KV, ratio 0)."""
+        return Budget(ratio=self.ratio) if self.compresses and self.ratio > 0 else None
+
+    @property
+    def protects_question(self) -> bool:
+        """Whether the question's tokens are kept on top of the budget: a question-aware prefill point that
+        evicts (decode-time eviction reads the question under eviction anyway)."""
+        return self.question_aware and self.mode == PREFILL and self.budget is not None
+
+    @property
+    def sees_question(self) -> bool:
+        """Whether the eviction decisions can see the question (question-aware prefill, or any decode-time row)."""
+        return self.question_aware or self.mode == DECODE
+
+    @property
+    def setting(self) -> str:
+        """What the point is, in words: the label a table and a contract show."""
+        if self.mode == DECODE:
+            return f"decode-time eviction every {self.chunk_size} tokens, question read under eviction"
+        return "question-aware prefill" if self.question_aware else "query-agnostic prefill"
+
+    @property
+    def retention(self) -> float:
+        """The nominal fraction kept, 1 - ratio (the bytes kept, sinks and window on top, are measured)."""
+        return round(1.0 - self.ratio, 6)
+
+    @property
+    def reference(self) -> Point:
+        """The full-KV point this one's rows are paired with: the same mode, nothing evicted."""
+        return Point(FULL_CACHE, 0.0, False, self.mode)
 
     @property
     def sort_key(self) -> tuple[bool, bool, str]:
@@ -147,6 +290,9 @@ class Label:
         return not self.is_full, self.is_reference, self.display
 
 
+Label = Point  # a row's label is a point's text: ``Label.parse`` reads one (the ratio, when not given, is 0)
+
+
 def display_order(labels: Iterable[str]) -> list[str]:
-    """Labels (display or stored form), once each, in :attr:`Label.sort_key` order: every table and legend's order."""
-    return sorted(set(labels), key=lambda text: Label.parse(text).sort_key)
+    """Labels (display or stored form), once each, in :attr:`Point.sort_key` order: every table and legend's order."""
+    return sorted(set(labels), key=lambda text: Point.parse(text).sort_key)

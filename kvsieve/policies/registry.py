@@ -91,14 +91,6 @@ class PolicySpec:
         return self.text
 
     @property
-    def compresses(self) -> bool:
-        return self.cls.compresses
-
-    @property
-    def is_reference(self) -> bool:
-        return self.cls.is_reference
-
-    @property
     def needs_spans(self) -> bool:
         return self.cls.needs_spans
 

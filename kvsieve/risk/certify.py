@@ -13,10 +13,11 @@ sinks, window and question kept on top of the ratio's budget, so it is above ``1
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
+from kvsieve.policies.label import Point
 from kvsieve.risk.losses import LOSSES, UTILITY_SCALE, Candidate, LossTable
 from kvsieve.risk.pvalues import binomial_pvalue, hoeffding_bentkus_pvalue, min_calibration_size
 from kvsieve.risk.testing import CORRECTIONS, chains_rejected, fixed_sequence
@@ -76,14 +77,14 @@ class CandidateResult:
     p_value: float
     certified: bool
     kept_fraction: float  # mean cache bytes kept / full
-    setting: str = ""  # Candidate.setting: query-agnostic / question-aware prefill, or decode-time eviction
+    setting: str = ""  # Point.setting: query-agnostic / question-aware prefill, or decode-time eviction
 
     def __post_init__(self) -> None:
         self.setting = self.setting or self.candidate.setting  # contracts written before it: derived
 
     @property
     def candidate(self) -> Candidate:
-        return Candidate(self.policy, self.ratio, self.question_aware)
+        return Point.parse(self.policy, self.ratio, self.question_aware)
 
 
 @dataclass
@@ -129,8 +130,8 @@ class Certification:
                 f"at compression ratio {chosen.ratio:g}")
 
     def to_dict(self) -> dict:
-        out = asdict(self)
-        out["chosen"] = asdict(self.chosen) if self.chosen else None
+        out = asdict(replace(self, chosen=None))
+        out["chosen"] = _record(self.chosen) if self.chosen else None
         out["fell_back"] = self.fell_back
         return out
 
@@ -139,8 +140,23 @@ class Certification:
         data = dict(data)
         data.pop("fell_back", None)
         data["candidates"] = [CandidateResult(**c) for c in data.get("candidates", [])]
-        data["chosen"] = Candidate(**data["chosen"]) if data.get("chosen") else None
+        chosen = data.get("chosen")
+        try:
+            data["chosen"] = (Point.parse(chosen["policy"], chosen["ratio"], chosen["question_aware"]) if chosen
+                              else None)
+        except ValueError as err:
+            raise ValueError(f"chosen point: {err}") from err
         return cls(**data)
+
+
+def _record(point: Point) -> dict:
+    """A contract's form of a point, as contracts have always stored it: the stored label, ratio, question-aware."""
+    return {"policy": point.stored, "ratio": point.ratio, "question_aware": point.question_aware}
+
+
+def _compressor(point: Point) -> tuple[str, bool]:
+    """Candidates of one compressor (one stored label, question-aware or not) form one fixed-sequence chain."""
+    return point.stored, point.question_aware
 
 
 def p_value(losses: np.ndarray, alpha: float, loss: str = "binary") -> float:
@@ -163,7 +179,7 @@ def _chains(candidates: list[Candidate]) -> list[list[Candidate]]:
     """One chain per compressor, from most to least retention."""
     chains: dict[tuple, list[Candidate]] = {}
     for cand in candidates:
-        chains.setdefault(cand.compressor, []).append(cand)
+        chains.setdefault(_compressor(cand), []).append(cand)
     return [sorted(chain, key=lambda c: c.ratio) for _, chain in sorted(chains.items())]
 
 
@@ -190,7 +206,7 @@ def certify(table: LossTable, contract: Contract, seed: int = 0) -> Certificatio
                    for c in candidates}
         order = sorted(candidates, key=lambda c: (learned[c], c.ratio))
     n = len(test_rows)
-    compressors = len({c.compressor for c in candidates})
+    compressors = len({_compressor(c) for c in candidates})
     needed = contract.min_requests(compressors)
     if n < needed:
         where = " in the testing part of the split" if contract.correction == "split" else ""

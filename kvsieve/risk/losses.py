@@ -9,7 +9,7 @@ task's utility (the harness metric, 0-100) under the candidate with the full cac
 
 Decode-time rows (the store's ``SPEC@decodeN``, eviction while the prompt is read in chunks of N
 tokens) are candidates too. The question is part of that prompt, so evictions after its chunk see it:
-such a candidate is not query-agnostic (:attr:`Candidate.setting` says what it is), and it is compared
+such a candidate is not query-agnostic (:attr:`Point.setting` says what it is), and it is compared
 with ``full@decodeN`` (the same chunked run with nothing evicted) where the store holds those rows.
 
 Models are named by their canonical name: an alias of a bundled model (``qwen2.5-0.5b``) finds the
@@ -18,18 +18,17 @@ rows stored under the canonical name and under any alias (stores written before 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvsieve.bundled import bundled
 from kvsieve.harness.store import ResultsStore
-from kvsieve.policies import parse
-from kvsieve.policies.label import DECODE, FULL_CACHE, Label
+from kvsieve.policies.label import DECODE, FULL_CACHE, Point, check_ratio
 from kvsieve.tasks import task_family
 
 __all__ = ["BUCKETINGS", "LOSSES", "UTILITY_SCALE", "Candidate", "LossTable", "candidate_losses", "candidates_for",
+           "check_candidate",
            "length_bucket", "loss_table", "model_names"]
 
 LOSSES = ("binary", "bounded")
@@ -38,83 +37,16 @@ UTILITY_SCALE = 100.0  # harness metrics are percentages
 
 Request = tuple[str, int, str]  # (task, length, sample_id)
 
-def _check_ratio(ratio: object, where: str) -> None:
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio) or not 0 <= ratio < 1:
-        raise ValueError(f"{where} has ratio {ratio!r}; a compression ratio is in [0, 1) (the fraction of the "
-                         f"cache removed), so {ratio!r} is out of range")
+Candidate = Point  # a candidate is a point: a stored label (``Point.parse``) at a ratio, question-aware or not
 
 
-@dataclass(frozen=True, order=True)
-class Candidate:
-    """One compressed operating point: a stored policy label (``SPEC`` or ``SPEC@decodeN``), a ratio, and
-    whether the question was protected in a prefill cell. ``retention`` is the nominal fraction kept (1 - ratio);
-    the bytes actually kept (sinks, window and question on top) are ``LossTable.kept_fraction``."""
-
-    policy: str
-    ratio: float
-    question_aware: bool = False
-
-    def validate(self) -> Candidate:
-        """Refuse what no grid stores: a ratio outside [0, 1), a question-aware decode-time row (returns self).
-
-        Not run on construction: a contract file's reader checks its points with its own messages."""
-        if not isinstance(self.policy, str) or not self.policy.strip():
-            raise ValueError(f"a candidate's policy must be a non-empty spec, got {self.policy!r}")
-        _check_ratio(self.ratio, f"candidate {self.policy!r}")
-        if not isinstance(self.question_aware, bool):
-            raise ValueError(f"question_aware must be true or false, got {self.question_aware!r}")
-        if self.question_aware and self.mode == DECODE:
-            raise ValueError(f"candidate {self.policy!r} evicts at decode time, where the question is read under "
-                             "eviction anyway; there are no question-aware decode rows (drop --question-aware)")
-        return self
-
-    @property
-    def label(self) -> Label:
-        """The stored policy label read once (:class:`~kvsieve.policies.label.Label`), question-awareness and all."""
-        return Label.parse(self.policy, self.question_aware)
-
-    @property
-    def spec(self) -> str:
-        """The policy spec, without the ``@decodeN`` of a decode-time row."""
-        return self.label.spec
-
-    @property
-    def chunk_size(self) -> int:
-        """Decode-time eviction's chunk size; 0 for prefill compression."""
-        return self.label.chunk_size
-
-    @property
-    def mode(self) -> str:
-        return self.label.mode
-
-    @property
-    def sees_question(self) -> bool:
-        """Whether the eviction decisions can see the question (question-aware prefill, or any decode-time row)."""
-        return self.question_aware or self.mode == DECODE
-
-    @property
-    def setting(self) -> str:
-        """What the point is, in words: the label a table and a contract show."""
-        if self.mode == DECODE:
-            return f"decode-time eviction every {self.chunk_size} tokens, question read under eviction"
-        return "question-aware prefill" if self.question_aware else "query-agnostic prefill"
-
-    @property
-    def reference(self) -> str:
-        """The full-KV label the candidate is compared with first: ``full`` or ``full@decodeN``."""
-        return self.label.reference.stored
-
-    @property
-    def retention(self) -> float:
-        return round(1.0 - self.ratio, 6)
-
-    @property
-    def compressor(self) -> tuple[str, bool]:
-        """Candidates of one compressor form one fixed-sequence chain."""
-        return self.policy, self.question_aware
-
-    def __str__(self) -> str:
-        return f"{self.label.display}@{self.ratio:g}"
+def check_candidate(point: Point) -> Point:
+    """Refuse what no grid stores as a candidate (returns ``point``): a question-aware decode-time point (the
+    question is read under eviction anyway). Its ratio and spec were checked when the point was made."""
+    if point.question_aware and point.mode == DECODE:
+        raise ValueError(f"candidate {point.stored!r} evicts at decode time, where the question is read under "
+                         "eviction anyway; there are no question-aware decode rows (drop --question-aware)")
+    return point
 
 
 def candidates_for(policies: list[str], ratios: list[float], question_aware: bool = False) -> list[Candidate]:
@@ -123,12 +55,11 @@ def candidates_for(policies: list[str], ratios: list[float], question_aware: boo
     Full-KV labels (``full``, ``full@decodeN``) are the reference, not candidates, and are dropped. A ratio
     outside [0, 1) is refused before any store is read, naming the ratio.
     """
-    for ratio in ratios:
-        _check_ratio(ratio, "--ratios")
-    compressing = [p for p in policies if Label.parse(p).compresses]
+    ratios = [check_ratio(ratio, "--ratios") for ratio in ratios]  # before any store is read
+    compressing = [p for p in map(Point.parse, policies) if p.compresses]
     if not compressing or not ratios:
         raise ValueError("give at least one compressing policy (--policies) and one ratio (--ratios)")
-    return [Candidate(p.strip(), float(r), question_aware).validate() for p in compressing for r in ratios]
+    return [check_candidate(Point(p.spec, float(r), question_aware, p.mode)) for p in compressing for r in ratios]
 
 
 def model_names(model: str) -> list[str]:
@@ -246,7 +177,7 @@ def loss_table(store: ResultsStore, model: str, candidates: list[Candidate], eps
     if not candidates:
         raise ValueError("no candidates to certify: give at least one compressing policy and ratio")
     for cand in candidates:
-        cand.validate()  # before any row is read: a ratio of 1.0 is out of range, not "no rows"
+        check_candidate(cand)  # before any row is read
     names = model_names(model)
     filters: dict = {"model": names}
     if tasks:
@@ -276,12 +207,13 @@ def loss_table(store: ResultsStore, model: str, candidates: list[Candidate], eps
             raise ValueError(f"the store has no rows for candidate {cand} (model {names[0]!r}); "
                              "evaluate it first (kvsieve eval, or kvsieve certify --run)")
         if cand.spec not in digests:
-            digests[cand.spec] = parse(cand.spec).digest
+            digests[cand.spec] = cand.policy_spec.digest
         _check_digests(cand, rows, digests[cand.spec])
         found[cand] = by_request(rows)
-        if cand.reference not in full:
-            full[cand.reference] = by_request(store.rows(policy=cand.reference, **filters))
-        references[cand] = cand.reference if full[cand.reference] else FULL_CACHE
+        reference = cand.reference.stored
+        if reference not in full:
+            full[reference] = by_request(store.rows(policy=reference, **filters))
+        references[cand] = reference if full[reference] else FULL_CACHE
         if not full[references[cand]]:
             raise no_full()
     used = [full[name] for name in sorted(set(references.values()))]

@@ -5,14 +5,14 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvsieve.bundled import canonical_name
 from kvsieve.engine.attach import Session, attach
 from kvsieve.engine.generate import Generation, generate
 from kvsieve.policies import Policy, PolicySpec
-from kvsieve.policies.label import FULL_CACHE
+from kvsieve.policies.label import FULL_CACHE, Mode, Point
 from kvsieve.policy import FullCache
 from kvsieve.prompt import build_prompt
 from kvsieve.risk.contract import ContractFile
@@ -46,12 +46,20 @@ class OperatingPoint:
         return FULL_CACHE if self.spec is None or self.fell_back else self.spec.text
 
     @property
-    def compresses(self) -> bool:
-        return self.spec is not None and not self.fell_back and self.ratio > 0
+    def point(self) -> Point:
+        """What runs, as a :class:`~kvsieve.policies.label.Point`: full KV at ratio 0 when it fell back."""
+        if self.spec is None or self.fell_back:
+            return Point(FULL_CACHE)
+        return Point(self.spec, self.ratio, self.question_aware, Mode(self.chunk_size))
 
-    def at_ratio(self, ratio: float, reason: str) -> OperatingPoint:
-        """The same built policy at another ratio (a client's stricter choice)."""
-        return replace(self, ratio=float(ratio), reason=reason)
+    @property
+    def compresses(self) -> bool:
+        """Whether anything is evicted (the point's budget; serve reads it by this name)."""
+        return self.point.budget is not None
+
+    @property
+    def protects_question(self) -> bool:
+        return self.point.protects_question
 
     def __str__(self) -> str:
         if not self.compresses:
@@ -63,7 +71,7 @@ class OperatingPoint:
         """Tokens kept on top of the budget: the question, when the point was certified question-aware."""
         if isinstance(question_tokens, bool) or not isinstance(question_tokens, int) or question_tokens < 0:
             raise ValueError(f"question_tokens must be an int >= 0, got {question_tokens!r}")
-        return question_tokens if self.question_aware and not self.fell_back else 0
+        return question_tokens if self.protects_question else 0
 
     @contextlib.contextmanager
     def attach(self, model, question_tokens: int) -> Iterator[Session]:
@@ -86,7 +94,7 @@ class CertifiedSession:
     @property
     def prefill_question(self) -> bool:
         """Whether the first forward must be context + question (question-aware) or the context alone."""
-        return self.point.question_aware and not self.point.fell_back
+        return self.point.protects_question
 
 
 class CertifiedPolicy:
@@ -185,4 +193,4 @@ class CertifiedPolicy:
         if point.chunk_size and point.compresses:
             options = dict(options, mode="decode", chunk_size=point.chunk_size)
         return generate(model, tokenizer, context, question, point.policy, ratio=point.ratio,
-                        question_aware=point.question_aware and not point.fell_back, **options)
+                        question_aware=point.protects_question, **options)

@@ -75,7 +75,7 @@ def test_failing_policies_fail_their_cells_and_the_sample_goes_on(programs):
              Cell(f"program:{programs['sleeper']}", 0.5), Cell("snapkv", 0.75)]
     landed = []
     out = evaluate_sample(tiny_model("llama"), CharTokenizer(), sample, cells, "tiny", on_rows=landed.extend)
-    assert [r.key.policy for r in out] == [c.label for c in cells] and len(landed) == len(cells)
+    assert [r.key.policy for r in out] == [c.stored for c in cells] and len(landed) == len(cells)
     failed = {(r.key.policy.split("/")[-1], r.key.ratio): r.reason for r in out if isinstance(r, FailedCell)}
     scored = {(r.key.policy.split("/")[-1], r.key.ratio) for r in out if isinstance(r, CellResult)}
     assert scored == {("full", 0.0), ("snapkv", 0.5), ("sink64.py", 0.5), ("snapkv", 0.75)}

@@ -40,8 +40,8 @@ def test_cells_full_runs_once_and_question_aware_variants():
 
 def test_decode_cells_are_stored_under_their_own_label():
     cells = cells_for(GridConfig(policies=["full", "h2o"], ratios=[0.5], mode="decode", chunk_size=64))
-    assert [c.label for c in cells] == ["full@decode64", "h2o@decode64"]
-    assert [c.label for c in cells_for(GridConfig(policies=["h2o"], ratios=[0.5]))] == ["h2o"]
+    assert [c.stored for c in cells] == ["full@decode64", "h2o@decode64"]
+    assert [c.stored for c in cells_for(GridConfig(policies=["h2o"], ratios=[0.5]))] == ["h2o"]
 
 
 def test_cli_reports_errors_without_a_traceback(capsys):

@@ -1,6 +1,7 @@
-"""Label, the one parser and formatter of a results row's policy label: every form round trips, decode labels with
-an eviction interval parse (the regexes it replaced did not), references, unregistered families; and a grep of
-kvsieve/ for label or policy-name handling as text anywhere else."""
+"""Point (``Label`` is the same type), the one parser and formatter of a results row's policy label and the one type
+of a policy at a setting: every form round trips, decode labels with an eviction interval parse (the regexes it
+replaced did not), references, unregistered families, what a point derives (budget, protects_question), the one
+ratio check; and a grep of kvsieve/ for label or policy-name handling as text anywhere else."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvsieve.harness.grid import Cell
-from kvsieve.policies.label import DECODE, FULL_CACHE, PREFILL, Label
+from kvsieve.policies.label import DECODE, FULL_CACHE, PREFILL, Label, Mode, Point
 from kvsieve.policies.oracle import Oracle
 from kvsieve.policy import FullCache
 from kvsieve.risk.losses import Candidate, candidates_for
@@ -20,23 +21,24 @@ ROOT = Path(__file__).resolve().parents[2] / "kvsieve"
 FORMS = [
     ("snapkv", Label("snapkv")),
     ("snapkv(window=32)", Label("snapkv(window=32)")),
-    ("snapkv@decode128", Label("snapkv", 128)),
-    ("tova@decode8e4", Label("tova", 8, 4)),
+    ("snapkv@decode128", Label("snapkv", mode=Mode(128))),
+    ("tova@decode8e4", Label("tova", mode=Mode(8, 4))),
     ("snapkv+qa", Label("snapkv", question_aware=True)),
     ("oracle(window=16)+qa", Label("oracle(window=16)", question_aware=True)),
     ("learned(checkpoint='a@b')", Label("learned(checkpoint='a@b')")),
-    ("learned(checkpoint='a@b')@decode64e2", Label("learned(checkpoint='a@b')", 64, 2)),
-    ("program:results/gone/best.py@decode16", Label("program:results/gone/best.py", 16)),
+    ("learned(checkpoint='a@b')@decode64e2", Label("learned(checkpoint='a@b')", mode=Mode(64, 2))),
+    ("program:results/gone/best.py@decode16", Label("program:results/gone/best.py", mode=Mode(16))),
     ("full", Label(FULL_CACHE)),
-    ("full@decode128e32", Label(FULL_CACHE, 128, 32)),
+    ("full@decode128e32", Label(FULL_CACHE, mode=Mode(128, 32))),
 ]
 
 
 @pytest.mark.parametrize(("text", "label"), FORMS)
 def test_every_form_round_trips(text, label):
     parsed = Label.parse(text)
-    assert parsed == label and parsed.display == str(parsed) == text
-    assert Label.parse(parsed.stored, parsed.question_aware) == parsed  # the store's column and its own flag
+    assert parsed == label and parsed.display == text and str(parsed) == text + "@0"
+    # the store's column and its own flag
+    assert Label.parse(parsed.stored, question_aware=parsed.question_aware) == parsed
     assert "+qa" not in parsed.stored
 
 
@@ -45,12 +47,12 @@ def test_a_decode_label_with_an_eviction_interval_parses():
     # read "tova@decode8e4" as a prefill spec named "tova@decode8e4", paired with "full"
     label = Label.parse("tova@decode8e4")
     assert (label.spec, label.chunk_size, label.evict_every, label.mode) == ("tova", 8, 4, DECODE)
-    assert label.reference == Label(FULL_CACHE, 8, 4) and label.reference.stored == "full@decode8e4"
-    cand = Candidate("tova@decode8e4", 0.5)
-    assert (cand.spec, cand.chunk_size, cand.mode, cand.reference) == ("tova", 8, DECODE, "full@decode8e4")
-    assert Cell("tova", 0.5, chunk_size=8, evict_every=4).label == "tova@decode8e4"
-    assert Cell("tova", 0.5, chunk_size=8).label == "tova@decode8"
-    assert Cell("tova", 0.5).label == "tova" and Label.parse("tova").mode == PREFILL
+    assert label.reference == Label(FULL_CACHE, mode=Mode(8, 4)) and label.reference.stored == "full@decode8e4"
+    cand = Candidate.parse("tova@decode8e4", 0.5)
+    assert (cand.spec, cand.chunk_size, cand.mode, cand.reference.stored) == ("tova", 8, DECODE, "full@decode8e4")
+    assert Cell("tova", 0.5, mode=Mode(8, 4)).stored == "tova@decode8e4"
+    assert Cell("tova", 0.5, mode=Mode(8)).stored == "tova@decode8"
+    assert Cell("tova", 0.5).stored == "tova" and Label.parse("tova").mode == PREFILL
 
 
 def test_question_aware_labels_and_references():
@@ -74,7 +76,7 @@ def test_full_cache_and_family():
     program = Label.parse("program:results/no/such/file.py@decode16")
     assert program.family == "program" and program.compresses and not program.is_reference
     assert candidates_for(["full", "full@decode128", "tova@decode8e4", "snapkv+qa"], [0.5]) == [
-        Candidate("tova@decode8e4", 0.5), Candidate("snapkv+qa", 0.5)]
+        Candidate.parse("tova@decode8e4", 0.5), Candidate("snapkv", 0.5)]
 
 
 def test_an_unregistered_family_reads_as_an_ordinary_compressing_policy():
@@ -96,11 +98,43 @@ def test_malformed_labels_are_refused(text):
 
 def test_a_label_refuses_what_no_row_stores():
     with pytest.raises(ValueError, match="chunk_size"):
-        Label("tova", evict_every=4)  # an eviction interval without decode-time eviction
-    with pytest.raises(ValueError, match="Label.parse"):
-        Label("snapkv@decode8")  # a suffix in the spec: parse the whole label instead
+        Mode(evict_every=4)  # an eviction interval without decode-time eviction
+    with pytest.raises(ValueError, match="question_aware=True"):
+        Label("snapkv+qa")  # the display suffix: parse the whole label instead
+    with pytest.raises(ValueError, match="give it once"):
+        Point("snapkv@decode8", 0.5, mode=Mode(16))
+    assert Point("snapkv@decode8", 0.5) == Point("snapkv", 0.5, mode=Mode(8))  # a stored label names its mode
     with pytest.raises(ValueError):
-        Label("snapkv", chunk_size=-1)
+        Mode(chunk_size=-1)
+    with pytest.raises(ValueError, match="mode is a Mode"):
+        Point("snapkv", 0.5, mode="decode")
+
+
+@pytest.mark.parametrize("ratio", [1.0, -0.1, float("nan"), float("inf"), True, "0.5", None])
+def test_the_ratio_is_checked_once_when_a_point_is_made(ratio):
+    with pytest.raises(ValueError, match=r"policy 'snapkv' has ratio .*; a compression ratio is in \[0, 1\)"):
+        Point("snapkv", ratio)
+
+
+def test_what_a_point_derives_once():
+    """budget: Budget(ratio) where something is evicted; protects_question: a question-aware prefill point that
+    evicts (decode-time eviction reads the question under eviction anyway); stored text as the store keeps it."""
+    from kvsieve.selection import Budget
+
+    qa = Point("snapkv", 0.5, True)
+    assert qa.budget == Budget(ratio=0.5) and qa.protects_question and qa.sees_question
+    assert Point("snapkv", 0.0, True).budget is None and not Point("snapkv", 0.0, True).protects_question
+    assert Point("full", 0.0).budget is None and Point(FULL_CACHE).reference == Point(FULL_CACHE)
+    decode = Point.parse("snapkv@decode64", 0.75)
+    assert decode.budget == Budget(ratio=0.75) and not decode.protects_question and decode.sees_question
+    assert not Point("snapkv", 0.5).protects_question and not Point("snapkv", 0.5).sees_question
+    assert qa.as_dict() == {"policy": "snapkv", "ratio": 0.5, "question_aware": True, "chunk_size": 0,
+                            "evict_every": 1}
+    assert decode.at(0.25) == Point.parse("snapkv@decode64", 0.25) and str(decode.at(0.25)) == "snapkv@decode64@0.25"
+    assert Mode(64) == DECODE and Mode() == PREFILL and Mode(64) != Mode(32)  # equal to its name, too
+    # ordered as candidates always were: by stored label, then ratio, then question-awareness
+    assert sorted([Point("tova", 0.5), Point("snapkv", 0.75, True), Point("snapkv", 0.75), Point("snapkv", 0.5)]) == [
+        Point("snapkv", 0.5), Point("snapkv", 0.75), Point("snapkv", 0.75, True), Point("tova", 0.5)]
 
 
 # -- nobody else handles labels or policy names as text ---------------------------------------------------------

@@ -23,7 +23,7 @@ from kvsieve.risk import (
     empirical_threshold,
     loss_table,
 )
-from kvsieve.risk.losses import candidates_for
+from kvsieve.risk.losses import candidates_for, check_candidate
 from kvsieve.risk.pvalues import (
     binomial_cdf,
     binomial_pvalue,
@@ -371,14 +371,15 @@ def test_candidates_for_checks_ratios_and_reads_decode_labels():
         candidates_for(["snapkv"], [0.5, 1.0])
     spec = "learned(checkpoint='smollm2-135m-instruct')@decode128"
     cands = candidates_for(["full", "full@decode128", spec], [0.5])
-    assert cands == [Candidate(spec, 0.5)]
+    assert cands == [Candidate.parse(spec, 0.5)]
     cand = cands[0]
-    assert (cand.spec, cand.chunk_size, cand.mode, cand.reference) == (spec[:-10], 128, "decode", "full@decode128")
+    assert (cand.spec, cand.chunk_size, cand.mode, cand.reference.stored) == (spec[:-10], 128, "decode",
+                                                                              "full@decode128")
     assert cand.sees_question and "question read under eviction" in cand.setting
     assert Candidate("snapkv", 0.5).setting == "query-agnostic prefill" and not Candidate("snapkv", 0.5).sees_question
     assert Candidate("snapkv", 0.5, True).setting == "question-aware prefill"
     with pytest.raises(ValueError, match="question is read under eviction anyway"):
-        Candidate("snapkv@decode64", 0.5, True).validate()
+        check_candidate(Candidate.parse("snapkv@decode64", 0.5, True))
     with pytest.raises(ValueError, match="question is read under eviction anyway"):
         candidates_for(["snapkv@decode64"], [0.5], question_aware=True)
 
@@ -399,7 +400,7 @@ def test_decode_rows_certify_against_full_decode_with_an_honest_label(tmp_path):
     with ResultsStore(tmp_path / "d.sqlite") as s:
         s.add_many(rows)
         table = loss_table(s, "m", candidates_for([spec], [0.5]))
-    cand = Candidate(spec, 0.5)
+    cand = Candidate.parse(spec, 0.5)
     assert table.references == {cand: "full@decode128"} and table.losses[cand].sum() == 0
     cert = certify(table, Contract(alpha=0.1, delta=0.1))
     assert cert.chosen == cand
