@@ -117,9 +117,8 @@ def predict(graph: TypedGraph, dims: dict[str, int]) -> Prediction:
             uses[i] = uses.get(i, 0) + 1
     elements = [0] * len(graph.nodes)
     times = [0.0] * len(graph.nodes)
-    live = peak = 0
-    peak_node = largest = largest_node = order[-1] if order else -1
-    largest = 0
+    live = peak = largest = 0
+    peak_node = largest_node = graph.output
     for index in order:
         node = graph.nodes[index]
         if node.computes and node.is_tensor:

@@ -35,7 +35,6 @@ SCALAR: Dims = ()
 N: Dims = ("n",)
 BHN: Dims = ("b", "h", "n")
 BHGN: Dims = ("b", "h", "g", "n")
-TENSOR_SHAPES = (N, BHN, BHGN)
 
 # the largest magnitude of a numeric literal; kernel sizes and exponents have their own, smaller ranges
 LITERAL_BOUND = 1e6
