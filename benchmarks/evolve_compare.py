@@ -169,6 +169,8 @@ def study_main(verb: str, argv: list[str]) -> None:
         parser.add_argument("--step", type=int, default=8, help="candidates added to every run per round")
     else:
         parser.add_argument("--every", type=int, default=8, help="curve points every N candidates")
+        parser.add_argument("--curve", default="likelihood", choices=("likelihood", "task"),
+                            help="the held-out measure of the best-so-far curve (task: decoded accuracy, costlier)")
         parser.add_argument("--correlation", type=int, default=0,
                             help="also score N distinct programs (spread over the dev fitness) on held-out requests "
                                  "and give the Spearman correlation of dev fitness with held-out accuracy")
@@ -191,7 +193,7 @@ def study_main(verb: str, argv: list[str]) -> None:
         return
     from kvsieve.evolve.study_report import study_report
 
-    print(study_report(base, runs, load_rule(args.rule).order, args.every, args.correlation, load))
+    print(study_report(base, runs, load_rule(args.rule).order, args.every, args.correlation, load, args.curve))
 
 
 if __name__ == "__main__":

@@ -378,8 +378,8 @@ def evaluate_program(program: Program, dev: DevSet, limits: SandboxLimits | None
     """Run ``program`` through the cascade on ``dev``. Raises only ``SandboxUnavailable`` (not the
     candidate's doing); everything the candidate causes is an :class:`Evaluation`. ``known``: earlier programs'
     results by :func:`kept_fingerprint`, taken over when the candidate keeps the same entries. ``fitness``: one of
-    :data:`FITNESSES` (with "likelihood" ``max_gap`` is not used: there is no stage 3 to save); ``alternate``: with
-    "likelihood", each dev sample at one ratio (:meth:`DevSet.cells`)."""
+    :data:`FITNESSES` (with "likelihood" ``max_gap`` is not used: there is no stage 3 to save); ``alternate``: each
+    dev sample at one ratio (:meth:`DevSet.cells`)."""
     if fitness not in FITNESSES:
         raise ValueError(f"fitness must be one of {FITNESSES}, got {fitness!r}")
     start = time.perf_counter()
@@ -394,7 +394,7 @@ def evaluate_program(program: Program, dev: DevSet, limits: SandboxLimits | None
     try:
         if fitness == "likelihood":
             return _likelihood_stage(program, dev, result, start, known or {}, alternate)
-        return _stages_2_and_3(program, dev, result, max_gap, start, known or {})
+        return _stages_2_and_3(program, dev, result, max_gap, start, known or {}, alternate)
     except Exception as err:  # noqa: BLE001 - the candidate's scores broke something here: reject it, go on
         text = " ".join(str(err).split())[:300]
         return Evaluation("error", 1, f"while compressing or decoding with its scores: {type(err).__name__}: {text}",
@@ -442,10 +442,11 @@ def _likelihood_stage(program: Program, dev: DevSet, result, start: float, known
 
 
 def _stages_2_and_3(program: Program, dev: DevSet, result, max_gap: float | None, start: float,
-                    known: Mapping[str, KnownKept]) -> Evaluation:
+                    known: Mapping[str, KnownKept], alternate: bool = False) -> Evaluation:
     policies, degenerate = _policies(program, dev, result)
-    compressed = [[dev.compressed(i, policies[i], ratio) for ratio in dev.ratios] for i in range(len(dev.items))]
-    kept_hash = kept_fingerprint(cache for row in compressed for cache in row)
+    cells = dev.cells(alternate)  # (sample, ratio), sample by sample
+    compressed = [dev.compressed(i, policies[i], ratio) for i, ratio in cells]
+    kept_hash = kept_fingerprint(compressed)
 
     def finish(status: str, stage: int, reason: str = "", **found) -> Evaluation:
         return Evaluation(status, stage, reason, degenerate=degenerate, kept_hash=kept_hash,
@@ -463,21 +464,21 @@ def _stages_2_and_3(program: Program, dev: DevSet, result, max_gap: float | None
         if same.score is not None:
             return finish("ok", 3, why, proxy=same.proxy, score=same.score, cells=dict(same.cells))
     # each (sample, ratio) reads the question once; stage 3 decodes from the same caches
-    read: list[list[tuple[object, torch.Tensor]]] = []
+    read: list[tuple[object, torch.Tensor]] = []
     gaps = []
-    for i, item in enumerate(dev.items):
-        read.append([dev.read_question(item, cache) for cache in compressed[i]])
-        compressed[i] = []
-        gaps.extend(item.full_logprob - dev.answer_logprob(item, cache, logits) for cache, logits in read[i])
+    for k, (i, _) in enumerate(cells):
+        item = dev.items[i]
+        read.append(dev.read_question(item, compressed[k]))
+        compressed[k] = None
+        gaps.append(item.full_logprob - dev.answer_logprob(item, *read[-1]))
     proxy = statistics.fmean(gaps)
     if max_gap is not None and proxy > max_gap:
         return rejected(proxy)
     # every cell of every sample decodes as one batch: a step reads the weights once for all rows (a Qwen candidate's
     # stage 3 took ~110 of its ~160 s decoding one sample's cells at a time)
-    items = [item for item in dev.items for _ in dev.ratios]
-    caches, logits = zip(*(cell for row in read for cell in row))
+    items = [dev.items[i] for i, _ in cells]
+    caches, logits = zip(*read)
     read.clear()
     scores = dev.task_scores(items, list(caches), torch.cat(logits))
-    cells = {f"{i}/{ratio}": scores[i * len(dev.ratios) + j] for i in range(len(dev.items))
-             for j, ratio in enumerate(dev.ratios)}
-    return finish("ok", 3, proxy=proxy, score=statistics.fmean(cells.values()), cells=cells)
+    values = {f"{i}/{ratio}": score for (i, ratio), score in zip(cells, scores)}
+    return finish("ok", 3, proxy=proxy, score=statistics.fmean(values.values()), cells=values)

@@ -194,34 +194,36 @@ def two_level_interval(values: np.ndarray, resamples: int = 10_000, seed: int = 
 
 class HeldoutScores:
     """Held-out scores of programs by code hash, in a JSON file written whole after each program: ``task`` (the
-    decoded answers' task metric, every request at every ratio) and ``likelihood`` (the graded fitness on the same
-    cells), each with its cells."""
+    decoded answers' task metric, every request at every ratio, or with ``alternate`` at one ratio each) and
+    ``likelihood`` (the graded fitness on the same cells), each with its cells."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, alternate: bool = False) -> None:
         self.path = Path(path)
+        self.alternate = alternate  # each held-out request at one ratio, the ratios in turn (half the cost)
         self.scores: dict[str, dict] = json.loads(self.path.read_text()) if self.path.is_file() else {}
         self.dev: DevSet | None = None
 
-    def __contains__(self, code_hash: str) -> bool:
-        return code_hash in self.scores
+    def has(self, code_hash: str, measures: tuple[str, ...]) -> bool:
+        return all(m in self.scores.get(code_hash, {}) for m in measures)
 
     def get(self, code_hash: str) -> dict:
         return self.scores[code_hash]
 
-    def score(self, record: ProgramRecord, held: Callable[[], DevSet], limits: SandboxLimits) -> dict:
-        """The held-out scores of ``record`` (evaluated once; ``held`` builds the held-out dev set when first
-        needed)."""
-        if record.code_hash not in self.scores:
+    def score(self, record: ProgramRecord, held: Callable[[], DevSet], limits: SandboxLimits,
+              measures: tuple[str, ...] = ("task", "likelihood")) -> dict:
+        """The held-out scores of ``record`` (each measure evaluated once; ``held`` builds the held-out dev set when
+        first needed)."""
+        entry = self.scores.setdefault(record.code_hash, {})
+        missing = [m for m in measures if m not in entry]
+        if missing:
             if self.dev is None:
                 self.dev = held()
             program = Program(record.source)
-            entry = {}
-            for fitness in ("task", "likelihood"):
-                evaluation = evaluate_program(program, self.dev, limits, fitness=fitness)
+            for fitness in missing:
+                evaluation = evaluate_program(program, self.dev, limits, fitness=fitness, alternate=self.alternate)
                 entry[fitness] = evaluation.score
                 entry[f"{fitness}_cells"] = evaluation.cells
                 entry[f"{fitness}_status"] = evaluation.status
-            self.scores[record.code_hash] = entry
             with written_whole(self.path) as tmp:
                 tmp.write_text(json.dumps(self.scores, indent=0, sort_keys=True))
-        return self.scores[record.code_hash]
+        return entry

@@ -57,9 +57,10 @@ def _fmt(mean: float, low: float, high: float, signed: bool = False) -> str:
 
 
 def study_report(base: EvolveConfig, runs: list[StudyRun], order: tuple[str, ...], every: int, correlation: int,
-                 loader: Callable) -> str:
-    """Markdown: the runs, their picks' held-out scores, the pooled comparisons, the curve (also ``OUT/curve.png``)
-    and, with ``correlation`` > 0, the fitness's rank agreement with held-out accuracy."""
+                 loader: Callable, curve_measure: str = "likelihood") -> str:
+    """Markdown: the runs, their picks' held-out scores, the pooled comparisons, the curve of ``curve_measure`` (also
+    ``OUT/curve.png``) and, with ``correlation`` > 0, the fitness's rank agreement with held-out accuracy. Held-out
+    cells as the dev set's (``dev_cells``)."""
     found = {}
     for run in runs:
         if Path(run.config.db).is_file():
@@ -69,7 +70,7 @@ def study_report(base: EvolveConfig, runs: list[StudyRun], order: tuple[str, ...
     budget = min(len(r) for r in found.values())
     marks = sorted({*range(every, budget + 1, every), budget})
     picks = {key: picks_at(records, order, marks) for key, records in found.items()}
-    cache = HeldoutScores(Path(base.out) / "heldout.json")
+    cache = HeldoutScores(Path(base.out) / "heldout.json", alternate=base.dev_cells == "alternate")
     limits = SandboxLimits(timeout_s=base.sandbox_timeout_s, memory_mb=base.sandbox_memory_mb)
     loaded: dict = {}
 
@@ -79,23 +80,25 @@ def study_report(base: EvolveConfig, runs: list[StudyRun], order: tuple[str, ...
         return DevSet(model, tokenizer, dev_samples(base, tokenizer, base.heldout_seed, base.heldout_samples),
                       base.ratios, base.window, Path(base.out) / "heldout-cache", progress=True)
 
-    def score(record: ProgramRecord) -> dict:
-        if record.code_hash not in cache:
-            print(f"held-out: program #{record.id} (dev {record.score:.2f})", file=sys.stderr, flush=True)
-        return cache.score(record, held, limits)
+    def score(record: ProgramRecord, measures: tuple[str, ...] = ("task", "likelihood")) -> dict:
+        if not cache.has(record.code_hash, measures):
+            print(f"held-out {measures}: program #{record.id} (dev {record.score:.2f})", file=sys.stderr, flush=True)
+        return cache.score(record, held, limits, measures)
 
     seed_record = next(iter(found.values()))[0]
-    for n in [budget] + marks[::-1]:  # the final picks first, then the curve from the end
-        for key in found:
-            score(picks[key][n])
     score(seed_record)
+    for key in found:  # the final picks first, then the curve from the end
+        score(picks[key][budget])
+    for n in marks[::-1]:
+        for key in found:
+            score(picks[key][n], (curve_measure,))
     arms = list(dict.fromkeys(arm for arm, _ in found))
     seeds = sorted({seed for _, seed in found})
     lines = [f"Study: {len(found)} runs ({', '.join(arms)} x seeds {', '.join(map(str, seeds))}), {budget} evaluated "
              f"candidates each (seed program included); dev fitness: {base.fitness} over {base.dev_samples} x "
              f"{len(base.tasks)} requests ({base.dev_cells} cells); held-out: {base.heldout_samples} x "
-             f"{len(base.tasks)} requests (seeds from {base.heldout_seed}) at ratios {base.ratios}, decoded; the pick: "
-             f"order {list(order)}.", ""]
+             f"{len(base.tasks)} requests (seeds from {base.heldout_seed}) at ratios {base.ratios} ({base.dev_cells} "
+             f"cells), accuracy decoded; the pick: order {list(order)}.", ""]
     seed_held = cache.get(seed_record.code_hash)
     lines += [f"Seed program #{seed_record.id} ({seed_record.operation}): dev {seed_record.score:.2f}, held-out "
               f"accuracy {seed_held['task']:.1f}, held-out likelihood {seed_held['likelihood']:.2f}", "",
@@ -137,7 +140,8 @@ def study_report(base: EvolveConfig, runs: list[StudyRun], order: tuple[str, ...
             per_seed.append(f"seed {seed}: {d.mean():+.1f}")
     if per_seed:
         lines += ["", "Evolution - best-of-N accuracy per seed: " + "; ".join(per_seed)]
-    lines += ["", "Best-so-far curve: held-out accuracy of the rule's pick among the first N candidates (mean over "
+    name = {"task": "accuracy", "likelihood": "likelihood"}[curve_measure]
+    lines += ["", f"Best-so-far curve: held-out {name} of the rule's pick among the first N candidates (mean over "
               "seeds [95% bootstrap over seeds and requests]); dev fitness of the pick (mean over seeds)", "",
               "| N | " + " | ".join(f"{a}: held-out | {a}: dev" for a in arms) + " |",
               "|---:|" + "---|---:|" * len(arms)]
@@ -145,12 +149,12 @@ def study_report(base: EvolveConfig, runs: list[StudyRun], order: tuple[str, ...
     for n in marks:
         cols = []
         for arm in arms:
-            m = two_level_interval(matrix(arm, n, "task"))
+            m = two_level_interval(matrix(arm, n, curve_measure))
             curve[arm].append(m)
             dev = np.mean([picks[(arm, s)][n].score for s in seeds])
             cols += [_fmt(*m), f"{dev:.2f}"]
         lines.append(f"| {n} | " + " | ".join(cols) + " |")
-    _plot(curve, marks, Path(base.out) / "curve.png")
+    _plot(curve, marks, Path(base.out) / "curve.png", f"held-out {name} of the rule's pick")
     lines += ["", f"Curve: {Path(base.out) / 'curve.png'}"]
     if correlation > 0:
         pooled = [r for records in found.values() for r in records]
@@ -173,7 +177,7 @@ def _rho(x, y) -> str:
     return f"{rho:.2f} [{low:.2f}, {high:.2f}]"
 
 
-def _plot(curve: dict, marks: list[int], path: Path) -> None:
+def _plot(curve: dict, marks: list[int], path: Path, ylabel: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -185,7 +189,7 @@ def _plot(curve: dict, marks: list[int], path: Path) -> None:
         ax.plot(marks, mean, marker="o", label=arm)
         ax.fill_between(marks, [p[1] for p in points], [p[2] for p in points], alpha=0.15)
     ax.set_xlabel("candidates evaluated")
-    ax.set_ylabel("held-out accuracy of the rule's pick")
+    ax.set_ylabel(ylabel)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()

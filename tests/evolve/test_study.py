@@ -133,6 +133,12 @@ def test_likelihood_fitness_scores_each_cell_by_its_teacher_forced_answer(smollm
         assert evaluation.cells[key] == pytest.approx(100 * math.exp(expected[0]), rel=1e-4)
     assert evaluation.score == pytest.approx(100 * np.mean(np.exp(logprobs)), rel=1e-4)
     assert evaluation.proxy == pytest.approx(np.mean(gaps), abs=1e-4)
+    # the decoded task score on alternate cells: those cells of the every-cell evaluation
+    every = evaluate_program(program, dev, fitness="task")
+    some = evaluate_program(program, dev, fitness="task", alternate=True)
+    assert sorted(every.cells) == ["0/0.5", "0/0.75", "1/0.5", "1/0.75", "2/0.5", "2/0.75"]
+    assert some.cells == {key: every.cells[key] for key in evaluation.cells}
+    assert some.score == pytest.approx(np.mean(list(some.cells.values())))
 
 
 @pytest.mark.model
