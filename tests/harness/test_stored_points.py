@@ -1,7 +1,7 @@
 """Every stored form still reads as a Point (issue 52): each row of every results store in the repository (its
 policy column, ratio, question-awareness and the ``cell`` record in its config), a contract as ``kvsieve certify``
-wrote them before Point (pinned below), and every grid config in configs/. Stores are opened read-only: no
-tracked file is rewritten."""
+wrote them before Point (pinned below), and every grid config in configs/. Stores are opened read-only and immutable:
+no tracked file is rewritten, and no -wal or -shm file is left beside one."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def tracked(pattern: str) -> list[Path]:
 
 
 STORES = [p for p in tracked("*.sqlite") if p.is_file()
-          and sqlite3.connect(f"file:{p}?mode=ro", uri=True).execute(
+          and sqlite3.connect(f"file:{p}?mode=ro&immutable=1", uri=True).execute(
               "SELECT 1 FROM sqlite_master WHERE name = 'cells'").fetchone()]
 
 
@@ -36,7 +36,8 @@ def test_the_repository_holds_results_stores():
 
 @pytest.mark.parametrize("path", STORES, ids=lambda p: str(p.relative_to(REPO)))
 def test_every_row_of_every_store_reads_as_a_point_and_writes_back_the_same(path):
-    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    beside = {p.name for p in path.parent.iterdir()}
+    db = sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)
     rows = db.execute("SELECT DISTINCT policy, ratio, question_aware, json_extract(config, '$.cell') FROM cells")
     seen = 0
     for policy, ratio, question_aware, cell in rows:
@@ -48,7 +49,8 @@ def test_every_row_of_every_store_reads_as_a_point_and_writes_back_the_same(path
             again = Point(record["policy"], record["ratio"], record["question_aware"], mode)
             assert again == point and again.as_dict() == {**again.as_dict(), **record}
         seen += 1
-    assert seen > 0
+    db.close()
+    assert seen > 0 and {p.name for p in path.parent.iterdir()} == beside
 
 
 # a contract as kvsieve certify wrote it before Point (its buckets as stored; the file adds the contract's header)
