@@ -283,14 +283,13 @@ class Scheduler:
 
     def _prefill_chunk(self) -> None:
         """At most ``prefill_chunk`` prompt tokens, oldest admitted request first; finished prefills join the batch."""
+        for job in [j for j in self._prefilling if j.cancelled.is_set()]:
+            self._prefilling.remove(job)
+            self._fail(job, Cancelled())
         left = self.prefill_chunk
         for job in list(self._prefilling):
             if left <= 0:
                 break
-            if job.cancelled.is_set():
-                self._prefilling.remove(job)
-                self._fail(job, Cancelled())
-                continue
             try:
                 left -= job.prefill.advance(left)
                 if job.prefill.done:
