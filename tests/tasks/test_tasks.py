@@ -329,7 +329,8 @@ def test_longbench_errors(tmp_path):
         load_longbench(path)
 
 
-PINNED_NEEDLES = "700be282e643252ca82232aabc8fc8296cad43f36fb7828c1b1edfc8c75bff2c"  # the same before and after the shared drawing (checked on 84 samples of both layouts)
+# the same before and after the shared drawing (checked on 84 samples of both layouts)
+PINNED_NEEDLES = "700be282e643252ca82232aabc8fc8296cad43f36fb7828c1b1edfc8c75bff2c"
 
 
 def test_needle_samples_of_both_layouts_are_pinned():
