@@ -123,6 +123,7 @@ def test_a_run_that_never_improves_stops_and_ships_its_warm_start(setup, tmp_pat
     assert again.step == 2
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("ratio", [0.5, 0.75, 0.875])
 def test_step_0_keeps_exactly_what_the_shipped_surrogate_keeps_on_smollm2(smollm2, ratio):
     model, tokenizer = smollm2
