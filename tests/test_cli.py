@@ -171,7 +171,7 @@ def _row(policy: str, digest: str | None) -> CellResult:
 
 def test_program_rows_are_keyed_by_the_file_contents(tmp_path):
     program = tmp_path / "best.py"
-    program.write_text("SELECTION = {}\n")
+    program.write_text("SELECTION = {}\n\ndef score(f):\n    return f.key_norm\n")
     spec = f"program:{program}"
     digest = parse(spec).digest
     assert digest == hashlib.sha256(program.read_bytes()).hexdigest()
@@ -179,7 +179,7 @@ def test_program_rows_are_keyed_by_the_file_contents(tmp_path):
     with ResultsStore(tmp_path / "r.sqlite") as store:
         store.add(_row(spec, digest))
         check_store(store, "m", {spec: digest})  # same bytes: the rows are reused
-        program.write_text("SELECTION = {'chunk': 4}\n")
+        program.write_text("SELECTION = {'chunk_size': 4}\n\ndef score(f):\n    return f.key_norm\n")
         with pytest.raises(ValueError, match=r"computed from other file contents.*another --store"):
             check_store(store, "m", {spec: parse(spec).digest})
         store.add(_row("program:old.py", None))  # rows from before digests were recorded

@@ -196,20 +196,6 @@ def test_an_interrupted_driver_resumes_with_only_the_missing_cells(cluster, loca
 # --- evolution -------------------------------------------------------------------------------------------
 
 # passes stage 0 (bounded loops, whitelisted calls) and would run for minutes: n^3 work, 4096 times
-SLOW = '''SELECTION = {"chunk_size": 1, "sink": 0}
-
-
-def score(f):
-    s = group_mean(f.attn)
-    for i in range(64):
-        for j in range(64):
-            p = s.unsqueeze(-1) * s.unsqueeze(-2)
-            q = p.unsqueeze(-1) * s.unsqueeze(-2).unsqueeze(-2)
-            s = torch.tanh(q.logsumexp(-1).logsumexp(-1))
-    return s
-'''
-
-
 def _program_rows(path) -> list[tuple]:
     from kvsieve.evolve.database import ProgramDatabase
 
@@ -270,9 +256,10 @@ def test_evolution_on_ray_stores_the_local_executors_rows(evolve_executor, tmp_p
     assert evolve_executor.retried == []
 
 
-def test_a_candidate_that_kills_its_sandbox_leaves_the_actor_alive(evolve_executor):
-    """A legitimate but endless program passes stage 0, then its sandbox is killed at the timeout; the
-    worker that ran it answers the next candidate, in the same process."""
+def test_a_sandbox_killed_at_its_timeout_leaves_the_actor_alive(evolve_executor):
+    """No program of the language runs without end, so the timeout is the infrastructure's guard: set below a worker's
+    start-up, every try of the sandbox is killed, the evaluation fails as the sandbox's (never stored as the
+    candidate's result), and the worker that ran it answers the next candidate, in the same process."""
     from dataclasses import replace
 
     from kvsieve.evolve.seeds import SEEDS
@@ -280,17 +267,15 @@ def test_a_candidate_that_kills_its_sandbox_leaves_the_actor_alive(evolve_execut
 
     pids = evolve_executor.pids()
     limits = evolve_executor.limits
-    evolve_executor.limits = replace(limits, timeout_s=2.0)
-    used = []
-    evolve_executor.on_dispatch = lambda pid, program: used.append(pid)
+    evolve_executor.limits = replace(limits, timeout_s=0.01, startup_s=0.01)
     try:
-        slow, seed = evolve_executor.evaluate([Program(SLOW), Program(SEEDS["snapkv"])])
-        again = evolve_executor.evaluate([Program(SEEDS["tova"])])[0]
+        with pytest.raises(Exception, match="not because of the candidate"):  # noqa: B017 - Ray wraps the error
+            evolve_executor.evaluate([Program(SEEDS["snapkv"])])
     finally:
-        evolve_executor.limits, evolve_executor.on_dispatch = limits, None
-    assert slow.status == "killed", slow
-    assert seed.status == "ok" and again.status == "ok"
-    assert evolve_executor.pids() == pids and set(used) <= set(pids) and evolve_executor.retried == []
+        evolve_executor.limits = limits
+    again = evolve_executor.evaluate([Program(SEEDS["tova"])])[0]
+    assert again.status == "ok"
+    assert evolve_executor.pids() == pids and evolve_executor.retried == []
 
 
 def test_executor_flags_are_checked():
