@@ -32,12 +32,12 @@ def tiny_coder(smollm2):
 
 def test_every_proposal_of_the_constrained_mutator_passes_stage_0(tiny_coder):
     model, tokenizer = tiny_coder
-    mutator = ConstrainedLLMMutator(model=model, tokenizer=tokenizer, max_new_tokens=200, temperature=1.0)
+    mutator = ConstrainedLLMMutator(model=model, tokenizer=tokenizer, max_new_tokens=160, temperature=1.0)
     rng = random.Random(0)
     parent, inspirations = Program(SEEDS["snapkv"]), [Program(SEEDS["tova"])]
-    proposals = [mutator.propose(parent, inspirations, rng) for _ in range(6)]
+    proposals = [mutator.propose(parent, inspirations, rng) for _ in range(4)]
     made = [p for p in proposals if p is not None]
-    assert len(made) >= 3, [mutator.last_reply]
+    assert len(made) >= 2, [mutator.last_reply]
     for child in made:
         check_source(child.source)  # raises if the grammar let anything else through
     assert mutator.malformed == len(proposals) - len(made)  # a reply cut off at the budget is counted, never kept
@@ -46,10 +46,9 @@ def test_every_proposal_of_the_constrained_mutator_passes_stage_0(tiny_coder):
 def test_the_unconstrained_mutator_on_the_same_model_writes_no_program(tiny_coder):
     """The control: the same random model without the grammar does not even produce a fenced block."""
     model, tokenizer = tiny_coder
-    mutator = LocalLLMMutator(model=model, tokenizer=tokenizer, max_new_tokens=60, temperature=1.0)
-    rng = random.Random(0)
-    proposals = [mutator.propose(Program(SEEDS["snapkv"]), [], rng) for _ in range(2)]
-    assert proposals == [None, None] and mutator.malformed == 2
+    mutator = LocalLLMMutator(model=model, tokenizer=tokenizer, max_new_tokens=40, temperature=1.0)
+    proposals = [mutator.propose(Program(SEEDS["snapkv"]), [], random.Random(0))]
+    assert proposals == [None] and mutator.malformed == 1
 
 
 def test_the_config_names_the_constrained_mutator(tiny_coder):

@@ -864,7 +864,7 @@ def test_a_dev_set_reads_its_saved_prefills_back_and_a_candidate_scores_the_same
     assert saved.keys() == read.keys()
     assert all(torch.equal(saved[k].attn, read[k].attn) and torch.equal(saved[k].key_norm, read[k].key_norm)
                for k in saved)
-    source = 'SELECTION = {"chunk_size": 1, "sink": 2}\n\n\ndef score(f):\n    return f.key_norm + f.attn.mean(2)\n'
+    source = 'SELECTION = {"chunk_size": 1, "sink": 2}\n\n\ndef score(f):\n    return f.key_norm + group_mean(f.attn)\n'
     a, b = evaluate_program(Program(source), first), evaluate_program(Program(source), second)
     assert a.status == "ok" and a.stage == 3, a.reason
     assert (a.proxy, a.score, a.cells) == (b.proxy, b.score, b.cells)
