@@ -198,16 +198,24 @@ def one_run(state, model_name: str, prompts: list[str], answers: list[list[str]]
 # -- the step's two parts alone ----------------------------------------------------------------------------------
 @torch.no_grad()
 def step_parts(model, tokenizer, prompt_text: str, chunk: int, rows: int, max_tokens: int) -> dict:
-    """Seconds of one prefill chunk of ``chunk`` tokens and of one decode step of ``rows`` rows at this prompt's
-    length, each alone (the median of 3)."""
+    """Seconds of the two parts of a step, each alone (the median of 3): a prefill chunk of ``chunk`` tokens, the
+    first of this prompt and the last (which attends over the whole prompt: the dearest), and one decode step of
+    ``rows`` rows at this prompt's length."""
     prompt = chat_prompt(tokenizer, [ChatMessage(role="user", content=prompt_text)])
     full = ChosenPoint(OperatingPoint.full("-", ""), "full")
-    chunks = []
+    total = prompt.context_ids.shape[1] + prompt.question_ids.shape[1]
+    first, last = [], []
     for _ in range(3):
         prefill = Prefill(model, prompt, full, max_tokens)
         start = time.perf_counter()
         prefill.advance(chunk)
-        chunks.append(time.perf_counter() - start)
+        first.append(time.perf_counter() - start)
+        prefill = Prefill(model, prompt, full, max_tokens)
+        if total > chunk:
+            prefill.advance(total - chunk)
+        start = time.perf_counter()
+        prefill.advance(chunk)
+        last.append(time.perf_counter() - start)
     prefill = Prefill(model, prompt, full, max_tokens)
     while not prefill.done:
         prefill.advance(4096)
@@ -221,8 +229,9 @@ def step_parts(model, tokenizer, prompt_text: str, chunk: int, rows: int, max_to
         with attach(model, FullCache()):
             model(input_ids=ids, cache=batch, use_cache=True, position_ids=positions + i)
         steps.append(time.perf_counter() - start)
-    return {"prefill_chunk_s": statistics.median(chunks), "decode_step_s": statistics.median(steps),
-            "chunk": chunk, "rows": rows, "prompt_tokens": info.prompt_tokens}
+    return {"prefill_chunk_s": statistics.median(first), "last_chunk_s": statistics.median(last),
+            "decode_step_s": statistics.median(steps), "chunk": chunk, "rows": rows,
+            "prompt_tokens": info.prompt_tokens}
 
 
 # -- the summary -------------------------------------------------------------------------------------------------
@@ -245,9 +254,12 @@ def summary(lines: list[dict]) -> str:
         out.append(f"machine: {head['machine']}\n")
         if parts:
             p = parts[-1]["parts"]
-            out.append(f"step parts alone: one prefill chunk of {p['chunk']} tokens {p['prefill_chunk_s']:.3f} s, one "
-                       f"decode step of {p['rows']} rows at {p['prompt_tokens']} tokens {p['decode_step_s']:.3f} s "
-                       f"(sum {p['prefill_chunk_s'] + p['decode_step_s']:.3f} s)\n")
+            dearest = p.get("last_chunk_s", p["prefill_chunk_s"])
+            last = f", the prompt's last {dearest:.3f} s" if "last_chunk_s" in p else ""
+            out.append(f"step parts alone ({len(parts)} measurement(s), the last shown): one prefill chunk of "
+                       f"{p['chunk']} tokens, the prompt's first {p['prefill_chunk_s']:.3f} s{last}; one decode step "
+                       f"of {p['rows']} rows at {p['prompt_tokens']} tokens {p['decode_step_s']:.3f} s (one step at "
+                       f"most {dearest + p['decode_step_s']:.3f} s)\n")
         out.append("| config | point | runs | tok/s | vs full (paired) | req/s | TTFT p50 s | TTFT p95 s | gap p50 s | "
                    "gap p95 s | gap max s | rows mean / peak | KV kept | allocated peak MiB | charged peak MiB | "
                    "planted answer |")
@@ -292,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--out", default="results/serve/throughput.jsonl", help="one JSON line per finished run")
     parser.add_argument("--summary-only", action="store_true", help="print the summary of --out and exit")
+    parser.add_argument("--parts", action="store_true",
+                        help="time the step's two parts alone again (a new line in --out) even if --out has them")
+    parser.add_argument("--parts-only", action="store_true", help="only time the step's parts, run nothing")
     args = parser.parse_args(argv)
     out = Path(args.out)
     lines = [json.loads(line) for line in out.read_text().splitlines() if line.strip()] if out.exists() else []
@@ -315,13 +330,14 @@ def main(argv: list[str] | None = None) -> int:
         budget = int(args.budget * args.clients * bytes_per_token(model) * (max(tokens) + max_tokens))
         key = dict(workload=name, clients=args.clients, prompt_tokens=f"{min(tokens)}-{max(tokens)}",
                    max_tokens=max_tokens, budget_share=args.budget, prefill_chunk=args.prefill_chunk)
-        if not any(line.get("kind") == "parts" and line["workload"] == name for line in lines):
+        measured = any(line.get("kind") == "parts" and line["workload"] == name for line in lines)
+        if args.parts or args.parts_only or not measured:
             parts = step_parts(model, tokenizer, prompts[0], args.prefill_chunk, args.clients, max_tokens)
             lines.append(dict(key, kind="parts", parts=parts, machine=machine))
             with out.open("a") as f:
                 f.write(json.dumps(lines[-1]) + "\n")
             print(f"{name}: step parts alone {parts}", flush=True)
-        for repeat in range(args.repeats):
+        for repeat in range(0 if args.parts_only else args.repeats):
             for config in configs:
                 done = [line for line in lines if line.get("kind") == "run" and line["config"] == config
                         and line["repeat"] == repeat and all(line[k] == v for k, v in key.items())]
