@@ -133,8 +133,8 @@ class SandboxLimits:
     import, reading the features), which is not the candidate's doing. ``memory_mb`` is the worker's
     address-space limit (at least 1024: torch alone maps ~0.7 GB).
 
-    Neither time limit decides a candidate's outcome: what a candidate may do is bounded by the interpreter's
-    work budget (element work, memory, operations: counts, the same on any machine and under any load). A
+    Neither time limit decides a candidate's outcome: what a candidate may do is bounded by the language's cost
+    model (memory and time predicted from its shapes before it runs, the same on any machine and load). A
     wall-clock limit (and the CPU-seconds rlimit derived from it) is an infrastructure guard: its hit is
     retried (``INFRA_RETRIES``) and then raises :class:`SandboxUnavailable`, so a
     run stops (and resumes) instead of storing a result that depends on the machine's load.
@@ -347,7 +347,7 @@ def _attempt(source, features_path, window, limits, seeds, layers, expected, don
         except UnicodeEncodeError:
             return done("error", "the source is not encodable as UTF-8")
         (job / "in" / "program.py").write_bytes(data)
-        # the interpreter runs without a wall-clock deadline: its work budget decides (load never does); the
+        # the interpreter runs without a wall-clock deadline: the cost model decides (load never does); the
         # process's wall-clock and CPU limits below stay as guards, retried by the caller
         spec = {"window": int(window), "synthetic_seeds": [int(s) for s in seeds],
                 "limits": {"deadline_s": None}, "seccomp": layers.get("seccomp", True),
