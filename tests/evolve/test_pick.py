@@ -68,6 +68,10 @@ def test_databases_pool_only_on_one_dev_set(tmp_path):
     c = database(tmp_path / "c.sqlite", [(99.0, 0.0)], dev_seed=2000)  # another dev set: its 99 does not compare
     with pytest.raises(ValueError, match="another dev set.*dev_seed"):
         pick(load_rule(rule_file(tmp_path, [a, c])), "smollm2-135m")
+    # a graded (likelihood) dev score is on another scale than a task score: never pooled with one
+    d = database(tmp_path / "d.sqlite", [(99.0, 0.0)], fitness="likelihood", dev_cells="alternate")
+    with pytest.raises(ValueError, match="another dev set.*dev_cells, fitness"):
+        pick(load_rule(rule_file(tmp_path, [a, d])), "smollm2-135m")
 
 
 def test_the_shipped_rule_picks_from_the_shipped_databases():
