@@ -12,6 +12,9 @@ on; programs interpreted in this process share one budget of seconds for the who
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 from tqdm import tqdm
 
 from kvsieve.harness.content import check_dtype, check_store
@@ -21,8 +24,9 @@ from kvsieve.harness.ray_executor import RayGridExecutor
 from kvsieve.harness.store import CellKey, CellResult, FailedCell, ResultsStore
 from kvsieve.harness.validate import validate
 from kvsieve.policies.program import run_budget
+from kvsieve.tasks.sample import Sample
 
-__all__ = ["run_grid", "make_grid_executor", "EXECUTORS"]
+__all__ = ["run_grid", "recorded_config", "make_grid_executor", "EXECUTORS"]
 
 EXECUTORS = ("local", "ray")
 
@@ -53,7 +57,7 @@ def run_grid(config: GridConfig, progress: bool = True, executor=None) -> Result
                 todo.append((sample, todo_cells))
         total = sum(len(c) for _, c in todo)
         bar = tqdm(total=total, unit="cell", disable=not progress, desc=f"{config.model}")
-        run_config = {k: v for k, v in config.as_dict().items() if k != "store"}
+        run_config = recorded_config(config, samples)
 
         def on_rows(results: list[CellResult | FailedCell]) -> None:
             failures = [r for r in results if isinstance(r, FailedCell)]
@@ -76,6 +80,18 @@ def run_grid(config: GridConfig, progress: bool = True, executor=None) -> Result
         if owned:
             executor.close()
     return store
+
+
+def recorded_config(config: GridConfig, samples: list[Sample]) -> dict:
+    """The configuration each row records: what ran. A grid reading ``data`` runs the file's tasks and lengths, not
+    the generator's (unused) defaults, so those are replaced by the samples' own, with the file's sha256 beside."""
+    out = {k: v for k, v in config.as_dict().items() if k != "store"}
+    if config.data:
+        out["tasks"] = sorted({s.task for s in samples})
+        out["lengths"] = sorted({int(s.length) for s in samples})
+        out["samples"] = len(samples)
+        out["data_sha256"] = hashlib.sha256(Path(config.data).read_bytes()).hexdigest()
+    return out
 
 
 def make_grid_executor(kind: str = "local", address: str | None = None,
