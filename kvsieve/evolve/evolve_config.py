@@ -48,8 +48,9 @@ class EvolveConfig:
     exploit: float = 0.6  # probability that the parent is the island's best (else a random elite)
     inspirations: int = 2
     seed_programs: list[str] = field(default_factory=lambda: ["snapkv"])
-    # "structural" | "random" (a fresh random program each time) | "local" | "constrained" (local, decoding under the
-    # language's grammar) | "openai"
+    # "structural" | "random" (a fresh random program each time) | "mixed" (structural edits or random terms grafted
+    # into the parent, mutators/mixed.py) | "local" | "constrained" (local, decoding under the language's grammar) |
+    # "openai"
     mutator: str = "structural"
     local_model: str = "qwen2.5-coder-0.5b-instruct"
     llm_max_new_tokens: int = 384
@@ -74,9 +75,9 @@ class EvolveConfig:
     def __post_init__(self) -> None:
         if self.strategy not in ("evolve", "best_of_n"):
             raise ValueError(f"strategy must be 'evolve' or 'best_of_n', got {self.strategy!r}")
-        if self.mutator not in ("structural", "random", "local", "constrained", "openai"):
-            raise ValueError(f"mutator must be 'structural', 'random', 'local', 'constrained' or 'openai', got "
-                             f"{self.mutator!r}")
+        if self.mutator not in ("structural", "random", "mixed", "local", "constrained", "openai"):
+            raise ValueError(f"mutator must be 'structural', 'random', 'mixed', 'local', 'constrained' or 'openai', "
+                             f"got {self.mutator!r}")
         if self.fitness not in FITNESSES:
             raise ValueError(f"fitness must be one of {FITNESSES}, got {self.fitness!r}")
         if self.dev_cells not in ("all", "alternate"):

@@ -1,12 +1,15 @@
 """The matched-budget study (issue 50): does evolution find better programs than its controls at equal cost?
 
-Three arms start from the same seed program(s) and evaluate the same number of candidates per run, each run under
+Five arms start from the same seed program(s) and evaluate the same number of candidates per run, each run under
 its own seed (``EvolveConfig.seed``: every random choice of the run):
 
 - ``evolve``: the islands and MAP-Elites parents of ``search.py``, structural mutator;
 - ``best_of_n``: every child a structural mutation of the first seed program, no score read (selection only at
   the end);
-- ``random``: every child a fresh random program (``mutators/random_programs.py``), no parent, no score read.
+- ``random``: every child a fresh random program (``mutators/random_programs.py``), no parent, no score read;
+- ``evolve_mixed`` and ``best_of_n_mixed``: the first two with the mixed mutator (``mutators/mixed.py``: a structural
+  edit, or random terms of the ``random`` arm's generator grafted into the parent), so selection can refine the
+  random finds the ``random`` arm only samples.
 
 All runs of a study share one model, one dev set and their evaluations (:class:`SharedExecutor`) in one process
 (:func:`run_study`); they grow in rounds of
@@ -46,7 +49,9 @@ __all__ = ["ARMS", "SharedExecutor", "StudyRun", "study_runs", "run_study", "eva
 
 ARMS = {"evolve": dict(strategy="evolve", mutator="structural"),
         "best_of_n": dict(strategy="best_of_n", mutator="structural"),
-        "random": dict(strategy="best_of_n", mutator="random")}
+        "random": dict(strategy="best_of_n", mutator="random"),
+        "evolve_mixed": dict(strategy="evolve", mutator="mixed"),
+        "best_of_n_mixed": dict(strategy="best_of_n", mutator="mixed")}
 SKIPPED = ("duplicate", "no_proposal", "migrated")  # rows that cost no evaluation
 KEPT_REASON = "keeps the entries of program #"  # cascade's reason for a result taken from a run's earlier program
 

@@ -17,7 +17,9 @@ from kvsieve.evolve.study import HeldoutScores, StudyRun, evaluated_records, per
 
 __all__ = ["study_report", "spearman", "spread_programs"]
 
-PAIRS = (("evolve", "best_of_n"), ("evolve", "random"), ("best_of_n", "random"))
+PAIRS = (("evolve_mixed", "best_of_n_mixed"), ("evolve_mixed", "random"), ("evolve_mixed", "evolve"),
+         ("best_of_n_mixed", "random"), ("evolve", "best_of_n"), ("evolve", "random"), ("best_of_n", "random"))
+PER_SEED = (("evolve_mixed", "best_of_n_mixed"), ("evolve", "best_of_n"))  # evolution - its best-of-N, seed by seed
 
 
 def spearman(x, y) -> float:
@@ -132,14 +134,15 @@ def study_report(base: EvolveConfig, runs: list[StudyRun], order: tuple[str, ...
             other = matrix(b, budget, measure) if b != "seed" else seed_cells[measure][None, :]
             out.append(_fmt(*two_level_interval(matrix(a, budget, measure) - other), signed=True))
         lines.append(f"| {a} - {'seed program' if b == 'seed' else b} | {out[0]} | {out[1]} |")
-    per_seed = []
-    for seed in seeds:
-        if ("evolve", seed) in found and ("best_of_n", seed) in found:
-            d = matrix("evolve", budget, "task")[seeds.index(seed)] - matrix("best_of_n", budget, "task")[
-                seeds.index(seed)]
-            per_seed.append(f"seed {seed}: {d.mean():+.1f}")
-    if per_seed:
-        lines += ["", "Evolution - best-of-N accuracy per seed: " + "; ".join(per_seed)]
+    for a, b in PER_SEED:
+        if a not in arms or b not in arms:
+            continue
+        per_seed = []
+        for seed in seeds:
+            if (a, seed) in found and (b, seed) in found:
+                d = matrix(a, budget, "task")[seeds.index(seed)] - matrix(b, budget, "task")[seeds.index(seed)]
+                per_seed.append(f"seed {seed}: {d.mean():+.1f}")
+        lines += ["", f"{a} - {b} accuracy per seed: " + "; ".join(per_seed)]
     name = {"task": "accuracy", "likelihood": "likelihood"}[curve_measure]
     lines += ["", f"Best-so-far curve: held-out {name} of the rule's pick among the first N candidates (mean over "
               "seeds [95% bootstrap over seeds and requests]); dev fitness of the pick (mean over seeds)", "",

@@ -2,6 +2,7 @@
 
 - ``structural.py``: edits of the syntax tree, no language model (the default);
 - ``random_programs.py``: a fresh random program each time, parent and scores unread (a control);
+- ``mixed.py``: structural edits of the parent, or random terms (``random_programs``'s) grafted into it;
 - ``local_model.py``: an in-process causal LM (the bundled coder model);
 - ``constrained.py``: the same, decoding under the language's typed grammar (every proposal passes stage 0);
 - ``openai_compatible.py``: any OpenAI-compatible endpoint.
@@ -16,12 +17,13 @@ from kvsieve.evolve.evolve_config import EvolveConfig
 from kvsieve.evolve.mutators.base import Mutator
 from kvsieve.evolve.mutators.constrained import ConstrainedLLMMutator
 from kvsieve.evolve.mutators.local_model import LocalLLMMutator
+from kvsieve.evolve.mutators.mixed import MixedMutator
 from kvsieve.evolve.mutators.openai_compatible import OpenAIMutator
 from kvsieve.evolve.mutators.random_programs import RandomProgramMutator
 from kvsieve.evolve.mutators.structural import StructuralMutator
 
-__all__ = ["Mutator", "StructuralMutator", "RandomProgramMutator", "LocalLLMMutator", "ConstrainedLLMMutator",
-           "OpenAIMutator", "make_mutator"]
+__all__ = ["Mutator", "StructuralMutator", "RandomProgramMutator", "MixedMutator", "LocalLLMMutator",
+           "ConstrainedLLMMutator", "OpenAIMutator", "make_mutator"]
 
 
 def make_mutator(config: EvolveConfig, model=None, tokenizer=None) -> Mutator:
@@ -29,6 +31,8 @@ def make_mutator(config: EvolveConfig, model=None, tokenizer=None) -> Mutator:
         return StructuralMutator()
     if config.mutator == "random":
         return RandomProgramMutator()
+    if config.mutator == "mixed":
+        return MixedMutator()
     if config.mutator in ("local", "constrained"):
         same = config.local_model == config.model and model is not None
         cls = ConstrainedLLMMutator if config.mutator == "constrained" else LocalLLMMutator

@@ -17,7 +17,8 @@ from kvsieve.evolve.mutators.structural import KERNELS, TERMS
 from kvsieve.language.program_source import SELECTION_CHOICES, Program, ProgramError
 from kvsieve.language.static_check import StaticCheckError, check_source
 
-__all__ = ["RandomProgramMutator", "SCALES", "WEIGHTS", "SELECTION_OPTIONS"]
+__all__ = ["RandomProgramMutator", "random_term", "random_expression", "random_source", "SCALES", "WEIGHTS",
+           "SELECTION_OPTIONS"]
 
 SCALES = ("unit_mean", "normalize", "rank")
 WEIGHTS = (0.1, 0.2, 0.3, 0.5, 1.0)
@@ -26,17 +27,25 @@ _KERNEL = re.compile(r", (\d+)\)")
 TRIES = 50
 
 
+def random_term(rng: random.Random) -> str:
+    """One weighted, unit-scaled term: ``WEIGHT * SCALE(SIGNAL)``, the signal's pooling kernel redrawn."""
+    signal = _KERNEL.sub(lambda _: f", {rng.choice(KERNELS)})", rng.choice(TERMS))
+    return f"{rng.choice(WEIGHTS)} * {rng.choice(SCALES)}({signal})"
+
+
+def random_expression(rng: random.Random) -> str:
+    """A sum of one to three :func:`random_term` s."""
+    return " + ".join(random_term(rng) for _ in range(rng.randint(1, 3)))
+
+
 def random_source(rng: random.Random) -> str:
     """One random program's text (see the module docstring)."""
-    terms = []
-    for _ in range(rng.randint(1, 3)):
-        signal = _KERNEL.sub(lambda _: f", {rng.choice(KERNELS)})", rng.choice(TERMS))
-        terms.append(f"{rng.choice(WEIGHTS)} * {rng.choice(SCALES)}({signal})")
+    expression = random_expression(rng)
     selection = {key: rng.choice(options) for key, options in SELECTION_OPTIONS.items()}
     if selection["allocation"] != "uniform":  # budgets moved between heads cannot move whole chunks
         selection["chunk_size"] = 1
     return (f'"""Random program."""\nSELECTION = {selection!r}\n\n\ndef score(f):\n'
-            f"    return {' + '.join(terms)}\n")
+            f"    return {expression}\n")
 
 
 class RandomProgramMutator:
