@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kvsieve.prompt import build_prompt
-from kvsieve.tasks import ruler, ruler_alt
+from kvsieve.tasks import fact_list, ruler, ruler_alt
 from kvsieve.tasks.longbench import load_longbench
 from kvsieve.tasks.sample import Sample, read_jsonl
 
@@ -22,12 +22,15 @@ __all__ = ["SampleSpec", "ALL_TASKS", "generator_for", "load_samples", "read_sam
 
 DEFAULT_SAMPLES = 5  # generated samples per task and length when a spec does not say
 # every generated task: the first layout's names (ruler.py), then the second, independently written
-# layout's (ruler_alt.py, ``fmt2:...``), so no policy is tuned to one layout
-ALL_TASKS: tuple[str, ...] = tuple(ruler.TASKS) + tuple(ruler_alt.TASKS)
+# layout's (ruler_alt.py, ``fmt2:...``), so no policy is tuned to one layout; then the long-output task (fact_list.py)
+ALL_TASKS: tuple[str, ...] = tuple(ruler.TASKS) + tuple(ruler_alt.TASKS) + tuple(fact_list.TASKS)
 
 
 def generator_for(task: str):
-    """The generator of a task name: ``fmt2:...`` from the second layout, the rest from the first."""
+    """The generator of a task name: ``fmt2:...`` from the second layout, ``fact_list`` the long-output task's,
+    the rest from the first."""
+    if fact_list.is_fact_list_task(task):
+        return fact_list.generate
     return ruler_alt.generate if ruler_alt.is_alt_task(task) else ruler.generate
 
 
