@@ -92,7 +92,7 @@ def attach(
     """Context manager under which ``model(...)`` and ``model.generate(...)`` run compressed.
 
     Args:
-        policy: a :class:`~kvsieve.policies.base.Policy` (see ``kvsieve.policies.get``).
+        policy: a :class:`~kvsieve.policy.Policy` (see ``kvsieve.policies.get``).
         ratio / kept: the budget, a compression ratio in [0, 1) or a kept-token count per layer.
         mode: ``"prefill"`` (compress once at the end of the prompt) or ``"decode"`` (hold the
             cache under the budget while consuming the prompt in chunks and while generating).

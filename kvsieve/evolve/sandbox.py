@@ -13,7 +13,7 @@ which hostile case each layer stops.
    it sets on itself before importing anything (address space, file size, CPU seconds, open files,
    locked memory, message queues, no core dumps), a seccomp filter (``seccomp.py``: no sockets,
    memfd, fallocate, pidfd, process creation, signals to others) and an audit hook whose constants
-   live in closures (``worker.install_guards``). Its results come back over a pipe, read here with
+   live in closures (``process_guards.install_guards``). Its results come back over a pipe, read here with
    a size cap and a deadline and parsed with a depth bound (it writes no file the parent opens).
 4. Namespaces, probed once (:func:`isolation_level`):
    ``"full"``: new mount, PID, network, IPC and UTS namespaces (and a user namespace when this

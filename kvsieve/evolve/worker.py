@@ -1,12 +1,12 @@
-"""The sandboxed side: interprets one candidate in its own process (started by ``sandbox.py``).
+"""The sandboxed worker: interprets one candidate in its own process (started by ``sandbox.py``).
 
 The job directory holds ``job.json`` (``window``, ``synthetic_seeds``, the interpreter's limits) and
 ``program.py``; the features come as an open file descriptor (so the worker needs no path to them).
 Order matters: torch, the kvsieve modules and the features are loaded first; then torch's and
-numpy's unaudited native file I/O is removed, the seccomp filter (``seccomp.py``) and the audit
-hook go in, and only then is the candidate parsed and interpreted (``interpreter.py``: no candidate
-code runs as Python). It runs the stage-1 invariants on synthetic features and on the real
-features' shapes, scores the features, and writes one frame to stdout after the ready line:
+numpy's unaudited native file I/O is removed and the audit hook goes in (``process_guards.py``), with the
+seccomp filter (``seccomp.py``), and only then is the candidate parsed and interpreted (``interpreter.py``: no
+candidate code runs as Python). It runs the stage-1 invariants (``stage1_invariants.py``) on synthetic features and
+on the real features' shapes, scores the features, and writes one frame to stdout after the ready line:
 ``u64 length, JSON result, u64 length, safetensors scores``. It writes no file: the parent reads
 the pipe with a size cap and a deadline and validates everything (``sandbox.py``).
 """
@@ -18,12 +18,13 @@ import os
 import struct
 import sys
 import warnings
-from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 
 from kvsieve.evolve import seccomp
+from kvsieve.evolve.process_guards import install_guards, remove_native_io
+from kvsieve.evolve.stage1_invariants import check_invariants, describe_output
 from kvsieve.language import operations
 from kvsieve.language.interpreter import (
     MAX_WORK_EXPONENT,
@@ -37,111 +38,11 @@ from kvsieve.language.program_features import TENSOR_FIELDS, Features, synthetic
 from kvsieve.language.program_source import Program, ProgramError
 from kvsieve.selection import ALLOCATIONS, Selection
 
-__all__ = ["check_invariants", "install_guards", "invariant_cases", "main", "INVARIANTS", "features_from_bytes",
-           "remove_native_io"]
+__all__ = ["features_from_bytes", "main"]
 
-INVARIANTS = ("tensor", "float", "shape", "finite", "inputs_unchanged", "deterministic", "budget")
 READY = b"ready\n"
 SETUP_FAILED = b"setup-failed\n"  # before the ready line: the sandbox's failure, never the candidate's
 MAX_REASON = 300
-
-
-def invariant_cases(window: int, seeds: Iterable[int], real_shapes: Iterable[tuple[int, ...]] = ()) -> list[dict]:
-    """Synthetic feature shapes for stage 1: one and three query heads, a context just above the window
-    and a longer one (so both ends of the budget range and the chunk grid are exercised), and then the
-    dev features' own (b, h, g, n) shapes with synthetic values, so a program cannot tell stage 1's
-    inputs from the dev set's by their shape."""
-    cases = []
-    for seed in seeds:
-        cases.append(dict(seed=int(seed), batch=1, kv_heads=2, group=1, n=window + 5, window=window, layer=0.0))
-        cases.append(dict(seed=int(seed), batch=2, kv_heads=2, group=3, n=4 * window + 37, window=window, layer=0.6))
-    for b, h, g, n in sorted(set(real_shapes)):
-        cases.append(dict(seed=int(next(iter(seeds), 0)), batch=b, kv_heads=h, group=g, n=n, window=window,
-                          layer=0.5))
-    return cases
-
-
-def check_invariants(score_fn: Callable[[Features], object], program: Program, window: int,
-                     seeds: Iterable[int] = (0, 1), real_shapes: Iterable[tuple[int, ...]] = ()
-                     ) -> tuple[dict[str, bool], str]:
-    """Stage 1: run ``score_fn`` on synthetic features and check the contract.
-
-    Returns ``(invariants, reason)``: the checks that ran, in :data:`INVARIANTS` order, each ``True``
-    or ``False``, stopping at the first failure, which ``reason`` names with its case ("" when all
-    hold). Exceptions raised by ``score_fn`` propagate (the caller reports them as errors).
-    """
-    results: dict[str, bool] = {}
-    selection = program.selection(window)
-
-    def verdict(name: str, ok: bool) -> bool:
-        results[name] = results.get(name, True) and bool(ok)
-        return bool(ok)
-
-    for case in invariant_cases(window, seeds, real_shapes):
-        label = f"seed {case['seed']}, group {case['group']}, n {case['n']}"
-        features = synthetic_features(**case)
-        before = {name: t.clone() for name, t in features.tensors().items()}
-        scalars = features.scalars()
-        out = score_fn(features)
-        for name in INVARIANTS:
-            if not verdict(name, _holds(name, out, features, before, scalars, score_fn, case, selection)):
-                detail = f" (got {_describe(out)})" if name in ("tensor", "float", "shape") else ""
-                return results, f"invariant {name!r} fails on synthetic features ({label}){detail}"
-    return results, ""
-
-
-def _holds(name: str, out, features: Features, before, scalars, score_fn, case: dict, selection) -> bool:
-    if name == "tensor":
-        return type(out) is torch.Tensor
-    if name == "float":
-        return out.is_floating_point()
-    if name == "shape":
-        return tuple(out.shape) == features.score_shape
-    if name == "finite":
-        return bool(torch.isfinite(out).all())
-    if name == "inputs_unchanged":
-        return _unchanged(features, before, scalars)
-    if name == "deterministic":
-        return _same_again(score_fn, case, out)
-    return _within_budget(selection, out, features.n)
-
-
-def _unchanged(features: Features, before: dict[str, torch.Tensor], scalars: dict) -> bool:
-    now = features.tensors()
-    return features.scalars() == scalars and all(
-        type(now[k]) is torch.Tensor and now[k].shape == v.shape and torch.equal(now[k], v) for k, v in before.items())
-
-
-def _same_again(score_fn, case: dict, first: torch.Tensor) -> bool:
-    again = score_fn(synthetic_features(**case))
-    return type(again) is torch.Tensor and again.dtype == first.dtype and torch.equal(again, first)
-
-
-def _within_budget(selection, scores: torch.Tensor, n: int) -> bool:
-    """Distinct in-range entries within the budget, at a tight and a loose budget: at most ``kept`` per head
-    (uniform allocation), or at most ``kept`` times the heads per batch row when the budget moves between heads
-    (``allocation`` "layer" or "global", which within one layer's scores is "layer"; a head may then keep more
-    than ``kept``). (Whether the selection's protected entries fit the dev set's real budgets is checked in the
-    parent, before the candidate runs: ``evaluate.selection_problem``.)"""
-    protected = int(selection.protected_mask(n, n).sum())
-    for kept in sorted({min(n, protected + 1), min(n, protected + (n - protected) // 2)}):
-        indices, valid = selection.kept_indices(scores.detach().float(), kept)
-        counts = valid.sum(-1) if valid is not None else torch.full(indices.shape[:-1], indices.shape[-1])
-        if selection.allocation == "uniform":
-            over = bool((counts > kept).any())
-        else:
-            over = bool((counts.sum(-1) > kept * indices.shape[1]).any())
-        if over or (indices.numel() and (indices.min() < 0 or indices.max() >= n)):
-            return False
-        if indices.shape[-1] > 1 and not bool((indices.diff(dim=-1) > 0).all()):
-            return False
-    return True
-
-
-def _describe(out: object) -> str:
-    if type(out) is torch.Tensor:
-        return f"{out.dtype} tensor of shape {tuple(out.shape)}"
-    return type(out).__name__
 
 
 def _short(err: BaseException) -> str:
@@ -152,146 +53,6 @@ def _short(err: BaseException) -> str:
         text = ""
     text = " ".join(text.split())
     return f"{type(err).__name__}: {text}"[:MAX_REASON] if text else type(err).__name__
-
-
-# --- guards -----------------------------------------------------------------------------------------
-
-_DENIED_PREFIXES = ("socket.", "subprocess.", "os.exec", "os.spawn", "os.posix_spawn", "os.fork", "os.forkpty",
-                    "os.system", "os.kill", "os.killpg", "os.putenv", "os.unsetenv", "os.set", "os.chroot",
-                    "os.chdir", "os.memfd", "os.pidfd", "os.posix_fallocate", "ctypes.", "pty.", "signal.",
-                    "resource.", "mmap.", "sys._getframe", "sys._current_frames", "sys.setprofile",
-                    "sys.settrace", "gc.get_", "object.__getattr__", "object.__setattr__", "object.__delattr__",
-                    "function.__new__", "code.__new__", "cpython.", "marshal.", "pickle.", "import", "urllib.",
-                    "http.", "ftplib.", "smtplib.", "webbrowser.", "shutil.", "winreg.", "syslog.", "sqlite3.",
-                    "fcntl.", "sys.addaudithook", "builtins.input", "tempfile.", "compile", "exec")
-_PATH_EVENTS = {"open": 1, "os.remove": 1, "os.rename": 2, "os.mkdir": 1, "os.rmdir": 1, "os.chmod": 1,
-                "os.chown": 1, "os.symlink": 2, "os.link": 2, "os.truncate": 1, "os.utime": 1, "os.listdir": 1,
-                "os.scandir": 1, "os.mkfifo": 1, "os.mknod": 1, "os.chflags": 1, "os.lchflags": 1,
-                "os.setxattr": 1, "os.removexattr": 1, "os.listxattr": 1, "os.getxattr": 1, "glob.glob": 1}
-# Native file I/O that raises no audit event: removed from torch and numpy before the candidate runs.
-_NATIVE_IO = {"torch": ("from_file", "load", "save"), "torch.jit": ("load", "save"), "torch.hub": ("load",
-              "load_state_dict_from_url", "download_url_to_file"), "torch.UntypedStorage": ("from_file",),
-              "torch.TypedStorage": ("from_file",),
-              "numpy": ("fromfile", "load", "save", "savez", "memmap", "loadtxt", "savetxt", "genfromtxt")}
-
-
-class GuardViolation(PermissionError):
-    """Raised by the audit hook; the message names the refused event."""
-
-
-def remove_native_io() -> list[str]:
-    """Replace the listed torch/numpy functions by refusals (only this process, after its own use of them).
-
-    The interpreter never reaches them (they are not in its tables); this is for the process layer
-    alone, when a program somehow runs as Python. Returns what was replaced.
-    """
-    removed = []
-
-    def refusal(name: str):
-        def refuse(*args, **kwargs):
-            raise GuardViolation(f"sandbox: {name} is not allowed")
-        return refuse
-
-    native = sys.modules.get("torch._C")
-    table = dict(_NATIVE_IO)
-    if native is not None:  # torch._C's own readers and writers of files (TorchScript, mobile, pickles)
-        table["torch._C"] = tuple(n for n in dir(native) if any(
-            w in n.lower() for w in ("load", "from_file", "save", "import_ir", "_file", "pickle")))
-    for owner_name, attrs in table.items():
-        module_name, _, cls = owner_name.rpartition(".") if owner_name.count(".") else (owner_name, "", "")
-        owner = sys.modules.get(owner_name) or (getattr(sys.modules.get(module_name), cls, None) if cls else None)
-        if owner is None:
-            continue
-        for attr in attrs:
-            if not hasattr(owner, attr):
-                continue
-            try:
-                setattr(owner, attr, refusal(f"{owner_name}.{attr}"))
-                removed.append(f"{owner_name}.{attr}")
-            except (AttributeError, TypeError):  # a C type's attribute
-                continue
-    for name in [m for m in sys.modules if m.startswith(("torch.serialization", "torch.hub", "numpy.lib.npyio"))]:
-        module = sys.modules[name]
-        for attr in ("load", "save", "fromfile", "_load", "_save"):
-            if hasattr(module, attr):
-                setattr(module, attr, refusal(f"{name}.{attr}"))
-    return removed
-
-
-def _private_realpath():
-    """A copy of ``posixpath.realpath`` whose globals and ``os`` functions are frozen now: a program that
-    patches ``posixpath._joinrealpath`` or ``os.lstat`` later does not change what the guard resolves."""
-    import posixpath
-    import stat
-    from types import FunctionType, SimpleNamespace
-
-    namespace = dict(vars(posixpath))
-    namespace["os"] = SimpleNamespace(fspath=os.fspath, lstat=os.lstat, readlink=os.readlink, getcwd=os.getcwd,
-                                      getcwdb=os.getcwdb, fsdecode=os.fsdecode, sep=os.sep, stat=os.stat)
-    namespace["stat"] = SimpleNamespace(S_ISLNK=stat.S_ISLNK)
-    for name, value in list(namespace.items()):
-        if isinstance(value, FunctionType):
-            copy = FunctionType(value.__code__, namespace, name, value.__defaults__, value.__closure__)
-            copy.__kwdefaults__ = dict(value.__kwdefaults__ or {})
-            namespace[name] = copy
-    return namespace["realpath"]
-
-
-def install_guards(job_dir: str | os.PathLike, allow: list[bool] | None = None) -> None:
-    """Install the audit hook (process-wide, cannot be removed).
-
-    Files: any path argument must resolve inside ``job_dir`` (reads too: no /proc or home secrets);
-    ``open`` of a bare file descriptor is refused. Processes, signals, sockets, ctypes, memfd, pidfd,
-    fallocate, imports of modules not loaded yet, frame and GC introspection and code object creation
-    are refused outright, and so are ``compile`` and ``exec`` unless ``allow[0]`` is true (only the
-    test-only raw loader sets it: the interpreter compiles nothing). Every constant the hook reads is
-    bound in its closure now, so assigning to this module's globals later changes nothing; paths are
-    resolved by a private copy of ``realpath``. ``_posixsubprocess.fork_exec`` raises no audit event, so
-    it is replaced by a refusal. The hook is one layer, not the boundary (native code can open files
-    unseen by it): the seccomp filter, the process, its limits and its namespaces are.
-    """
-    root = os.path.realpath(os.fspath(job_dir))
-    realpath, fsdecode, fspath, sep = _private_realpath(), os.fsdecode, os.fspath, os.sep
-    denied = tuple(_DENIED_PREFIXES)
-    path_events = tuple(_PATH_EVENTS.items())
-    path_event = dict(path_events).get
-    flag = allow if allow is not None else [False]
-    pathlike, text = os.PathLike, (str, bytes)
-    prefix = root + sep
-    violation = GuardViolation
-
-    def inside(path: object) -> bool:
-        if isinstance(path, pathlike):
-            path = fspath(path)
-        if isinstance(path, text):
-            try:
-                resolved = realpath(fsdecode(path))
-            except (OSError, ValueError):
-                return False
-            return resolved == root or resolved.startswith(prefix)
-        return path is None  # optional arguments (dir_fd, ...) are None; fds and other objects are refused
-
-    def hook(event: str, args: tuple) -> None:
-        if event in ("compile", "exec") and flag[0]:
-            return
-        if event.startswith(denied):
-            what = f"import of {args[0]!r}" if event == "import" and args and isinstance(args[0], str) else event
-            raise violation(f"sandbox: {what} is not allowed")
-        count = path_event(event)
-        if count is not None and not all(inside(a) for a in args[:count]):
-            raise violation(f"sandbox: {event} outside the job directory is not allowed")
-
-    def refuse(*args, **kwargs):
-        raise violation("sandbox: starting processes is not allowed")
-
-    for module_name, attr in (("_posixsubprocess", "fork_exec"), ("subprocess", "_fork_exec")):
-        module = sys.modules.get(module_name)
-        if module is not None and hasattr(module, attr):
-            setattr(module, attr, refuse)
-    sys.addaudithook(hook)
-
-
-# --- entry point ------------------------------------------------------------------------------------
 
 
 def features_from_bytes(data: bytes) -> dict[str, Features]:
@@ -408,7 +169,7 @@ def _run_candidate(prepared, window, seeds, features, loader, allow) -> tuple[di
             out = score_fn(feats)
             if type(out) is not torch.Tensor or tuple(out.shape) != feats.score_shape or not out.is_floating_point():
                 return {"status": "invalid", "reason": f"scores for {key!r}: expected a float tensor of shape "
-                        f"{feats.score_shape}, got {_describe(out)}", "invariants": invariants}, {}
+                        f"{feats.score_shape}, got {describe_output(out)}", "invariants": invariants}, {}
             out = out.detach().to(torch.float32).contiguous()
             if not bool(torch.isfinite(out).all()):
                 return {"status": "invalid", "reason": f"scores for {key!r} are not all finite",

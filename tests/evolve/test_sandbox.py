@@ -27,7 +27,7 @@ from kvsieve.evolve.sandbox import (
     sandbox_env,
 )
 from kvsieve.evolve.seeds import SEEDS
-from kvsieve.evolve.worker import INVARIANTS, check_invariants
+from kvsieve.evolve.stage1_invariants import INVARIANTS, check_invariants
 from kvsieve.language.interpreter import InterpreterError, LimitExceeded, ScoreProgram, WallClockExceeded
 from kvsieve.language.program_features import load_features, save_features, synthetic_features
 from kvsieve.language.program_source import Program
@@ -370,7 +370,7 @@ CORPUS = {
     "fallocate reserves disk": Case(body(f'z = {OS}["posix_fallocate"](1, 0, 1 << 30)', "return f.key_norm"), CALL,
                                     GLOBALS, REFUSED),
     "audit hook switched off via its globals": Case(body(
-        f'w = {MOD}["kvsieve.evolve.worker"]', 'w._DENIED_PREFIXES, w._PATH_EVENTS = ("\\0",), {}',
+        f'w = {MOD}["kvsieve.evolve.process_guards"]', 'w._DENIED_PREFIXES, w._PATH_EVENTS = ("\\0",), {}',
         f'z = open("{OUTSIDE}", "w").write("x")', "return f.key_norm"), ".modules", GLOBALS,
         ("error", "sandbox: open outside")),
     "path check switched off via posixpath": Case(body(
