@@ -72,7 +72,7 @@ from kvsieve.harness.evaluate import evaluate_sample
 from kvsieve.harness.grid import Cell
 from kvsieve.harness.store import CellKey, CellResult, ResultsStore
 from kvsieve.models import dtype_name, load, local_source
-from kvsieve.policies.label import FULL_CACHE, check_ratio
+from kvsieve.policies.label import FULL_CACHE
 from kvsieve.policies.registry import parse
 from kvsieve.tasks.sample import Sample, write_jsonl
 
@@ -158,7 +158,7 @@ class KvsieveLM(LM):
         if threads is not None:
             torch.set_num_threads(int(threads))
         self.model_name = canonical_name(str(model))
-        point = Cell(parse(str(policy)), check_ratio(float(ratio), "kvsieve backend's model_args"))
+        point = Cell(parse(str(policy)), float(ratio))  # the cell checks the ratio
         self.cell = point if point.compresses else point.at(0.0)  # the full cache: once, at ratio 0
         split_prompt("x", qa=qa)  # checks qa before the model loads
         self.qa, self.length = qa, int(length)

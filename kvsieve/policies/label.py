@@ -5,7 +5,8 @@ A point is a policy spec, a compression ratio, whether the question was kept out
 grid cell (``harness/grid.py``: ``Cell``) and a certification candidate (``risk/losses.py``: ``Candidate``) are,
 and everything derived from it is derived here, once: its stored and display text, whether its family
 ``compresses``, whether it ``protects_question``, its full-KV ``reference``, its ``budget``. The ratio is checked
-here, once (``selection.Budget`` checks its own).
+here, once (``selection.Budget`` checks its own), and so are the spec's syntax and the mode's pairing with
+question-awareness (a decode-time point reads the question under eviction, so none is question-aware).
 
 Stored form (the store's ``policy`` column): ``SPEC`` for prefill compression, ``SPEC@decodeN`` for
 decode-time eviction (the context read in chunks of N tokens), ``SPEC@decodeNeE`` when generated tokens are
@@ -34,8 +35,7 @@ from kvsieve.policy import FullCache, Policy
 from kvsieve.selection import Budget
 from kvsieve.spec import parse_spec
 
-__all__ = ["DECODE", "FULL_CACHE", "MODES", "PREFILL", "QA_SUFFIX", "Label", "Mode", "Point", "check_ratio",
-           "display_order"]
+__all__ = ["DECODE", "FULL_CACHE", "MODES", "PREFILL", "QA_SUFFIX", "Label", "Mode", "Point", "display_order"]
 
 FULL_CACHE: str = FullCache.name  # the full cache's spec and stored label (prefill); the reference of every row
 PREFILL, DECODE = "prefill", "decode"
@@ -97,15 +97,6 @@ class Mode:
 PREFILL_MODE = Mode()
 
 
-def check_ratio(ratio: object, where: str) -> float:
-    """``ratio`` as a float when it is a compression ratio in [0, 1) (the fraction of the cache removed), else
-    ValueError naming ``where`` it came from. The one ratio check outside :class:`~kvsieve.selection.Budget`."""
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio) or not 0 <= ratio < 1:
-        raise ValueError(f"{where} has ratio {ratio!r}; a compression ratio is in [0, 1) (the fraction of the "
-                         f"cache removed), so {ratio!r} is out of range")
-    return float(ratio)
-
-
 @dataclass(frozen=True, eq=False)
 class Point:
     """A policy run at a setting: ``spec`` (the policy spec's text; a :class:`PolicySpec` given here is kept, so its
@@ -143,11 +134,23 @@ class Point:
         if not spec:
             raise ValueError(f"a point's policy is a non-empty policy spec, got {self.spec!r}")
         object.__setattr__(self, "spec", spec)
-        object.__setattr__(self, "ratio", check_ratio(self.ratio, f"policy {self.spec!r}"))
+        try:
+            _family_of(spec)  # text only: a program's or checkpoint's file is not opened
+        except ValueError as err:
+            raise ValueError(f"policy {spec!r} is not a policy spec: {err}") from None
+        ratio = self.ratio
+        number = isinstance(ratio, (int, float)) and not isinstance(ratio, bool)
+        if not number or not math.isfinite(ratio) or not 0 <= ratio < 1:
+            raise ValueError(f"policy {spec!r} has ratio {ratio!r}; a compression ratio is in [0, 1) (the fraction of "
+                             f"the cache removed), so {ratio!r} is out of range")
+        object.__setattr__(self, "ratio", float(ratio))
         if not isinstance(self.question_aware, bool):
-            raise ValueError(f"policy {self.spec!r} has question_aware {self.question_aware!r}; allowed: true, false")
+            raise ValueError(f"policy {spec!r} has question_aware {self.question_aware!r}; allowed: true, false")
         if not isinstance(self.mode, Mode):
             raise ValueError(f"a point's mode is a Mode (prefill, or decode with its chunk), got {self.mode!r}")
+        if self.question_aware and self.mode == DECODE:
+            raise ValueError(f"policy {self.stored!r} evicts at decode time, where the question is read under "
+                             "eviction anyway: there is no question-aware decode-time point (drop question-awareness)")
 
     @classmethod
     def parse(cls, text: str, ratio: float = 0.0, question_aware: bool = False) -> Point:
@@ -257,9 +260,9 @@ class Point:
 
     @property
     def protects_question(self) -> bool:
-        """Whether the question's tokens are kept on top of the budget: a question-aware prefill point that
-        evicts (decode-time eviction reads the question under eviction anyway)."""
-        return self.question_aware and self.mode == PREFILL and self.budget is not None
+        """Whether the question's tokens are kept on top of the budget: a question-aware point (prefill, as every
+        question-aware point is) that evicts."""
+        return self.question_aware and self.budget is not None
 
     @property
     def sees_question(self) -> bool:

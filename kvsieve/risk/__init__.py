@@ -2,7 +2,8 @@
 
 Flow: results store -> :func:`loss_table` (per-request losses vs full KV) -> :func:`certify` or
 :func:`certify_buckets` (p-values + multiple testing) -> :class:`ContractFile` (JSON) ->
-:class:`CertifiedPolicy` at run time. Nothing here loads a model.
+:class:`CertifiedPolicy` at run time, which picks a request's
+:class:`~kvsieve.policies.operating_point.OperatingPoint`. Nothing here loads a model.
 """
 
 from kvsieve.risk.certify import (
@@ -15,8 +16,8 @@ from kvsieve.risk.certify import (
 )
 from kvsieve.risk.contract import ContractFile, certify_buckets
 from kvsieve.risk.losses import Candidate, LossTable, candidate_losses, loss_table
-from kvsieve.risk.runtime import CertifiedPolicy, OperatingPoint
+from kvsieve.risk.runtime import CertifiedPolicy
 
 __all__ = ["Candidate", "CandidateResult", "Certification", "CertifiedPolicy", "Contract", "ContractFile",
-           "InsufficientCalibrationError", "LossTable", "OperatingPoint", "candidate_losses", "certify",
+           "InsufficientCalibrationError", "LossTable", "candidate_losses", "certify",
            "certify_buckets", "empirical_threshold", "loss_table"]

@@ -139,7 +139,10 @@ class Certification:
     def from_dict(cls, data: dict) -> Certification:
         data = dict(data)
         data.pop("fell_back", None)
-        data["candidates"] = [CandidateResult(**c) for c in data.get("candidates", [])]
+        try:
+            data["candidates"] = [CandidateResult(**c) for c in data.get("candidates", [])]
+        except ValueError as err:
+            raise ValueError(f"candidate: {err}") from err
         chosen = data.get("chosen")
         try:
             data["chosen"] = (Point.parse(chosen["policy"], chosen["ratio"], chosen["question_aware"]) if chosen

@@ -28,10 +28,10 @@ import numpy as np
 
 from kvsieve.files import written_whole
 from kvsieve.harness.store import ResultsStore
-from kvsieve.policies import PolicySpec, parse, parse_spec
+from kvsieve.policies import PolicySpec, parse
 from kvsieve.policies.label import FULL_CACHE
 from kvsieve.risk.certify import Certification, Contract, InsufficientCalibrationError, certify
-from kvsieve.risk.losses import BUCKETINGS, Candidate, LossTable, Request, length_bucket
+from kvsieve.risk.losses import BUCKETINGS, LossTable, Request, length_bucket
 
 __all__ = ["CONTRACT_VERSION", "LENGTH_QUANTITIES", "ContractFile", "certify_buckets", "request_context_tokens"]
 
@@ -125,7 +125,8 @@ class ContractFile:
         return out
 
     def validate(self) -> None:
-        """Refuse what no certification can produce: a ratio outside [0, 1), an unknown bucketing, bad edges."""
+        """Refuse what no certification can produce: an unknown bucketing, bad edges, no buckets (each point, chosen
+        or candidate, was checked when it was read: :class:`~kvsieve.policies.label.Point`)."""
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty name, got {self.model!r}")
         if self.by not in BUCKETINGS:
@@ -141,14 +142,6 @@ class ContractFile:
             raise ValueError("the contract has no buckets")
         if not isinstance(self.points, dict) or any(not isinstance(r, dict) for r in self.points.values()):
             raise ValueError(f"points must map a policy spec to its family, params and digest, got {self.points!r}")
-        for name, cert in self.buckets.items():
-            for c in cert.candidates:
-                try:
-                    _check_candidate(c.candidate, f"bucket {name!r}: candidate {c.candidate}")
-                except ValueError as err:  # a ratio or spec no certification produces
-                    raise ValueError(f"bucket {name!r}: candidate {c.policy!r}: {err}") from err
-            if cert.chosen is not None:
-                _check_candidate(cert.chosen, f"bucket {name!r}: chosen point")
 
 
 def record_points(specs: list[str]) -> dict[str, dict]:
@@ -158,14 +151,6 @@ def record_points(specs: list[str]) -> dict[str, dict]:
         spec = parse(text)
         out[text] = {"family": spec.family, "params": spec.params, "digest": spec.digest}
     return out
-
-
-def _check_candidate(cand: Candidate, where: str) -> None:
-    """The spec of a point read from a file must be a policy spec (its ratio was checked when it was read)."""
-    try:
-        parse_spec(cand.spec)
-    except (ValueError, SyntaxError) as err:
-        raise ValueError(f"{where} has policy {cand.policy!r}, which is not a policy spec: {err}") from err
 
 
 def request_context_tokens(store: ResultsStore, model: str, requests: list[Request]) -> dict[Request, int]:

@@ -24,11 +24,10 @@ import numpy as np
 
 from kvsieve.bundled import bundled
 from kvsieve.harness.store import ResultsStore
-from kvsieve.policies.label import DECODE, FULL_CACHE, Point, check_ratio
+from kvsieve.policies.label import DECODE, FULL_CACHE, Point
 from kvsieve.tasks import task_family
 
 __all__ = ["BUCKETINGS", "LOSSES", "UTILITY_SCALE", "Candidate", "LossTable", "candidate_losses", "candidates_for",
-           "check_candidate",
            "length_bucket", "loss_table", "model_names"]
 
 LOSSES = ("binary", "bounded")
@@ -40,26 +39,17 @@ Request = tuple[str, int, str]  # (task, length, sample_id)
 Candidate = Point  # a candidate is a point: a stored label (``Point.parse``) at a ratio, question-aware or not
 
 
-def check_candidate(point: Point) -> Point:
-    """Refuse what no grid stores as a candidate (returns ``point``): a question-aware decode-time point (the
-    question is read under eviction anyway). Its ratio and spec were checked when the point was made."""
-    if point.question_aware and point.mode == DECODE:
-        raise ValueError(f"candidate {point.stored!r} evicts at decode time, where the question is read under "
-                         "eviction anyway; there are no question-aware decode rows (drop --question-aware)")
-    return point
-
-
 def candidates_for(policies: list[str], ratios: list[float], question_aware: bool = False) -> list[Candidate]:
     """The candidates of ``kvsieve certify``: every compressing policy label at every ratio.
 
-    Full-KV labels (``full``, ``full@decodeN``) are the reference, not candidates, and are dropped. A ratio
-    outside [0, 1) is refused before any store is read, naming the ratio.
+    Full-KV labels (``full``, ``full@decodeN``) are the reference, not candidates, and are dropped. Each candidate
+    is a :class:`Point`, which refuses a ratio outside [0, 1) or a question-aware decode-time label, before any store
+    is read.
     """
-    ratios = [check_ratio(ratio, "--ratios") for ratio in ratios]  # before any store is read
     compressing = [p for p in map(Point.parse, policies) if p.compresses]
     if not compressing or not ratios:
         raise ValueError("give at least one compressing policy (--policies) and one ratio (--ratios)")
-    return [check_candidate(Point(p.spec, float(r), question_aware, p.mode)) for p in compressing for r in ratios]
+    return [Point(p.spec, r, question_aware, p.mode) for p in compressing for r in ratios]
 
 
 def model_names(model: str) -> list[str]:
@@ -176,8 +166,6 @@ def loss_table(store: ResultsStore, model: str, candidates: list[Candidate], eps
     """
     if not candidates:
         raise ValueError("no candidates to certify: give at least one compressing policy and ratio")
-    for cand in candidates:
-        check_candidate(cand)  # before any row is read
     names = model_names(model)
     filters: dict = {"model": names}
     if tasks:

@@ -11,77 +11,15 @@ from pathlib import Path
 from kvsieve.bundled import canonical_name
 from kvsieve.engine.attach import Session, attach
 from kvsieve.engine.generate import Generation, generate
-from kvsieve.policies import Policy, PolicySpec
-from kvsieve.policies.label import FULL_CACHE, Mode, Point
-from kvsieve.policy import FullCache
+from kvsieve.policies import Policy
+from kvsieve.policies.label import DECODE, Point
+from kvsieve.policies.operating_point import OperatingPoint
 from kvsieve.prompt import build_prompt
 from kvsieve.risk.contract import ContractFile
 from kvsieve.risk.losses import length_bucket
 from kvsieve.tasks import task_family
 
-__all__ = ["OperatingPoint", "CertifiedPolicy", "CertifiedSession"]
-
-
-@dataclass(frozen=True)
-class OperatingPoint:
-    """What to run for one request: a built policy (model-checked once, shared by every request of the point)
-    at a ratio. ``spec is None`` (and ``fell_back``, or ratio 0) means full KV."""
-
-    spec: PolicySpec | None
-    policy: Policy
-    ratio: float
-    question_aware: bool
-    bucket: str
-    fell_back: bool
-    reason: str = ""
-    chunk_size: int = 0  # decode-time eviction's chunk (a ``SPEC@decodeN`` point); 0: prefill compression
-
-    @classmethod
-    def full(cls, bucket: str, reason: str, fell_back: bool = True) -> OperatingPoint:
-        return cls(None, FullCache(), 0.0, False, bucket, fell_back, reason)
-
-    @property
-    def policy_spec(self) -> str:
-        """The spec text of what runs: ``full`` for full KV."""
-        return FULL_CACHE if self.spec is None or self.fell_back else self.spec.text
-
-    @property
-    def point(self) -> Point:
-        """What runs, as a :class:`~kvsieve.policies.label.Point`: full KV at ratio 0 when it fell back."""
-        if self.spec is None or self.fell_back:
-            return Point(FULL_CACHE)
-        return Point(self.spec, self.ratio, self.question_aware, Mode(self.chunk_size))
-
-    @property
-    def compresses(self) -> bool:
-        """Whether anything is evicted (the point's budget; serve reads it by this name)."""
-        return self.point.budget is not None
-
-    @property
-    def protects_question(self) -> bool:
-        return self.point.protects_question
-
-    def __str__(self) -> str:
-        if not self.compresses:
-            return f"full KV (bucket {self.bucket}{': ' + self.reason if self.reason else ''})"
-        qa = ", question-aware" if self.question_aware else ""
-        return f"{self.policy_spec}@{self.ratio:g} (bucket {self.bucket}{qa})"
-
-    def protected_tail(self, question_tokens: int) -> int:
-        """Tokens kept on top of the budget: the question, when the point was certified question-aware."""
-        if isinstance(question_tokens, bool) or not isinstance(question_tokens, int) or question_tokens < 0:
-            raise ValueError(f"question_tokens must be an int >= 0, got {question_tokens!r}")
-        return question_tokens if self.protects_question else 0
-
-    @contextlib.contextmanager
-    def attach(self, model, question_tokens: int) -> Iterator[Session]:
-        """``kvsieve.attach`` at this point. A question-aware point compresses the first forward (context and
-        question together) keeping its last ``question_tokens``; a query-agnostic one compresses the context
-        alone (feed the question in a second forward)."""
-        mode = dict(mode="decode", chunk_size=self.chunk_size) if self.chunk_size and self.compresses else {}
-        with attach(model, self.policy, ratio=self.ratio if self.compresses else 0.0,
-                    protected_tail=self.protected_tail(question_tokens), **mode) as s:
-            yield s
+__all__ = ["CertifiedPolicy", "CertifiedSession"]
 
 
 @dataclass
@@ -94,7 +32,7 @@ class CertifiedSession:
     @property
     def prefill_question(self) -> bool:
         """Whether the first forward must be context + question (question-aware) or the context alone."""
-        return self.point.protects_question
+        return self.point.point.protects_question
 
 
 class CertifiedPolicy:
@@ -165,8 +103,10 @@ class CertifiedPolicy:
         if cert.chosen is None:
             return OperatingPoint.full(bucket, cert.reason)
         chosen = cert.chosen
-        return OperatingPoint(self.specs[chosen.spec], self.policies[chosen.spec], chosen.ratio, chosen.question_aware,
-                              bucket, False, chunk_size=chosen.chunk_size)
+        if chosen.budget is None:  # certified at ratio 0: nothing is evicted
+            return OperatingPoint.full(bucket, f"the certified point {chosen} evicts nothing", fell_back=False)
+        point = Point(self.specs[chosen.spec], chosen.ratio, chosen.question_aware, chosen.mode)
+        return OperatingPoint(point, self.policies[chosen.spec], bucket)
 
     @contextlib.contextmanager
     def attach(self, model, question_tokens: int, task: str | None = None,
@@ -177,9 +117,11 @@ class CertifiedPolicy:
         (``yielded.prefill_question``) run context + question as the first forward: the question is kept on
         top of the budget, as it was when the point was certified. Otherwise run the context first.
         """
-        point = self.operating_point(task, context_tokens)
-        with point.attach(model, question_tokens) as session:
-            yield CertifiedSession(point, session)
+        chosen = self.operating_point(task, context_tokens)
+        tail = chosen.protected_tail(question_tokens)
+        with attach(model, chosen.policy, ratio=chosen.point.ratio, protected_tail=tail,
+                    **_mode_options(chosen.point)) as session:
+            yield CertifiedSession(chosen, session)
 
     def generate(self, model, tokenizer, context: str, question: str, task: str | None = None,
                  model_name: str | None = None, **options) -> Generation:
@@ -189,8 +131,14 @@ class CertifiedPolicy:
         call (``model_name``: the name it was loaded under; default the contract's)."""
         self.bind(model, model_name)
         context_tokens = build_prompt(tokenizer, context, question, options.get("answer_prefix", "")).context_ids
-        point = self.operating_point(task, int(context_tokens.shape[1]))
-        if point.chunk_size and point.compresses:
-            options = dict(options, mode="decode", chunk_size=point.chunk_size)
-        return generate(model, tokenizer, context, question, point.policy, ratio=point.ratio,
-                        question_aware=point.protects_question, **options)
+        chosen = self.operating_point(task, int(context_tokens.shape[1]))
+        return generate(model, tokenizer, context, question, chosen.policy, ratio=chosen.point.ratio,
+                        question_aware=chosen.point.protects_question, **{**options, **_mode_options(chosen.point)})
+
+
+def _mode_options(point: Point) -> dict:
+    """The engine's mode arguments for ``point``: decode-time eviction with its chunk and eviction interval as
+    certified, or nothing (prefill compression)."""
+    if point.mode != DECODE:
+        return {}
+    return dict(mode="decode", chunk_size=point.chunk_size, evict_every=point.evict_every)

@@ -110,6 +110,23 @@ def test_a_label_refuses_what_no_row_stores():
         Point("snapkv", 0.5, mode="decode")
 
 
+@pytest.mark.parametrize("spec", ["snapkv(window=", "snapkv(window=32", "snapkv(32)", "program:", "snapkv(w=x)"])
+def test_a_point_refuses_a_spec_no_parser_reads(spec):
+    """The spec's syntax is checked when the point is made (text only: no file is opened), so a contract or a grid
+    holding one fails when read, naming the policy."""
+    with pytest.raises(ValueError, match=re.escape(f"policy {spec!r} is not a policy spec")):
+        Point(spec, 0.5)
+
+
+def test_no_point_is_question_aware_and_decode_time():
+    """A decode-time point reads the question under eviction: there is no question-aware one to make (the grid, the
+    certifier and a contract all read points, so none of them can hold one)."""
+    for make in (lambda: Point("snapkv", 0.5, True, Mode(64)), lambda: Point.parse("snapkv@decode64+qa", 0.5),
+                 lambda: candidates_for(["snapkv@decode64"], [0.5], question_aware=True)):
+        with pytest.raises(ValueError, match="question is read under eviction anyway"):
+            make()
+
+
 @pytest.mark.parametrize("ratio", [1.0, -0.1, float("nan"), float("inf"), True, "0.5", None])
 def test_the_ratio_is_checked_once_when_a_point_is_made(ratio):
     with pytest.raises(ValueError, match=r"policy 'snapkv' has ratio .*; a compression ratio is in \[0, 1\)"):

@@ -23,7 +23,7 @@ from kvsieve.risk import (
     empirical_threshold,
     loss_table,
 )
-from kvsieve.risk.losses import candidates_for, check_candidate
+from kvsieve.risk.losses import candidates_for
 from kvsieve.risk.pvalues import (
     binomial_cdf,
     binomial_pvalue,
@@ -259,10 +259,10 @@ def test_conditional_contract_round_trip_and_runtime(store, tmp_path):
     assert json.loads(path.read_text())["buckets"]["multi_hop"]["fell_back"] is True
     certified = CertifiedPolicy.from_contract(path)
     point = certified.operating_point(task="niah_single_2")
-    assert (point.policy_spec, point.ratio, point.fell_back) == ("snapkv", 0.5, False)
+    assert (point.point.spec, point.point.ratio, point.fell_back) == ("snapkv", 0.5, False)
     assert point.policy.name == "snapkv"
     vt = certified.operating_point(task="vt")
-    assert vt.fell_back and vt.ratio == 0.0 and vt.policy.name == "full"
+    assert vt.fell_back and vt.point.ratio == 0.0 and vt.point.is_full and vt.policy.name == "full"
     assert certified.operating_point(task="qa_1").reason == "bucket 'qa' was not calibrated"
     with pytest.raises(ValueError, match="task="):
         certified.operating_point()
@@ -305,7 +305,7 @@ def test_certify_cli_writes_a_contract(store, tmp_path, capsys):
                  "--by", "task_family", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "[retrieval]" in printed and "-> snapkv@0.5" in printed and "-> full KV" in printed
-    assert CertifiedPolicy.from_contract(out).operating_point(task="niah_single_1").ratio == 0.5
+    assert CertifiedPolicy.from_contract(out).operating_point(task="niah_single_1").point.ratio == 0.5
     assert main(["certify", "--store", str(store), "--model", "m", "--policies", "snapkv", "--ratios", "0.5",
                  "--delta", "0", "--out", str(out)]) == 2
     assert "delta must be in (0, 1), got 0.0" in capsys.readouterr().err
@@ -337,7 +337,7 @@ def test_length_and_task_buckets(store):
         table.buckets("model")
     out = certify_buckets(table, Contract(alpha=0.1, delta=0.1), "m", by="length", length_edges=[1000, 4000])
     certified = CertifiedPolicy(out)
-    assert certified.operating_point(context_tokens=3000).ratio == 0.0  # the pooled bucket fails (vt)
+    assert certified.operating_point(context_tokens=3000).point.ratio == 0.0  # the pooled bucket fails (vt)
     assert certified.operating_point(context_tokens=900).reason == "bucket '<=1000' was not calibrated"
     with pytest.raises(ValueError, match="context_tokens="):
         certified.operating_point(task="vt")
@@ -367,7 +367,7 @@ def test_certify_cli_refuses_epsilon_500_and_ratio_1(store, tmp_path, capsys):
 
 
 def test_candidates_for_checks_ratios_and_reads_decode_labels():
-    with pytest.raises(ValueError, match=r"--ratios has ratio 1.0; a compression ratio is in \[0, 1\) .* out of range"):
+    with pytest.raises(ValueError, match=r"policy 'snapkv' has ratio 1.0; a compression ratio is in \[0, 1\)"):
         candidates_for(["snapkv"], [0.5, 1.0])
     spec = "learned(checkpoint='smollm2-135m-instruct')@decode128"
     cands = candidates_for(["full", "full@decode128", spec], [0.5])
@@ -379,7 +379,7 @@ def test_candidates_for_checks_ratios_and_reads_decode_labels():
     assert Candidate("snapkv", 0.5).setting == "query-agnostic prefill" and not Candidate("snapkv", 0.5).sees_question
     assert Candidate("snapkv", 0.5, True).setting == "question-aware prefill"
     with pytest.raises(ValueError, match="question is read under eviction anyway"):
-        check_candidate(Candidate.parse("snapkv@decode64", 0.5, True))
+        Candidate.parse("snapkv@decode64", 0.5, True)  # no question-aware decode-time point is made
     with pytest.raises(ValueError, match="question is read under eviction anyway"):
         candidates_for(["snapkv@decode64"], [0.5], question_aware=True)
 

@@ -31,7 +31,7 @@ def test_contract_for_another_model_is_refused(tmp_path):
     with pytest.raises(ValueError, match="not 'qwen2.5-coder-0.5b-instruct'"):
         CertifiedPolicy(ContractFile.read(path), model="qwen2.5-coder-0.5b-instruct")
     # the alias names the same model
-    assert CertifiedPolicy.from_contract(path, model="smollm2-135m").operating_point().ratio == 0.5
+    assert CertifiedPolicy.from_contract(path, model="smollm2-135m").operating_point().point.ratio == 0.5
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -99,6 +99,22 @@ def test_certified_generate_equals_the_engine_at_the_question_aware_point():
     assert got.kept_tokens != agnostic.kept_tokens  # the question is in the cache only question-aware
 
 
+def test_a_decode_time_point_runs_with_the_chunk_and_eviction_interval_it_was_certified_at():
+    """``knorm@decode16`` is stored by a grid that read the context in chunks of 16 and evicted after every generated
+    token (the label's interval, 1 unless it says ``eN``; harness/evaluate passes it to the engine), so the runtime
+    runs it so, not at the engine's default interval (32)."""
+    model, tok = tiny_model("llama"), CharTokenizer()
+    for label, every in (("knorm@decode16", 1), ("knorm@decode16e4", 4)):
+        certified = CertifiedPolicy(_contract(Candidate.parse(label, 0.5)))
+        with torch.no_grad(), certified.attach(model, question_tokens=3) as run:
+            assert not run.prefill_question
+            assert (run.session.mode, run.session.chunk_size, run.session.evict_every) == ("decode", 16, every)
+        got = certified.generate(model, tok, "k" * 150, "which key?", max_new_tokens=6)
+        want = generate(model, tok, "k" * 150, "which key?", get("knorm"), ratio=0.5, mode="decode", chunk_size=16,
+                        evict_every=every, max_new_tokens=6)
+        assert got.token_ids == want.token_ids and got.kept_tokens == want.kept_tokens
+
+
 def _row(sample: int, policy: str, ratio: float, score: float, context_tokens: int) -> CellResult:
     key = CellKey("m", "niah_single_1", 1024, str(sample), policy, ratio, False)
     return CellResult(key, "", score, ["x"], 10, 500 if ratio else 1000, 1000, 0.1, 0.1,
@@ -121,7 +137,7 @@ def test_length_buckets_count_context_tokens_at_both_ends(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # same quantity: nothing to warn about
         point = certified.operating_point(context_tokens=990)  # the calibration requests route to their bucket
-    assert (point.bucket, point.fell_back, point.ratio) == ("<=1000", False, 0.5)
+    assert (point.bucket, point.fell_back, point.point.ratio) == ("<=1000", False, 0.5)
     # without the token counts the buckets are nominal, the contract says so and routing warns
     nominal = certify_buckets(table, Contract(alpha=0.1, delta=0.1), "m", by="length", length_edges=[1000])
     assert list(nominal.buckets) == [">1000"] and nominal.length_quantity == "nominal"
