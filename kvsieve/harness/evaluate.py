@@ -33,6 +33,7 @@ from kvsieve.harness.grid import Cell
 from kvsieve.harness.provenance import current as current_provenance
 from kvsieve.harness.store import TIMING_CONFIG_KEYS, CellKey, CellResult, FailedCell
 from kvsieve.models import dtype_name
+from kvsieve.policies.label import DECODE
 from kvsieve.policy import FullCache, Policy
 from kvsieve.prompt import Prompt, build_prompt
 from kvsieve.tasks.metrics import score as metric_score
@@ -137,8 +138,8 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
     """
     run = _SampleRun(model, tokenizer, sample, cells, model_name, shared, config, on_rows)
     # decode-time eviction happens while the context is read, so nothing is shared between its cells
-    _run_alone(run, cells if not shared else [c for c in cells if c.chunk_size])
-    _run_shared(run, [c for c in cells if shared and not c.chunk_size])
+    _run_alone(run, cells if not shared else [c for c in cells if c.mode == DECODE])
+    _run_shared(run, [c for c in cells if shared and c.mode != DECODE])
     return run.rows()
 
 
@@ -147,11 +148,10 @@ def _run_alone(run: _SampleRun, cells: list[Cell]) -> None:
     sample = run.sample
     for cell in cells:
         policy = run.policy(cell)
-        mode = dict(mode="decode", chunk_size=cell.chunk_size, evict_every=cell.evict_every) if cell.chunk_size else {}
         try:
             gen = generate(run.model, run.tokenizer, sample.context, sample.question, policy, ratio=cell.ratio,
                            question_aware=cell.question_aware, answer_prefix=sample.answer_prefix,
-                           max_new_tokens=sample.max_new_tokens, stop=run.stop, **mode)
+                           max_new_tokens=sample.max_new_tokens, stop=run.stop, **cell.mode.engine_options)
         except Exception as err:  # noqa: BLE001 - the policy's failure fails its cell, never the run
             run.failed(cell, err)
         else:

@@ -80,6 +80,14 @@ class Mode:
             return ""
         return f"@decode{self.chunk_size}" + (f"e{self.evict_every}" if self.evict_every != 1 else "")
 
+    @property
+    def engine_options(self) -> dict[str, Any]:
+        """What the engine (``attach``, ``generate``) is given for this mode: decode-time eviction with its chunk and
+        eviction interval, or nothing (prefill compression, the engine's default)."""
+        if not self.chunk_size:
+            return {}
+        return {"mode": DECODE, "chunk_size": self.chunk_size, "evict_every": self.evict_every}
+
     def __eq__(self, other: object) -> bool:
         if isinstance(other, str):
             return self.name == other

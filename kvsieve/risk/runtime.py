@@ -12,7 +12,7 @@ from kvsieve.bundled import canonical_name
 from kvsieve.engine.attach import Session, attach
 from kvsieve.engine.generate import Generation, generate
 from kvsieve.policies import Policy
-from kvsieve.policies.label import DECODE, Point
+from kvsieve.policies.label import Point
 from kvsieve.policies.operating_point import OperatingPoint
 from kvsieve.prompt import build_prompt
 from kvsieve.risk.contract import ContractFile
@@ -111,7 +111,7 @@ class CertifiedPolicy:
     @contextlib.contextmanager
     def attach(self, model, question_tokens: int, task: str | None = None,
                context_tokens: int | None = None) -> Iterator[CertifiedSession]:
-        """``kvsieve.attach`` at the request's certified point (prefill compression).
+        """``kvsieve.attach`` at the request's certified point, in its mode (prefill, or decode-time eviction).
 
         ``question_tokens`` is the length of the prompt's question part. When the point is question-aware
         (``yielded.prefill_question``) run context + question as the first forward: the question is kept on
@@ -120,7 +120,7 @@ class CertifiedPolicy:
         chosen = self.operating_point(task, context_tokens)
         tail = chosen.protected_tail(question_tokens)
         with attach(model, chosen.policy, ratio=chosen.point.ratio, protected_tail=tail,
-                    **_mode_options(chosen.point)) as session:
+                    **chosen.point.mode.engine_options) as session:
             yield CertifiedSession(chosen, session)
 
     def generate(self, model, tokenizer, context: str, question: str, task: str | None = None,
@@ -132,13 +132,7 @@ class CertifiedPolicy:
         self.bind(model, model_name)
         context_tokens = build_prompt(tokenizer, context, question, options.get("answer_prefix", "")).context_ids
         chosen = self.operating_point(task, int(context_tokens.shape[1]))
+        options = {**options, **chosen.point.mode.engine_options}
         return generate(model, tokenizer, context, question, chosen.policy, ratio=chosen.point.ratio,
-                        question_aware=chosen.point.protects_question, **{**options, **_mode_options(chosen.point)})
+                        question_aware=chosen.point.protects_question, **options)
 
-
-def _mode_options(point: Point) -> dict:
-    """The engine's mode arguments for ``point``: decode-time eviction with its chunk and eviction interval as
-    certified, or nothing (prefill compression)."""
-    if point.mode != DECODE:
-        return {}
-    return dict(mode="decode", chunk_size=point.chunk_size, evict_every=point.evict_every)

@@ -118,6 +118,15 @@ def test_a_point_refuses_a_spec_no_parser_reads(spec):
         Point(spec, 0.5)
 
 
+def test_the_engine_is_given_the_mode_as_the_label_names_it():
+    """What attach and generate get (harness/evaluate and risk/runtime both read it): the label's chunk and its
+    interval, 1 unless the label says eN, never the engine's own default interval."""
+    assert Point.parse("snapkv@decode16", 0.5).mode.engine_options == {"mode": "decode", "chunk_size": 16,
+                                                                        "evict_every": 1}
+    assert Mode(8, 4).engine_options == {"mode": "decode", "chunk_size": 8, "evict_every": 4}
+    assert Mode().engine_options == {} and Point("snapkv", 0.5, True).mode.engine_options == {}
+
+
 def test_no_point_is_question_aware_and_decode_time():
     """A decode-time point reads the question under eviction: there is no question-aware one to make (the grid, the
     certifier and a contract all read points, so none of them can hold one)."""
