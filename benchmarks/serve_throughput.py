@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import socket
 import statistics
@@ -50,8 +51,8 @@ import torch
 from kvsieve.engine.attach import attach
 from kvsieve.engine.cache import stack_caches
 from kvsieve.models import load
+from kvsieve.policies.operating_point import OperatingPoint
 from kvsieve.policy import FullCache
-from kvsieve.risk.runtime import OperatingPoint
 from kvsieve.serve.chat_prompt import chat_prompt
 from kvsieve.serve.command import build_state, point_source, serve
 from kvsieve.serve.generation import Prefill, bytes_per_token
@@ -75,6 +76,8 @@ def cpu_name() -> str:
 
 
 def git_revision() -> str:
+    if os.environ.get("KVSIEVE_REVISION"):  # a run from a copy of the tree (no .git): the revision it was copied at
+        return os.environ["KVSIEVE_REVISION"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.strip()
@@ -129,7 +132,7 @@ def points_for(config: str, args):
     policy = args.policy.format(model=args.model)
     spec = (policy[:-1] + f", allocation='{allocation}')" if policy.endswith(")")
             else f"{policy}(allocation='{allocation}')")
-    return point_source(args.model, policy=spec, ratio=float(ratio))
+    return point_source(args.model, policy=spec, ratio=float(ratio), evict_every=args.evict_every)
 
 
 # -- one run -----------------------------------------------------------------------------------------------------
@@ -190,6 +193,7 @@ def one_run(state, model_name: str, prompts: list[str], answers: list[list[str]]
             "tokens": sum(r["tokens"] for r in results), "rows_mean": scheduler.row_steps / max(1, scheduler.steps),
             "rows_peak": scheduler.peak_rows, "allocated_peak": scheduler.peak_allocated,
             "charged_peak": scheduler.peak_charged, "budget": scheduler.budget, "longest_step": scheduler.longest_step,
+            "evictions": scheduler.evictions,
             "kept": statistics.fmean(r["kept"] for r in results), "right": sum(r["right"] for r in results),
             "n": len(results), "points": sorted({r["point"] for r in results}),
             "wrong": [r["text"] for r in results if not r["right"]]}
@@ -300,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default="full,uniform@0.5,uniform@0.875,global@0.5,global@0.875,contract")
     parser.add_argument("--contract", help="a contract (kvsieve certify) for the contract configuration")
     parser.add_argument("--prefill-chunk", type=int, default=512)
+    parser.add_argument("--evict-every", type=int, default=32,
+                        help="uniform@R and global@R rows also evict while they decode, every N tokens (0: never)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--out", default="results/serve/throughput.jsonl", help="one JSON line per finished run")
@@ -329,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
                   (chat_prompt(tokenizer, [ChatMessage(role="user", content=text)]) for text in prompts)]
         budget = int(args.budget * args.clients * bytes_per_token(model) * (max(tokens) + max_tokens))
         key = dict(workload=name, clients=args.clients, prompt_tokens=f"{min(tokens)}-{max(tokens)}",
-                   max_tokens=max_tokens, budget_share=args.budget, prefill_chunk=args.prefill_chunk)
+                   max_tokens=max_tokens, budget_share=args.budget, prefill_chunk=args.prefill_chunk,
+                   evict_every=args.evict_every)
         measured = any(line.get("kind") == "parts" and line["workload"] == name for line in lines)
         if args.parts or args.parts_only or not measured:
             parts = step_parts(model, tokenizer, prompts[0], args.prefill_chunk, args.clients, max_tokens)

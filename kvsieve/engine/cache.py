@@ -397,15 +397,16 @@ def full_cache_bytes(cache: DynamicCache) -> int:
 def _as_store(layer: SieveLayer) -> RaggedStore:
     if layer.store is not None:
         return layer.store
-    return RaggedStore.from_dense(layer.keys, layer.values, layer.positions, layer.valid)
+    return RaggedStore.from_dense(layer.keys, layer.values, layer.positions, layer.valid, None, layer.entry_scores)
 
 
-def stack_caches(caches: list[DynamicCache]) -> DynamicCache:
-    """Concatenate pruned caches along the batch dimension, for decoding (no further compression).
+def stack_caches(caches: list[DynamicCache], keep_scores: bool = False) -> DynamicCache:
+    """Concatenate pruned caches along the batch dimension, for decoding.
 
     Every (row, KV head) keeps its own length (a segment of the layer's store), so a batch of ragged
-    caches stays ragged and every row decodes as it would alone. Window queries, query statistics,
-    attention tracking and remembered scores are dropped.
+    caches stays ragged and every row decodes as it would alone. Window queries, query statistics and
+    attention tracking are dropped; remembered scores too, unless ``keep_scores`` (a server that evicts rows
+    again while decoding: a row without them gets NaN, "not scored yet").
     """
     stacked = copy.copy(caches[0])
     stacked.layers = [copy.copy(layer) for layer in caches[0].layers]
@@ -415,8 +416,16 @@ def stack_caches(caches: list[DynamicCache]) -> DynamicCache:
             layer.keys = torch.cat([p.keys for p in parts])
             layer.values = torch.cat([p.values for p in parts])
             continue
-        store = RaggedStore.concat([_as_store(p) for p in parts])
-        store.attention = store.scores = None
+        stores = [_as_store(p) for p in parts]
+        if keep_scores:
+            for j, store in enumerate(stores):
+                if store.scores is None:  # a copy: the caller's store is left as it was
+                    stores[j] = copy.copy(store)
+                    stores[j].scores = torch.full_like(store.positions, math.nan, dtype=torch.float32)
+        store = RaggedStore.concat(stores)
+        store.attention = None
+        if not keep_scores:
+            store.scores = None
         layer.__dict__.update(_keys=None, _values=None, _positions=None, _valid=None, _attention=None, _scores=None)
         layer.store = store
         layer.recent_queries = layer.query_stats = layer.hidden_states = None

@@ -145,6 +145,7 @@ def compress_cache(
     protected_tail: int = 0,
     report: CompressionReport | None = None,
     layer_budgets: list[int] | None = None,
+    remember_scores: bool = False,
 ) -> CompressionReport:
     """Prune every full-attention layer of ``cache`` in place to the policy's choice.
 
@@ -158,6 +159,9 @@ def compress_cache(
     it holds more than its budget, and the ``protected_tail`` (the latest chunk) is kept *within* it.
     ``"global"`` acts as ``"layer"`` here, so every layer stays within its own bound.
     Masked entries (padding) count as gone and are never picked again.
+
+    A policy with ``intrinsic_scores`` keeps its scores with the entries in decode mode; ``remember_scores``
+    keeps them after a prefill compression too (a server that evicts the same cache again during decoding).
     """
     if (budget is None) == (layer_budgets is None):
         raise ValueError("give exactly one of budget (prefill mode) or layer_budgets (decode mode)")
@@ -178,13 +182,13 @@ def compress_cache(
     before = {idx: (layer.physical_length, layer.nbytes()) for idx, layer in layers}
     over = [(idx, layer) for idx, layer in layers if layer_occupancy(layer) > layer_budgets[idx]]
     selection = policy.selection
+    remember = policy.intrinsic_scores and (remember_scores or not prefill)  # evicted again and again
     if over and prefill and selection.allocation == "global":
-        scores = [_layer_scores(layer, idx, num_layers, policy, protected_tail) for idx, layer in over]
+        scores = [_layer_scores(layer, idx, num_layers, policy, protected_tail, remember) for idx, layer in over]
         picked = selection.allocate(scores, [layer_budgets[idx] for idx, _ in over], protected_tail)
         for (_, layer), (indices, valid) in zip(over, picked):
             layer.prune(indices, valid, pad_at=selection.sink)
     else:
-        remember = policy.intrinsic_scores and not prefill  # decode mode: evicted again and again
         for idx, layer in over:
             scores = _layer_scores(layer, idx, num_layers, policy, protected_tail, remember)
             if selection.allocation == "uniform":

@@ -31,8 +31,9 @@ __all__ = ["add_arguments", "run", "point_source", "build_state", "parse_budget"
 
 
 def point_source(model: str, contract: str | None = None, policy: str | None = None, ratio: float | None = None,
-                 question_aware: bool = False, allow_override: bool = False) -> PointSource:
-    """The server's points, every check done before the model is loaded."""
+                 question_aware: bool = False, allow_override: bool = False, evict_every: int = 0) -> PointSource:
+    """The server's points, every check done before the model is loaded; ``evict_every`` > 0: a ``--policy`` point
+    also evicts while it decodes (``serve/decode_eviction.py``)."""
     if contract and policy:
         raise ValueError("give --contract or --policy/--ratio, not both")
     if policy is None and (ratio is not None or question_aware):
@@ -47,7 +48,7 @@ def point_source(model: str, contract: str | None = None, policy: str | None = N
             raise ValueError(f"contract {contract} buckets lengths on the nominal length, but requests are routed on "
                              "their context tokens: recertify it with kvsieve certify")
         return PointSource(certified, allow_override=allow_override)
-    return PointSource(None, policy, ratio or 0.0, question_aware, allow_override)
+    return PointSource(None, policy, ratio or 0.0, question_aware, allow_override, evict_every)
 
 
 def _meminfo(field: str) -> int | None:
@@ -179,7 +180,7 @@ def serve(state: ServerState, host: str = "127.0.0.1", port: int = 8000, sock: s
 def run(args) -> int:
     try:
         points = point_source(args.model, args.contract, args.policy, args.ratio, args.question_aware,
-                              args.allow_override)
+                              args.allow_override, args.evict_every)
         if not str(args.kv_budget).strip().endswith("%"):
             parse_budget(args.kv_budget)  # a budget in bytes is checked before the model loads
         if args.drain_timeout is not None and not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):

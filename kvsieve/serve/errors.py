@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["APIError", "error_body", "quoted"]
+__all__ = ["DRAIN_RETRY_AFTER", "APIError", "draining", "error_body", "quoted"]
 
 
 class APIError(Exception):
@@ -33,3 +33,11 @@ def quoted(value: object, limit: int = 60) -> str:
     if len(text) <= limit:
         return repr(text) if isinstance(value, str) else text
     return f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+DRAIN_RETRY_AFTER = 10  # seconds a client refused while the server shuts down is told to wait
+
+
+def draining(message: str = "the server is shutting down") -> APIError:
+    return APIError(503, f"{message}; retry after {DRAIN_RETRY_AFTER} s", code="draining", kind="server_error",
+                    headers={"Retry-After": str(DRAIN_RETRY_AFTER)})

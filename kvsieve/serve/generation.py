@@ -14,9 +14,11 @@ so one long prompt never holds up the running streams for longer than one chunk:
 
 The room the cache's segments get is set here, never left to the store's growth rule (an eighth, at least 64
 entries): after the first chunk every segment gets room for exactly the rest of the part being read; after the
-compression, for exactly the question's tokens plus ``max_tokens``. So a request never allocates more than it
-was admitted for (``b x (prompt + max_tokens)``, ``b`` one token's bytes in every layer): every segment's
-capacity is at most its longest segment's need, which is at most the prompt plus ``max_tokens``.
+compression, for exactly the question's tokens plus the request's **room**: ``max_tokens``, or ``evict_every`` for
+a row that also evicts while it decodes (``ChosenPoint.room``; its intrinsic scores are then kept with the entries,
+``serve/decode_eviction.py``). So a request never allocates more than it was admitted for
+(``b x (prompt + max_tokens)``, ``b`` one token's bytes in every layer): every segment's capacity is at most its
+longest segment's need, which is at most the prompt plus ``max_tokens``.
 
 A policy that fails (a program stopped by the interpreter's limits, a checkpoint that raises) does not fail the
 request: the prefill starts again at full KV and is answered with ``status: "fallback"`` and the reason.
@@ -36,8 +38,6 @@ from kvsieve.engine.compress import compress_cache
 from kvsieve.engine.reconstruct import compress_with_reconstruction
 from kvsieve.policy import FullCache, Policy
 from kvsieve.prompt import Prompt
-from kvsieve.risk.runtime import OperatingPoint
-from kvsieve.selection import Budget
 from kvsieve.serve.points import ChosenPoint
 
 __all__ = ["Cancelled", "CacheInfo", "Completion", "Gathering", "Prefill", "bytes_per_token"]
@@ -105,19 +105,20 @@ class Prefill:
 
     def __init__(self, model, prompt: Prompt, chosen: ChosenPoint, max_tokens: int) -> None:
         self.model, self.prompt, self.max_tokens = model, prompt, max_tokens
+        self.room = max_tokens
         self.seconds = 0.0
         self._start(chosen)
 
     def _start(self, chosen: ChosenPoint) -> None:
         self.chosen = chosen
-        point: OperatingPoint = chosen.point
         self.compresses = chosen.compresses
+        self.room = chosen.room(self.max_tokens)
         p = self.prompt
-        self.question_aware = bool(point.question_aware and self.compresses)
+        self.question_aware = chosen.setting.protects_question
         first = torch.cat([p.context_ids, p.question_ids], dim=1) if self.question_aware else p.context_ids
         self.parts = [first] if self.question_aware else [first, p.question_ids]
         self.part, self.read = 0, 0  # the part being read and the tokens of it read so far
-        self.gathering = Gathering(point.policy) if self.compresses else FullCache()
+        self.gathering = Gathering(chosen.point.policy) if self.compresses else FullCache()
         self.cache: DynamicCache | None = None
         self.logits: torch.Tensor | None = None
         self.info: CacheInfo | None = None
@@ -141,10 +142,8 @@ class Prefill:
         except Exception as err:  # noqa: BLE001 - a policy's failure is answered at full KV, not 500
             if not self.compresses:
                 raise  # full KV failed: the model's fault, not a policy's
-            point = self.chosen.point
-            reason = (f"policy {point.policy_spec}@{point.ratio:g} failed while compressing "
-                      f"({type(err).__name__}: {err}); answered at full KV")
-            self._start(ChosenPoint(OperatingPoint.full(point.bucket, reason[:500]), "fallback"))
+            self._start(self.chosen.fallback(f"policy {self.chosen.setting} failed while compressing "
+                                             f"({type(err).__name__}: {err}); answered at full KV"))
             return 0
         finally:
             self.seconds += time.perf_counter() - start
@@ -173,21 +172,26 @@ class Prefill:
     def _compress(self) -> None:
         """The end of the first part: compress at the request's point, note what it kept, give every segment room
         for exactly the question (when still to read) and ``max_tokens``."""
-        p, point, cache = self.prompt, self.chosen.point, self.cache
+        p, chosen, cache = self.prompt, self.chosen, self.cache
         n, m = p.context_ids.shape[1], p.question_ids.shape[1]
         if self.compresses:
             tail = m if self.question_aware else 0
-            budget = Budget(ratio=point.ratio)
-            if point.policy.needs_reconstruction:  # KVzip: repeats the context over a copy of the cache
-                compress_with_reconstruction(self.model, cache, self.parts[0], point.policy, budget, tail)
-            else:
-                compress_cache(cache, point.policy, budget, tail)
+            budget, policy = chosen.setting.budget, chosen.point.policy
+            if policy.needs_reconstruction:  # KVzip: repeats the context over a copy of the cache
+                compress_with_reconstruction(self.model, cache, self.parts[0], policy, budget, tail)
+            else:  # a row evicting while it decodes keeps an intrinsic policy's scores with the entries
+                compress_cache(cache, policy, budget, tail, remember_scores=self.evicts)
         kept = [layer.physical_length for _, layer in sieve_layers(cache)]
         self.info = CacheInfo(n, n + m, full_cache_bytes(cache), cache_bytes(cache), kept, 0.0, self.chosen)
-        reserve_room(cache, (0 if self.question_aware else m) + self.max_tokens)
+        reserve_room(cache, (0 if self.question_aware else m) + self.room)
+
+    @property
+    def evicts(self) -> bool:
+        """Whether the request's row also evicts while it decodes (its room is below ``max_tokens``)."""
+        return self.room < self.max_tokens
 
     def finished(self) -> tuple[DynamicCache, torch.Tensor, CacheInfo]:
-        """The prompt's cache (room for ``max_tokens`` more entries), the first answer token's logits, its info."""
+        """The prompt's cache (room for :attr:`room` more entries), the first answer token's logits, its info."""
         if not self.done:
             raise RuntimeError(f"the prefill has {self.remaining} prompt tokens left to read")
         self.info.prefill_seconds = self.seconds

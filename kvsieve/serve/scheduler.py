@@ -48,10 +48,11 @@ from dataclasses import dataclass, field
 import torch
 
 from kvsieve.engine.attach import attach
-from kvsieve.engine.cache import cache_allocated_bytes, stack_caches
+from kvsieve.engine.cache import cache_allocated_bytes
 from kvsieve.engine.generate import eos_ids
 from kvsieve.policy import FullCache
 from kvsieve.prompt import Prompt
+from kvsieve.serve.decode_eviction import BudgetViolation, RowCap, evict_rows, hold_room, row_cap, stack_rows
 from kvsieve.serve.generation import CacheInfo, Cancelled, Completion, Prefill, bytes_per_token
 from kvsieve.serve.points import ChosenPoint
 from kvsieve.serve.server_metrics import Metrics
@@ -74,10 +75,6 @@ class TooLarge(Exception):
 
 class Draining(Exception):
     """The server is shutting down and its drain timeout passed before this request finished."""
-
-
-class BudgetViolation(RuntimeError):
-    """A charge that would break the budget invariant (never expected: a bug, failed loudly)."""
 
 
 @dataclass(eq=False)
@@ -106,6 +103,8 @@ class Job:
     gaps: list[float] = field(default_factory=list)
     decode_started: float = 0.0
     stream: IncrementalText | None = None
+    cap: RowCap | None = None  # a row that evicts while it decodes: its cap (serve/decode_eviction.py)
+    fed: int = 0  # tokens its row took since its join or its last eviction
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -139,6 +138,7 @@ class Scheduler:
         self.steps = self.row_steps = 0  # decode steps, and rows summed over them (mean rows in flight)
         self.prefill_seconds = self.decode_seconds = 0.0  # time spent in each part of the steps
         self.longest_step = 0.0  # the longest step (prefill chunk + decode step), seconds
+        self.evictions = 0  # rows evicted back to their caps while decoding
         self.peak_allocated = 0  # the most KV bytes the batch and the prefills in progress allocated after a step
         self._seconds: collections.deque[float] = collections.deque(maxlen=50)  # recent service times
         self._accepting = True
@@ -301,22 +301,28 @@ class Scheduler:
                 self._fail(job, err)
 
     def _join(self, job: Job) -> None:
-        """A prefilled job: charged exactly what its cache allocates (at most its admission), into the batch."""
-        cache, logits, info = job.prefill.finished()
+        """A prefilled job into the batch, charged what it can ever allocate from now on (at most its admission):
+        exactly what its cache allocates, or its cap when it evicts while it decodes."""
+        prefill, (cache, logits, info) = job.prefill, job.prefill.finished()
         job.prefill = None
+        if prefill.evicts:
+            job.cap = row_cap(cache, info.chosen.point.policy, prefill.room)
+            if job.cap.charge > job.need:  # a prompt shorter than the policy's protected entries: grow instead
+                job.cap = None
+                hold_room(cache, job.max_tokens)
         allocated = cache_allocated_bytes(cache)
         if allocated > job.need:
             raise BudgetViolation(f"the request's cache allocated {allocated} bytes, more than the {job.need} it was "
                                   "admitted for")
-        self._set_charge(job, allocated)
+        self._set_charge(job, allocated if job.cap is None else job.cap.charge)
         job.info = info
         job.position = info.prompt_tokens
         job.stream = IncrementalText(self.tokenizer, job.stops)
         if job.on_prefilled is not None:
             job.on_prefilled(info)
         job.decode_started = time.perf_counter()
-        # window queries, query statistics and hidden states are dropped: decoding compresses nothing
-        self._cache = stack_caches([cache] if self._cache is None else [self._cache, cache])
+        # query statistics and hidden states are dropped; the last queries and remembered scores stay (evictions)
+        self._cache = stack_rows(self._cache, cache)
         logits = logits[None].to(torch.float32)
         self._logits = logits if self._logits is None else torch.cat([self._logits, logits])
         self._rows.append(job)
@@ -377,6 +383,12 @@ class Scheduler:
             index = torch.tensor(keep, device=chosen.device)
             self._cache.batch_select_indices(index)
             chosen, self._rows = chosen[index], [self._rows[i] for i in keep]
+        kept = self._evict()
+        if kept is not None:  # rows whose eviction failed left the batch
+            if not kept:
+                self._rows, self._cache, self._logits = [], None, None
+                return
+            chosen = chosen[torch.tensor(kept, device=chosen.device)]
         self.peak_rows = max(self.peak_rows, len(self._rows))
         self.steps, self.row_steps = self.steps + 1, self.row_steps + len(self._rows)
         positions = torch.tensor([[job.position] for job in self._rows], device=chosen.device)
@@ -385,9 +397,34 @@ class Scheduler:
         self._logits = out.logits[:, -1].to(torch.float32)
         for job in self._rows:
             job.position += 1
+            job.fed += 1
         allocated = cache_allocated_bytes(self._cache)
         if allocated > sum(job.charge for job in self._rows):  # a segment outgrew its room: never expected
             raise BudgetViolation(f"the decode batch allocates {allocated} bytes, more than its rows are charged")
+
+    def _evict(self) -> list[int] | None:
+        """The rows whose room is used up (``room`` tokens since their join or their last eviction) evicted back to
+        their caps, before the step that would take one more, in one rebuild of the batch
+        (``serve/decode_eviction.py``). Each row on its own count, so what a row keeps never depends on what else
+        runs. Returns the rows kept when an eviction failed (that row is failed and leaves the batch: it has no room
+        left), else None."""
+        due = [job.cap is not None and job.fed >= job.cap.room for job in self._rows]
+        if not any(due):
+            return None
+        rows = [(job.info.chosen.point.policy, job.cap) if d else None for job, d in zip(self._rows, due)]
+        self._cache, failed = evict_rows(self._cache, rows, [job.position for job in self._rows],
+                                         [job.fed for job in self._rows])
+        for i, err in failed.items():
+            setting = self._rows[i].info.chosen.setting
+            self._fail(self._rows[i], RuntimeError(f"policy {setting} failed while evicting during decoding "
+                                                   f"({type(err).__name__}: {err})"))
+        for job, d in zip(self._rows, due):
+            if d:
+                job.fed = 0
+        keep = [i for i in range(len(self._rows)) if i not in failed]
+        self._rows = [self._rows[i] for i in keep]
+        self.evictions += sum(due)
+        return keep if failed else None
 
     def close(self, timeout: float | None = None) -> bool:
         """Refuse new jobs, finish the waiting and running ones, stop the thread; False if it did not stop."""

@@ -18,8 +18,9 @@ from kvsieve.engine.attach import attach
 from kvsieve.engine.cache import cache_allocated_bytes, sieve_layers
 from kvsieve.engine.generate import generate, prefill_prompt
 from kvsieve.policies import get, parse
+from kvsieve.policies.label import Point
+from kvsieve.policies.operating_point import OperatingPoint
 from kvsieve.prompt import build_prompt
-from kvsieve.risk.runtime import OperatingPoint
 from kvsieve.serve.command import point_source
 from kvsieve.serve.generation import Prefill
 from kvsieve.serve.points import ChosenPoint
@@ -60,7 +61,7 @@ def test_a_prompt_read_in_chunks_is_compressed_as_if_read_at_once(model, tmp_pat
     policy = get("kvzip", tokenizer=ChatTokenizer()) if spec == "kvzip" else parsed.build()
     policy.check_model(model, NAME)
     ratio = 0.0 if spec == "full" else 0.5
-    point = OperatingPoint(parsed, policy, ratio, question_aware, "-", spec == "full")
+    point = OperatingPoint.full() if spec == "full" else OperatingPoint(Point(parsed, ratio, question_aware), policy)
     prompt = build_prompt(ChatTokenizer(), _doc(1, 230), "which letter?")
     n, m, max_tokens = prompt.context_ids.shape[1], prompt.question_ids.shape[1], 5
     want, want_logits = _engine_cache(model, prompt, policy, ratio, question_aware)
