@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvsieve.models import check_length
-from kvsieve.policies.label import Point
+from kvsieve.policies.label import DECODE, MODES, Point
 from kvsieve.selection import Budget
 from kvsieve.tasks.load import ALL_TASKS, read_samples
 
@@ -29,9 +29,9 @@ def validate(config) -> None:
         raise ValueError("the grid is empty: give at least one compression ratio")
     for ratio in config.ratios:
         Budget(ratio=ratio)
-    if config.mode not in ("prefill", "decode"):
-        raise ValueError(f"mode {config.mode!r} is not one of 'prefill', 'decode'")
-    if config.mode == "decode":
+    if config.mode not in MODES:
+        raise ValueError(f"mode {config.mode!r} is not one of {', '.join(map(repr, MODES))}")
+    if config.mode == DECODE:
         chunk = config.chunk_size
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk_size must be a positive int, got {chunk!r}")

@@ -273,11 +273,6 @@ class Point:
         return self.question_aware and self.budget is not None
 
     @property
-    def sees_question(self) -> bool:
-        """Whether the eviction decisions can see the question (question-aware prefill, or any decode-time row)."""
-        return self.question_aware or self.mode == DECODE
-
-    @property
     def setting(self) -> str:
         """What the point is, in words: the label a table and a contract show."""
         if self.mode == DECODE:

@@ -148,12 +148,12 @@ def test_what_a_point_derives_once():
     from kvsieve.selection import Budget
 
     qa = Point("snapkv", 0.5, True)
-    assert qa.budget == Budget(ratio=0.5) and qa.protects_question and qa.sees_question
+    assert qa.budget == Budget(ratio=0.5) and qa.protects_question
     assert Point("snapkv", 0.0, True).budget is None and not Point("snapkv", 0.0, True).protects_question
     assert Point("full", 0.0).budget is None and Point(FULL_CACHE).reference == Point(FULL_CACHE)
     decode = Point.parse("snapkv@decode64", 0.75)
-    assert decode.budget == Budget(ratio=0.75) and not decode.protects_question and decode.sees_question
-    assert not Point("snapkv", 0.5).protects_question and not Point("snapkv", 0.5).sees_question
+    assert decode.budget == Budget(ratio=0.75) and not decode.protects_question
+    assert not Point("snapkv", 0.5).protects_question
     assert qa.as_dict() == {"policy": "snapkv", "ratio": 0.5, "question_aware": True, "chunk_size": 0,
                             "evict_every": 1}
     assert decode.at(0.25) == Point.parse("snapkv@decode64", 0.25) and str(decode.at(0.25)) == "snapkv@decode64@0.25"

@@ -375,8 +375,8 @@ def test_candidates_for_checks_ratios_and_reads_decode_labels():
     cand = cands[0]
     assert (cand.spec, cand.chunk_size, cand.mode, cand.reference.stored) == (spec[:-10], 128, "decode",
                                                                               "full@decode128")
-    assert cand.sees_question and "question read under eviction" in cand.setting
-    assert Candidate("snapkv", 0.5).setting == "query-agnostic prefill" and not Candidate("snapkv", 0.5).sees_question
+    assert "question read under eviction" in cand.setting
+    assert Candidate("snapkv", 0.5).setting == "query-agnostic prefill"
     assert Candidate("snapkv", 0.5, True).setting == "question-aware prefill"
     with pytest.raises(ValueError, match="question is read under eviction anyway"):
         Candidate.parse("snapkv@decode64", 0.5, True)  # no question-aware decode-time point is made
