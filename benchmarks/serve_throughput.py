@@ -9,7 +9,9 @@ calibration layout):
   (>= 256) new tokens: decode-bound work, where the bytes compression frees become more rows per decode step.
 
 Configurations (``--configs``): ``full``, ``uniform@R`` and ``global@R`` (``--policy`` with that allocation at ratio
-R) and ``contract`` (``--contract``). Every configuration of a workload runs under the same byte budget, ``--budget``
+R; its rows also evict while they decode, every ``--evict-every`` tokens, held at their compressed prompt plus that
+room: ``serve/decode_eviction.py``) and ``contract`` (``--contract``; a contract's points compress at prefill only).
+Every configuration of a workload runs under the same byte budget, ``--budget``
 x N x the largest request's full-KV need (prompt + max_tokens): 0.25 of 8 clients is room for two at full KV. Each
 configuration runs ``--repeats`` times, round robin (repeat 1 of every configuration, then repeat 2, ...), so a drift
 in the machine's load falls on all of them alike. All N clients send at once and stream; each reply is checked for
@@ -25,8 +27,8 @@ times the two parts of a scheduler step alone: one prefill chunk and one decode 
 Resumable: every finished run is one line of ``--out`` (JSON); a rerun skips the runs already there and prints the
 summary of all of them (``--summary-only`` prints it without running anything).
 
-    nice -n 10 python benchmarks/serve_throughput.py --workloads retrieval,long --clients 8 --repeats 3 \\
-        --contract results/serve/contract-tova.json --out results/serve/throughput.jsonl
+    python benchmarks/serve_throughput.py --workloads long --clients 16 --repeats 3 --budget 0.25 \\
+        --configs uniform@0.875,global@0.875,full,uniform@0.5,global@0.5 --out results/serve/throughput-16.jsonl
 """
 
 from __future__ import annotations
