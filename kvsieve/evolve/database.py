@@ -59,7 +59,7 @@ class ProgramRecord:
     cell: str
     seconds: float
     sandbox_seconds: float
-    kept_hash: str = ""  # the entries its compressed dev cells keep (evaluate.kept_fingerprint); "" if unknown
+    kept_hash: str = ""  # the entries its compressed dev cells keep (cascade.kept_fingerprint); "" if unknown
 
     @property
     def evaluated(self) -> bool:
