@@ -16,9 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--question-aware", action="store_true", help="with --policy: keep the question out of it")
     parser.add_argument("--evict-every", type=int, default=32,
                         help="with --policy: a row also evicts while it generates, every N tokens, back to its "
-                             "compressed prompt (its cache held at that plus N entries a head; admitted for that, "
-                             "not for max_tokens); 0: prefill compression only (default 32). A contract's points "
-                             "never do: their guarantee is for prefill compression")
+                             "compressed prompt (its cache held at that plus N entries a head, and charged that once "
+                             "its prompt is read instead of room for max_tokens); 0: prefill compression only "
+                             "(default 32). A contract's points never do: their guarantee is for prefill compression")
     parser.add_argument("--allow-override", action="store_true",
                         help="let clients ask for looser points than the contract's (kvsieve.policy / kvsieve.ratio)")
     parser.add_argument("--host", default="127.0.0.1")
