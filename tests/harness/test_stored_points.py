@@ -1,7 +1,8 @@
 """Every stored form still reads as a Point (issue 52): each row of every results store in the repository (its
 policy column, ratio, question-awareness and the ``cell`` record in its config), a contract as ``kvsieve certify``
-wrote them before Point (pinned below), and every grid config in configs/. Stores are opened read-only and immutable:
-no tracked file is rewritten, and no -wal or -shm file is left beside one."""
+wrote them before Point (pinned below), every contract file in the repository, and every grid config in configs/.
+Stores are opened read-only and immutable: no tracked file is rewritten, and no -wal or -shm file is left beside
+one."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from kvsieve.config import read_config_file
 from kvsieve.harness.grid import GridConfig, cells_for
 from kvsieve.policies.label import Mode, Point
 from kvsieve.risk.contract import ContractFile
+from kvsieve.risk.runtime import CertifiedPolicy
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -80,6 +82,34 @@ def test_a_contract_written_before_point_reads_and_writes_back_unchanged(tmp_pat
     assert cert.candidates[1].candidate.mode == Mode(64)
     written = json.loads(contract.write(tmp_path / "again.json").read_text())
     assert written["buckets"]["all"] == OLD_BUCKET
+
+
+CONTRACTS = [p for p in tracked("*.json") if p.is_file() and '"kvsieve_contract"' in p.read_text()]
+
+
+def test_the_repository_holds_contracts():
+    assert CONTRACTS, "no tracked contract file"
+
+
+@pytest.mark.parametrize("path", CONTRACTS, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_contract_in_the_repository_reads_and_picks_its_points(path, tmp_path, monkeypatch):
+    """Each tracked contract reads (every candidate and chosen point a Point), writes back the same buckets, and its
+    runtime picks, per bucket, the point the file records (full KV where it fell back)."""
+    monkeypatch.chdir(REPO)  # program: and checkpoint paths are the repository's
+    data = json.loads(path.read_text())
+    contract = ContractFile.read(path)
+    assert all(isinstance(c.candidate, Point) for cert in contract.buckets.values() for c in cert.candidates)
+    written = json.loads(contract.write(tmp_path / "again.json").read_text())
+    assert written["buckets"] == data["buckets"] and written["points"] == data["points"]
+    if contract.by != "none":
+        return  # routing a request to a bucket needs its task or length; reading is what this checks
+    chosen = CertifiedPolicy(contract, contract.model).operating_point()
+    record = data["buckets"]["all"]["chosen"]
+    if record is None:
+        assert chosen.fell_back and chosen.point.is_full
+    else:
+        assert (chosen.point.stored, chosen.point.ratio, chosen.point.question_aware) == (
+            record["policy"], record["ratio"], record["question_aware"])
 
 
 GRID_FIELDS = set(GridConfig.__dataclass_fields__)
