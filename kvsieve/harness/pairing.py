@@ -13,13 +13,13 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 
-from kvsieve.harness.store import RATIO_DECIMALS, CellResult
+from kvsieve.harness.store import RATIO_DECIMALS, CellKey, CellResult
 from kvsieve.policies.label import Label, display_order
 from kvsieve.tasks.ruler_alt import PREFIX as ALT_PREFIX
 from kvsieve.tasks.ruler_alt import is_alt_task
 
-__all__ = ["Cells", "Request", "by_layout", "group_cells", "layout_of", "pair_ratios", "reference_cells",
-           "reference_key", "resolve_label"]
+__all__ = ["Cells", "Request", "by_layout", "display_label", "group_cells", "layout_of", "pair_ratios",
+           "reference_cells", "reference_key", "resolve_label"]
 
 Request = tuple[str, int, str]  # (task, length, sample_id)
 Cells = dict[tuple[str, float], dict[Request, CellResult]]  # (display label, ratio) -> request -> cell
@@ -38,13 +38,17 @@ def by_layout(rows: Iterable[CellResult]) -> dict[str, list[CellResult]]:
     return parts
 
 
+def display_label(key: CellKey) -> str:
+    """The name a stored row is shown under: its point's display form (``+qa`` when question-aware)."""
+    return Label.parse(key.policy, question_aware=key.question_aware).display
+
+
 def group_cells(rows: Iterable[CellResult]) -> dict[tuple[str, int], Cells]:
     """(model, length) -> (display label, ratio) -> request -> cell. Rows of different models never mix."""
     groups: dict[tuple[str, int], Cells] = defaultdict(lambda: defaultdict(dict))
     for r in rows:
         k = r.key
-        label = Label.parse(k.policy, question_aware=k.question_aware).display
-        groups[(k.model, int(k.length))][(label, round(float(k.ratio), RATIO_DECIMALS))][
+        groups[(k.model, int(k.length))][(display_label(k), round(float(k.ratio), RATIO_DECIMALS))][
             (k.task, int(k.length), k.sample_id)] = r
     return groups
 

@@ -19,7 +19,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from kvsieve.harness.pairing import reference_key
+from kvsieve.harness.pairing import display_label, reference_key
 from kvsieve.harness.provenance import check_one_machine, describe
 from kvsieve.harness.store import RATIO_DECIMALS, CellResult, FailedCell
 from kvsieve.policies.label import FULL_CACHE, Label, display_order
@@ -32,11 +32,6 @@ MISSING = "-"
 
 # table[ratio][task][policy] = (mean score, number of cells)
 ScoreTable = dict[float, dict[str, dict[str, tuple[float, int]]]]
-
-
-def _display(key) -> str:
-    """The name a stored cell's policy is shown under (its label's display form: ``+qa`` when question-aware)."""
-    return Label.parse(key.policy, question_aware=key.question_aware).display
 
 
 def _is_reference(name: str) -> bool:
@@ -73,7 +68,7 @@ def score_table(results: Iterable[CellResult]) -> ScoreTable:
     sums: dict[tuple[float, str, str], list[float]] = defaultdict(lambda: [0.0, 0])
     for r in results:
         k = r.key
-        acc = sums[(round(float(k.ratio), RATIO_DECIMALS), k.task, _display(k))]
+        acc = sums[(round(float(k.ratio), RATIO_DECIMALS), k.task, display_label(k))]
         acc[0] += float(r.score)
         acc[1] += 1
     table: ScoreTable = {}
@@ -329,10 +324,10 @@ def format_failures(failures: Iterable[FailedCell], results: Iterable[CellResult
     cells have no score; the means of the other tables leave them out, and this table says how many."""
     scored: dict[tuple[str, float], int] = defaultdict(int)
     for r in results:
-        scored[(_display(r.key), round(float(r.key.ratio), RATIO_DECIMALS))] += 1
+        scored[(display_label(r.key), round(float(r.key.ratio), RATIO_DECIMALS))] += 1
     groups: dict[tuple[str, float], list[FailedCell]] = defaultdict(list)
     for f in failures:
-        groups[(_display(f.key), round(float(f.key.ratio), RATIO_DECIMALS))].append(f)
+        groups[(display_label(f.key), round(float(f.key.ratio), RATIO_DECIMALS))].append(f)
     lines = ["| policy | ratio | failed | scored | first reason |", "|---|---:|---:|---:|---|"]
     for (policy, ratio), items in sorted(groups.items(), key=lambda kv: (Label.parse(kv[0][0]).sort_key, kv[0][1])):
         reason = items[0].reason.replace("|", "/")[:200]
