@@ -177,17 +177,17 @@ def cmd_generate(args) -> int:
 
 def cmd_certify(args) -> int:
     from kvsieve.harness.store import ResultsStore
-    from kvsieve.policies.label import FULL_CACHE, Label
+    from kvsieve.policies.label import FULL_CACHE
     from kvsieve.risk import Contract, certify_buckets, loss_table
     from kvsieve.risk.contract import request_context_tokens
     from kvsieve.risk.losses import candidates_for
 
     contract = Contract(alpha=args.alpha, delta=args.delta, epsilon=args.epsilon, loss=args.loss,
                         correction=args.correction)  # checks alpha, delta, epsilon before any work
-    policies, ratios = split_specs(args.policies), _csv(args.ratios, float, "--ratios")
-    compressing = [p for p in policies if Label.parse(p).compresses]
-    if not compressing or not ratios:
-        raise ValueError("give at least one compressing policy (--policies) and one ratio (--ratios)")
+    ratios = _csv(args.ratios, float, "--ratios")
+    # every candidate a checked Point (ratio, label, question-awareness) before any work
+    candidates = candidates_for(split_specs(args.policies), ratios, args.question_aware)
+    compressing = list(dict.fromkeys(c.stored for c in candidates))
     tasks = _csv(args.tasks) if args.tasks else None
     lengths = _csv(args.lengths, int, "--lengths") if args.lengths else None
     edges = _csv(args.length_edges, int, "--length-edges") if args.length_edges else None
@@ -204,7 +204,6 @@ def cmd_certify(args) -> int:
         _run_grid(grid, args).close()
     if not Path(args.store).is_file():
         raise ValueError(f"results store {args.store} does not exist (add --run to evaluate the calibration cells)")
-    candidates = candidates_for(compressing, ratios, args.question_aware)
     with ResultsStore(args.store) as store:
         table = loss_table(store, args.model, candidates, contract.epsilon, contract.loss, tasks, lengths)
         # length buckets route on a request's context tokens, so they calibrate on them too
@@ -272,7 +271,18 @@ def cmd_train(args) -> int:
     if top_k == 0:  # the whole vocabulary
         config = dataclasses.replace(config, teacher_top_k=None)
     check_length(config.model, config.length)
-    result = train(config)
+    if (args.ray_address or args.workers) and not args.ray:
+        raise ValueError("--ray-address and --workers go with --ray")
+    remote = None
+    if args.ray:
+        from kvsieve.learn.ray_rollouts import RayRollouts
+
+        remote = RayRollouts(address=args.ray_address, workers=args.workers)
+    try:
+        result = train(config, remote=remote)
+    finally:
+        if remote is not None:
+            remote.close()
     last = result.history[-1] if result.history else None
     if last is not None and "reward" in last:
         print(f"step {result.step}: reward {last['reward']:.5f} (minus KL per token), entropy {last['entropy']:.3f}")
