@@ -33,7 +33,6 @@ from kvsieve.harness.grid import Cell
 from kvsieve.harness.provenance import current as current_provenance
 from kvsieve.harness.store import TIMING_CONFIG_KEYS, CellKey, CellResult, FailedCell
 from kvsieve.models import dtype_name
-from kvsieve.policies.label import DECODE
 from kvsieve.policy import FullCache, Policy
 from kvsieve.prompt import Prompt, build_prompt
 from kvsieve.tasks.metrics import score as metric_score
@@ -138,8 +137,8 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
     """
     run = _SampleRun(model, tokenizer, sample, cells, model_name, shared, config, on_rows)
     # decode-time eviction happens while the context is read, so nothing is shared between its cells
-    _run_alone(run, cells if not shared else [c for c in cells if c.mode == DECODE])
-    _run_shared(run, [c for c in cells if shared and c.mode != DECODE])
+    _run_alone(run, cells if not shared else [c for c in cells if c.mode.is_decode])
+    _run_shared(run, [c for c in cells if shared and not c.mode.is_decode])
     return run.rows()
 
 

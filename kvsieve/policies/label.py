@@ -56,7 +56,8 @@ def _family_of(spec: str) -> str:
 class Mode:
     """How the cache is held under the budget: prefill compression (``chunk_size`` 0, compress once after the
     context), or decode-time eviction reading the context in chunks of ``chunk_size`` tokens and evicting every
-    ``evict_every`` generated tokens. Compares equal to its name (:data:`PREFILL`, :data:`DECODE`) too."""
+    ``evict_every`` generated tokens. Its :attr:`name` is :data:`PREFILL` or :data:`DECODE`; :attr:`is_decode` is the
+    test every reader makes (a mode is never compared with a string)."""
 
     chunk_size: int = 0
     evict_every: int = 1
@@ -70,8 +71,13 @@ class Mode:
             raise ValueError(f"evict_every={self.evict_every} means decode-time eviction: give its chunk_size too")
 
     @property
+    def is_decode(self) -> bool:
+        """Decode-time eviction (the context read in chunks), not prefill compression."""
+        return self.chunk_size > 0
+
+    @property
     def name(self) -> str:
-        return DECODE if self.chunk_size else PREFILL
+        return DECODE if self.is_decode else PREFILL
 
     @property
     def suffix(self) -> str:
@@ -87,16 +93,6 @@ class Mode:
         if not self.chunk_size:
             return {}
         return {"mode": DECODE, "chunk_size": self.chunk_size, "evict_every": self.evict_every}
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, str):
-            return self.name == other
-        if isinstance(other, Mode):
-            return (self.chunk_size, self.evict_every) == (other.chunk_size, other.evict_every)
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash((self.chunk_size, self.evict_every))
 
     def __str__(self) -> str:
         return self.name
@@ -156,7 +152,7 @@ class Point:
             raise ValueError(f"policy {spec!r} has question_aware {self.question_aware!r}; allowed: true, false")
         if not isinstance(self.mode, Mode):
             raise ValueError(f"a point's mode is a Mode (prefill, or decode with its chunk), got {self.mode!r}")
-        if self.question_aware and self.mode == DECODE:
+        if self.question_aware and self.mode.is_decode:
             raise ValueError(f"policy {self.stored!r} evicts at decode time, where the question is read under "
                              "eviction anyway: there is no question-aware decode-time point (drop question-awareness)")
 
@@ -275,7 +271,7 @@ class Point:
     @property
     def setting(self) -> str:
         """What the point is, in words: the label a table and a contract show."""
-        if self.mode == DECODE:
+        if self.mode.is_decode:
             return f"decode-time eviction every {self.chunk_size} tokens, question read under eviction"
         return "question-aware prefill" if self.question_aware else "query-agnostic prefill"
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from kvsieve.bundled import bundled
 from kvsieve.harness.store import ResultsStore
-from kvsieve.policies.label import DECODE, FULL_CACHE, Point
+from kvsieve.policies.label import FULL_CACHE, Point
 from kvsieve.tasks import task_family
 
 __all__ = ["BUCKETINGS", "LOSSES", "UTILITY_SCALE", "Candidate", "LossTable", "candidate_losses", "candidates_for",
@@ -184,7 +184,7 @@ def loss_table(store: ResultsStore, model: str, candidates: list[Candidate], eps
                           f"full KV on the same request: run policy {FULL_CACHE!r} first")
 
     full = {FULL_CACHE: by_request(store.rows(policy=FULL_CACHE, **filters))}
-    if not full[FULL_CACHE] and all(c.mode != DECODE for c in candidates):
+    if not full[FULL_CACHE] and not any(c.mode.is_decode for c in candidates):
         raise no_full()
     references: dict[Candidate, str] = {}
     found = {}

@@ -46,13 +46,14 @@ def test_a_decode_label_with_an_eviction_interval_parses():
     # the regexes this replaced (^(.+)@decode([1-9][0-9]*)$ in risk/losses.py, @decode\d+$ in harness/headline.py)
     # read "tova@decode8e4" as a prefill spec named "tova@decode8e4", paired with "full"
     label = Label.parse("tova@decode8e4")
-    assert (label.spec, label.chunk_size, label.evict_every, label.mode) == ("tova", 8, 4, DECODE)
+    assert (label.spec, label.chunk_size, label.evict_every, label.mode.name) == ("tova", 8, 4, DECODE)
     assert label.reference == Label(FULL_CACHE, mode=Mode(8, 4)) and label.reference.stored == "full@decode8e4"
     cand = Candidate.parse("tova@decode8e4", 0.5)
-    assert (cand.spec, cand.chunk_size, cand.mode, cand.reference.stored) == ("tova", 8, DECODE, "full@decode8e4")
+    assert (cand.spec, cand.chunk_size, cand.mode, cand.reference.stored) == ("tova", 8, Mode(8, 4), "full@decode8e4")
     assert Cell("tova", 0.5, mode=Mode(8, 4)).stored == "tova@decode8e4"
     assert Cell("tova", 0.5, mode=Mode(8)).stored == "tova@decode8"
-    assert Cell("tova", 0.5).stored == "tova" and Label.parse("tova").mode == PREFILL
+    assert Cell("tova", 0.5).stored == "tova" and Label.parse("tova").mode == Mode()
+    assert not Label.parse("tova").mode.is_decode
 
 
 def test_question_aware_labels_and_references():
@@ -157,7 +158,8 @@ def test_what_a_point_derives_once():
     assert qa.as_dict() == {"policy": "snapkv", "ratio": 0.5, "question_aware": True, "chunk_size": 0,
                             "evict_every": 1}
     assert decode.at(0.25) == Point.parse("snapkv@decode64", 0.25) and str(decode.at(0.25)) == "snapkv@decode64@0.25"
-    assert Mode(64) == DECODE and Mode() == PREFILL and Mode(64) != Mode(32)  # equal to its name, too
+    assert Mode(64).is_decode and Mode(64).name == DECODE and Mode().name == PREFILL and Mode(64) != Mode(32)
+    assert Mode(64) != DECODE and Mode() != PREFILL  # a mode is a type, never equal to a string
     # ordered as candidates always were: by stored label, then ratio, then question-awareness
     assert sorted([Point("tova", 0.5), Point("snapkv", 0.75, True), Point("snapkv", 0.75), Point("snapkv", 0.5)]) == [
         Point("snapkv", 0.5), Point("snapkv", 0.75), Point("snapkv", 0.75, True), Point("tova", 0.5)]

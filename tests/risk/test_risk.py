@@ -373,7 +373,7 @@ def test_candidates_for_checks_ratios_and_reads_decode_labels():
     cands = candidates_for(["full", "full@decode128", spec], [0.5])
     assert cands == [Candidate.parse(spec, 0.5)]
     cand = cands[0]
-    assert (cand.spec, cand.chunk_size, cand.mode, cand.reference.stored) == (spec[:-10], 128, "decode",
+    assert (cand.spec, cand.chunk_size, cand.mode.name, cand.reference.stored) == (spec[:-10], 128, "decode",
                                                                               "full@decode128")
     assert "question read under eviction" in cand.setting
     assert Candidate("snapkv", 0.5).setting == "query-agnostic prefill"
