@@ -74,6 +74,12 @@ class GridConfig:
         out["qa_policies"] = [spec.text for spec in self.qa_policies]
         return out
 
+    @property
+    def point_mode(self) -> Mode:
+        """The cells' :class:`~kvsieve.policies.label.Mode`: decode-time eviction with this grid's chunk and eviction
+        interval, or prefill compression (``Mode`` checks both numbers)."""
+        return Mode(self.chunk_size, self.evict_every) if self.mode == DECODE else Mode()
+
     def sample_spec(self) -> SampleSpec:
         """Which samples this grid reads (generated or from ``data``)."""
         return SampleSpec(model=self.model, tasks=list(self.tasks), lengths=list(self.lengths), samples=self.samples,
@@ -83,7 +89,7 @@ class GridConfig:
 def cells_for(config: GridConfig) -> list[Cell]:
     """Every point of the grid: each compressing policy at each ratio (and question-aware where asked), the full
     cache once at ratio 0, in the grid's mode; question-aware reference policies in prefill mode."""
-    mode = Mode(config.chunk_size, config.evict_every) if config.mode == DECODE else Mode()
+    mode = config.point_mode
     cells: list[Cell] = []
     for spec in config.policies:
         point = Point(spec, 0.0, False, mode)

@@ -32,15 +32,11 @@ def validate(config) -> None:
     if config.mode not in MODES:
         raise ValueError(f"mode {config.mode!r} is not one of {', '.join(map(repr, MODES))}")
     if config.mode == DECODE:
-        chunk = config.chunk_size
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-            raise ValueError(f"chunk_size must be a positive int, got {chunk!r}")
+        if not config.point_mode.is_decode:  # Mode refuses what is not an int in range
+            raise ValueError(f"chunk_size must be a positive int, got {config.chunk_size!r}")
         if config.question_aware or config.qa_policies:
             raise ValueError("question-aware cells read the question with the context, which decode-time eviction "
                              "has already evicted from: use mode 'prefill' for them")
-        every = config.evict_every
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"evict_every must be a positive int, got {every!r}")
         for spec in config.policies:
             if spec.needs_spans or spec.needs_whole_context:
                 raise ValueError(f"policy {spec.text!r} cannot evict in decode mode (it needs "

@@ -22,6 +22,8 @@ from kvsieve.harness.validate import validate
     (dict(data="/no/such/file.jsonl"), "does not exist"),
     (dict(mode="stream"), "mode 'stream' is not one of"),
     (dict(mode="decode", chunk_size=0), "chunk_size must be a positive int"),
+    (dict(mode="decode", chunk_size="64"), "chunk_size is an int >= 0, got '64'"),
+    (dict(mode="decode", evict_every=0), "evict_every is an int >= 1, got 0"),
     (dict(mode="decode", policies=["kvzip"]), "policy 'kvzip' cannot evict in decode mode"),
     (dict(mode="decode", question_aware=True), "question-aware cells"),
 ])
