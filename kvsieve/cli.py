@@ -279,7 +279,7 @@ def cmd_train(args) -> int:
 
         remote = RayRollouts(address=args.ray_address, workers=args.workers)
     try:
-        result = train(config, remote=remote)
+        result = train(config) if remote is None else train(config, remote=remote)
     finally:
         if remote is not None:
             remote.close()

@@ -173,6 +173,12 @@ def _train(parser: argparse.ArgumentParser) -> None:
          "(default 1; e.g. 0.25 for kvzap's log scores)")
     flag("--kvzap-inputs", help="--objective kvzap: what the surrogate reads, kv (pre-RoPE keys and "
          "values, default) or hidden (the hidden state entering each layer, as KVzap)")
+    flag("--ray", action="store_true", help="run REINFORCE's rollouts on Ray actors (prefill mode; the same "
+         "training, resumable as ever; pip install 'kvsieve[ray]')")
+    flag("--ray-address", "--address", dest="ray_address", help="with --ray: auto (the cluster this machine is a "
+         "node of) or HOST:PORT of its head; default: start a local Ray instance with this machine's CPUs")
+    flag("--workers", type=int, help="with --ray: worker processes, each holding one copy of the model (default: "
+         "the cluster's CPUs)")
 
 
 def _serve(parser: argparse.ArgumentParser) -> None:

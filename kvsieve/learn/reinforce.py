@@ -58,6 +58,7 @@ from kvsieve.learn.reward import Teacher
 from kvsieve.learn.rollout import (
     Decision,
     Episode,
+    Rollout,
     RolloutPolicy,
     context_cache_for,
     decision_terms,
@@ -173,6 +174,7 @@ class Trainer:
         self.context_caches: dict = {}  # prefill mode: the context's full cache, once per episode (rollouts clone it)
         self.step = 0
         self._step_logits: dict = {}  # logits_of's memo, emptied every step
+        self.remote = None  # where the rollouts run: None here, else a kvsieve.learn.ray_rollouts.RayRollouts
 
     def rollout_policy(self, generator: torch.Generator | None, record: bool = True, shared: dict | None = None):
         """The network as a policy: Gumbel-perturbed with ``generator``, greedy without; ``shared``: the surrogate's
@@ -272,35 +274,58 @@ class Trainer:
             terms.append(first_draw_kl(reference, self.logits_of(self.net, d), d.protected))
         return torch.stack(terms).mean() if terms else torch.zeros(())
 
+    def context_cache(self, index: int):
+        """Prefill mode: the full cache of episode ``index``'s context, computed once (rollouts clone it)."""
+        if index not in self.context_caches:
+            self.context_caches[index] = context_cache_for(self.model, self.episodes[index], self.config.window)
+        return self.context_caches[index]
+
+    def step_plan(self, step: int, index: int) -> list[tuple[float, int, list[tuple | None]]]:
+        """The rollouts of ``step`` on episode ``index``: per ratio, its kept count and each rollout's noise seed
+        parts (``None``: the greedy rollout of the greedy baseline, last). Local and remote rollouts share it."""
+        c, episode = self.config, self.episodes[index]
+        ratios = self.step_ratios(step)
+        plan = []
+        for ratio in ratios:  # one prefill (the cached context) serves every budget
+            kept = Budget(ratio=ratio).resolve(episode.context.shape[1])
+            check_budget(c, episode, kept, ratio)
+            parts: list[tuple | None] = [(c.seed, "noise", step, r) if len(ratios) == 1 else
+                                         (c.seed, "noise", step, ratio, r) for r in range(c.rollouts)]
+            plan.append((ratio, kept, parts + ([None] if c.baseline == "greedy" else [])))
+        return plan
+
+    def local_rollouts(self, index: int, plan) -> list[list[Rollout]]:
+        """Every rollout of ``plan`` in this process, in its order."""
+        c, episode = self.config, self.episodes[index]
+        context_cache = self.context_cache(index) if c.mode == "prefill" else None
+        teacher = self.teacher(index, context_cache)
+        shared: dict | None = {} if c.mode == "prefill" else None  # every rollout compresses a copy of one cache
+        out = []
+        for _, kept, parts in plan:
+            group = []
+            for p in parts:
+                policy = self.rollout_policy(None if p is None else seeded_generator(*p), record=p is not None,
+                                             shared=shared)
+                group.append(rollout(self.model, episode, policy, c.mode, kept, c.chunk_size, teacher, context_cache))
+            out.append(group)
+        return out
+
     def run_step(self) -> dict:
         c, step = self.config, self.step
         start = time.perf_counter()
         index = episode_index(c, step, len(self.episodes))
-        episode = self.episodes[index]
         ratios = self.step_ratios(step)
-        context_cache = None
-        if c.mode == "prefill":
-            if index not in self.context_caches:
-                self.context_caches[index] = context_cache_for(self.model, episode, c.window)
-            context_cache = self.context_caches[index]
-        teacher = self.teacher(index, context_cache)
-        groups, overhead, greedy_rewards = [], 0.0, []
-        shared: dict | None = {} if c.mode == "prefill" else None  # every rollout compresses a copy of one cache
         self._step_logits = {}
-        for ratio in ratios:  # one prefill (the cached context) serves every budget
-            kept = Budget(ratio=ratio).resolve(episode.context.shape[1])
-            check_budget(c, episode, kept, ratio)
-            samples = []
-            for r in range(c.rollouts):
-                parts = (c.seed, "noise", step, r) if len(ratios) == 1 else (c.seed, "noise", step, ratio, r)
-                policy = self.rollout_policy(seeded_generator(*parts), shared=shared)
-                samples.append(rollout(self.model, episode, policy, c.mode, kept, c.chunk_size, teacher,
-                                       context_cache))
-                overhead += samples[-1].overhead_seconds
+        plan = self.step_plan(step, index)
+        # the rollouts: here, or on Ray actors (kvsieve.learn.ray_rollouts), which give the same Rollouts
+        done = self.local_rollouts(index, plan) if self.remote is None else self.remote.rollouts(self, index, plan)
+        groups, overhead, greedy_rewards = [], 0.0, []
+        for (_, _, parts), results in zip(plan, done):
+            samples = [r for p, r in zip(parts, results) if p is not None]
+            overhead += sum(s.overhead_seconds for s in samples)
             greedy_returns = {}
             if c.baseline == "greedy":
-                policy = self.rollout_policy(None, record=False, shared=shared)
-                greedy = rollout(self.model, episode, policy, c.mode, kept, c.chunk_size, teacher, context_cache)
+                greedy = results[-1]
                 greedy_returns, reward = step_returns(greedy), greedy.reward
                 greedy_rewards.append(reward)
                 greedy_returns = {t: greedy_returns.get(t, 0.0) for t in {d.time for s in samples for d in s.decisions}}
@@ -433,15 +458,19 @@ def plot_curve(rows: list[dict], path: Path, title: str = "", heldout: list[dict
 
 
 def reinforce(config: TrainConfig, model, episodes: list[Episode], progress: bool = True,
-              heldout: list[Episode] | None = None) -> TrainResult:
+              heldout: list[Episode] | None = None, remote=None) -> TrainResult:
     """REINFORCE on the KL reward (the module docstring), resumed from ``config.out`` when it holds a checkpoint.
 
     With ``config.eval_every`` and ``heldout`` episodes: the greedy policy's held-out KL at step 0 (the warm start)
     and every ``eval_every`` steps (``heldout.csv``), the stopping rule (:mod:`kvsieve.learn.stopping`) and
-    ``policy.safetensors`` = the best evaluated step."""
+    ``policy.safetensors`` = the best evaluated step. ``remote``: a :class:`kvsieve.learn.ray_rollouts.RayRollouts`
+    that runs the rollouts on Ray actors (started here; the caller closes it), the same training otherwise."""
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(config, model, ModelShape.of(model, config.model), episodes)
+    if remote is not None:
+        remote.start(config, episodes, config.model, dtype_name(model))
+        trainer.remote = remote
     checkpoint = out / "checkpoint.safetensors"
     if checkpoint.is_file():
         trainer.resume(checkpoint)
