@@ -481,7 +481,7 @@ def reinforce(config: TrainConfig, model, episodes: list[Episode], progress: boo
         if not heldout:
             raise ValueError(f"eval_every={config.eval_every} needs held-out episodes")
         evaluator = HeldOut(model, heldout, config.ratios, config.window, config.teacher_top_k)
-    rule = StoppingRule(config.patience, config.min_delta)
+    rule = StoppingRule(config.patience, config.min_delta, config.patience_from)
     evaluations = read_heldout(heldout_path, trainer.step) if evaluator else []
 
     def evaluate() -> bool:

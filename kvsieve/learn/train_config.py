@@ -96,6 +96,9 @@ class TrainConfig:
     eval_seed: int = 6000
     patience: int = 0
     min_delta: float = 0.0
+    # evaluations before this step do not count towards ``patience`` (e.g. curriculum_steps + 20: the curriculum
+    # first raises the held-out KL); 0: every evaluation counts (the issue-51 runs)
+    patience_from: int = 0
     # network "kvzap": which weights REINFORCE moves, "all" or "bias" (the per-layer, per-head output bias only:
     # with global allocation it moves budget between heads and layers and leaves each head's ranking to the surrogate)
     trainable: str = "all"
@@ -109,7 +112,7 @@ class TrainConfig:
         for name in ("length", "steps", "chunk_size", "window", "rollouts", "hidden", "save_every"):
             positive_int(name)
         positive_int("samples", 0)
-        for name in ("curriculum_steps", "eval_every", "patience"):
+        for name in ("curriculum_steps", "eval_every", "patience", "patience_from"):
             positive_int(name, 0)
         positive_int("eval_samples")
         if isinstance(self.eval_seed, bool) or not isinstance(self.eval_seed, int):

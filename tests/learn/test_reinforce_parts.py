@@ -80,6 +80,25 @@ def test_the_stopping_rule_keeps_the_best_step_and_stops_after_patience_evaluati
         StoppingRule(patience=-1)
 
 
+def test_patience_counts_only_evaluations_from_patience_from_on():
+    # a curriculum transient (issue 51, seed 5200): the KL rises while the small budgets open, then falls
+    history = [(0, 0.078), (10, 0.080), (20, 0.083), (30, 0.086), (40, 0.090), (50, 0.085), (60, 0.079),
+               (70, 0.079), (80, 0.070)]
+    v = StoppingRule(patience=5).verdict(history[:6])
+    assert (v.best_step, v.since_best, v.stop) == (0, 5, True)  # counted from step 10: stops at step 50
+    late = StoppingRule(patience=5, patience_from=60)
+    v = late.verdict(history[:6])
+    assert (v.best_step, v.since_best, v.stop) == (0, 0, False)  # steps 10-50 are not counted
+    v = late.verdict(history[:8])
+    assert (v.best_step, v.since_best, v.stop) == (0, 2, False)  # steps 60 and 70 are
+    v = late.verdict(history)
+    assert (v.best_step, v.best_kl, v.since_best, v.stop) == (80, 0.070, 0, False)
+    # an evaluation before patience_from may still be the best
+    assert StoppingRule(patience=1, patience_from=50).verdict([(0, 0.3), (10, 0.2), (20, 0.25)]).best_step == 10
+    with pytest.raises(ValueError, match="patience_from must be an int >= 0, got -5"):
+        StoppingRule(patience=1, patience_from=-5)
+
+
 def test_mean_by_step_and_the_paired_interval():
     rows = [{"step": s, "episode": e, "ratio": r, "kl": kl}
             for s, e, r, kl in [(0, "a", 0.5, 0.1), (0, "a", 0.75, 0.3), (0, "b", 0.5, 0.2), (10, "a", 0.5, 0.05),
