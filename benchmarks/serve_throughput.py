@@ -57,6 +57,7 @@ from kvsieve.policies.operating_point import OperatingPoint
 from kvsieve.policy import FullCache
 from kvsieve.serve.chat_prompt import chat_prompt
 from kvsieve.serve.command import build_state, point_source, serve
+from kvsieve.serve.decode_eviction import evict_rows, row_cap, stack_rows
 from kvsieve.serve.generation import Prefill, bytes_per_token
 from kvsieve.serve.points import ChosenPoint
 from kvsieve.serve.schemas import ChatMessage
@@ -240,6 +241,41 @@ def step_parts(model, tokenizer, prompt_text: str, chunk: int, rows: int, max_to
             "prompt_tokens": info.prompt_tokens}
 
 
+@torch.no_grad()
+def eviction_part(model, tokenizer, prompt_text: str, points, rows: int, max_tokens: int) -> dict:
+    """Seconds of one eviction of ``rows`` rows at ``points``' point, each having taken ``evict_every`` tokens (the
+    median of 3): what a step that evicts adds to its decode step (``serve/decode_eviction.evict_rows``: every row
+    taken out, scored, laid out again, the batch stacked again), and one decode step of those rows at their cap."""
+    prompt = chat_prompt(tokenizer, [ChatMessage(role="user", content=prompt_text)])
+    chosen = points.base(None, prompt.context_ids.shape[1])
+    prefill = Prefill(model, prompt, chosen, max_tokens)
+    while not prefill.done:
+        prefill.advance(4096)
+    cache, logits, info = prefill.finished()
+    cap = row_cap(cache, chosen.point.policy, prefill.room)
+    batch = None
+    for _ in range(rows):
+        batch = stack_rows(batch, cache)
+    ids = logits.argmax()[None, None].expand(rows, 1)
+    position = info.prompt_tokens
+    steps, evictions = [], []
+    for _ in range(3):
+        for _ in range(prefill.room):  # fill the room: the rows are due
+            start = time.perf_counter()
+            with attach(model, FullCache()):
+                model(input_ids=ids, cache=batch, use_cache=True, position_ids=torch.full((rows, 1), position))
+            steps.append(time.perf_counter() - start)
+            position += 1
+        start = time.perf_counter()
+        batch, _, failed = evict_rows(batch, [(chosen.point.policy, cap)] * rows, [position] * rows,
+                                   [prefill.room] * rows)
+        evictions.append(time.perf_counter() - start)
+        if failed:
+            raise RuntimeError(f"evictions failed: {failed}")
+    return {"eviction_s": statistics.median(evictions), "capped_decode_step_s": statistics.median(steps),
+            "rows": rows, "room": prefill.room, "point": str(chosen.setting), "cap_bytes": cap.charge}
+
+
 # -- the summary -------------------------------------------------------------------------------------------------
 def _fmt(values: list[float], scale: float = 1.0, digits: int = 2) -> str:
     mean, low, high = interval([v * scale for v in values])
@@ -266,6 +302,11 @@ def summary(lines: list[dict]) -> str:
                        f"{p['chunk']} tokens, the prompt's first {p['prefill_chunk_s']:.3f} s{last}; one decode step "
                        f"of {p['rows']} rows at {p['prompt_tokens']} tokens {p['decode_step_s']:.3f} s (one step at "
                        f"most {dearest + p['decode_step_s']:.3f} s)\n")
+        for line in [x for x in lines if x.get("kind") == "eviction" and x["workload"] == name]:
+            e = line["part"]
+            out.append(f"one eviction alone at {line['config']} ({e['point']}): {e['rows']} rows, each having taken "
+                       f"{e['room']} tokens, {e['eviction_s']:.3f} s; one decode step of those rows at their cap "
+                       f"{e['capped_decode_step_s']:.3f} s (a row's cap {e['cap_bytes'] / 2**20:.2f} MiB)\n")
         out.append("| config | point | runs | tok/s | vs full (paired) | req/s | TTFT p50 s | TTFT p95 s | gap p50 s | "
                    "gap p95 s | gap max s | rows mean / peak | KV kept | allocated peak MiB | charged peak MiB | "
                    "planted answer |")
@@ -315,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", action="store_true",
                         help="time the step's two parts alone again (a new line in --out) even if --out has them")
     parser.add_argument("--parts-only", action="store_true", help="only time the step's parts, run nothing")
+    parser.add_argument("--eviction-only", metavar="CONFIG",
+                        help="only time one eviction of N rows at CONFIG (uniform@R or global@R) and a decode step of "
+                             "those rows at their cap (a new line in --out), run nothing")
     args = parser.parse_args(argv)
     out = Path(args.out)
     lines = [json.loads(line) for line in out.read_text().splitlines() if line.strip()] if out.exists() else []
@@ -339,6 +383,14 @@ def main(argv: list[str] | None = None) -> int:
         key = dict(workload=name, clients=args.clients, prompt_tokens=f"{min(tokens)}-{max(tokens)}",
                    max_tokens=max_tokens, budget_share=args.budget, prefill_chunk=args.prefill_chunk,
                    evict_every=args.evict_every)
+        if args.eviction_only:
+            part = eviction_part(model, tokenizer, prompts[0], points_for(args.eviction_only, args), args.clients,
+                                 max_tokens)
+            lines.append(dict(key, kind="eviction", config=args.eviction_only, part=part, machine=machine))
+            with out.open("a") as f:
+                f.write(json.dumps(lines[-1]) + "\n")
+            print(f"{name}: one eviction alone {part}", flush=True)
+            continue
         measured = any(line.get("kind") == "parts" and line["workload"] == name for line in lines)
         if args.parts or args.parts_only or not measured:
             parts = step_parts(model, tokenizer, prompts[0], args.prefill_chunk, args.clients, max_tokens)

@@ -124,40 +124,48 @@ def _true_positions(cache: DynamicCache, position: int, fed: int) -> None:
 
 @torch.no_grad()
 def evict_rows(batch: DynamicCache, rows: list[tuple[Policy, RowCap] | None], positions: list[int],
-               fed: list[int]) -> tuple[DynamicCache | None, dict[int, Exception]]:
-    """The batch with every row that has a ``(policy, cap)`` evicted back to its cap (``None``: left as it is), and
-    the rows whose eviction failed (by index, with the error: a policy that raised, or a layout past the row's
-    charge, never expected), which the batch no longer holds; the others stay in their order (None: none left).
+               fed: list[int]) -> tuple[DynamicCache | None, list[int], dict[int, Exception]]:
+    """The batch with every row that has a ``(policy, cap)`` evicted back to its cap (``None``: left as it is).
+
+    Returns the new batch (None: no row left), ``order`` (the old index of each of its rows: the rows left as they
+    were first, taken out as one block, then the evicted ones) and the rows whose eviction failed (old index -> the
+    error: a policy that raised, or a layout past the row's charge, never expected), which it no longer holds.
     ``positions[i]`` is row i's next position, ``fed[i]`` the tokens it took since its join or its last eviction."""
     windows = {idx: (layer.recent_queries, layer.window) for idx, layer in sieve_layers(batch)}
-    parts, kept, failed = [], [], {}
+    rest = [i for i, row in enumerate(rows) if row is None]
+    parts, order, failed = [], list(rest), {}
+    if rest:
+        block = clone_cache(batch)
+        block.batch_select_indices(torch.tensor(rest))
+        parts.append(block)
     for i, row in enumerate(rows):
+        if row is None:
+            continue
+        policy, cap = row
         one = clone_cache(batch)
         one.batch_select_indices(torch.tensor([i]))
-        if row is not None:
-            policy, cap = row
-            try:
-                _true_positions(one, positions[i], fed[i])
-                compress_cache(one, policy, protected_tail=NEWEST, layer_budgets=cap.layer_budgets)
-                hold_room(one, cap.room)
-                allocated = cache_allocated_bytes(one)
-                if allocated > cap.charge:
-                    raise BudgetViolation(f"the eviction's layout allocates {allocated} bytes, more than the row's "
-                                          f"cap of {cap.charge}")
-            except Exception as err:  # noqa: BLE001 - one row's failure, never the batch's
-                failed[i] = err
-                continue
+        try:
+            _true_positions(one, positions[i], fed[i])
+            compress_cache(one, policy, protected_tail=NEWEST, layer_budgets=cap.layer_budgets)
+            hold_room(one, cap.room)
+            allocated = cache_allocated_bytes(one)
+            if allocated > cap.charge:
+                raise BudgetViolation(f"the eviction's layout allocates {allocated} bytes, more than the row's cap of "
+                                      f"{cap.charge}")
+        except Exception as err:  # noqa: BLE001 - one row's failure, never the batch's
+            failed[i] = err
+            continue
         parts.append(one)
-        kept.append(i)
+        order.append(i)
     if not parts:
-        return None, failed
+        return None, [], failed
     stacked = stack_caches(parts, keep_scores=True)
-    rows_kept = torch.tensor(kept)
+    index = torch.tensor(order)
     for idx, layer in sieve_layers(stacked):
         queries, window = windows[idx]
-        layer.recent_queries = None if queries is None else queries[rows_kept]
+        layer.recent_queries = None if queries is None else queries[index.to(queries.device)]
         layer.window = window
-    return stacked, failed
+    return stacked, order, failed
 
 
 def stack_rows(batch: DynamicCache | None, row: DynamicCache) -> DynamicCache:

@@ -383,12 +383,12 @@ class Scheduler:
             index = torch.tensor(keep, device=chosen.device)
             self._cache.batch_select_indices(index)
             chosen, self._rows = chosen[index], [self._rows[i] for i in keep]
-        kept = self._evict()
-        if kept is not None:  # rows whose eviction failed left the batch
-            if not kept:
+        order = self._evict()
+        if order is not None:  # the batch was rebuilt: rows in a new order, those whose eviction failed gone
+            if not order:
                 self._rows, self._cache, self._logits = [], None, None
                 return
-            chosen = chosen[torch.tensor(kept, device=chosen.device)]
+            chosen = chosen[torch.tensor(order, device=chosen.device)]
         self.peak_rows = max(self.peak_rows, len(self._rows))
         self.steps, self.row_steps = self.steps + 1, self.row_steps + len(self._rows)
         positions = torch.tensor([[job.position] for job in self._rows], device=chosen.device)
@@ -406,14 +406,14 @@ class Scheduler:
         """The rows whose room is used up (``room`` tokens since their join or their last eviction) evicted back to
         their caps, before the step that would take one more, in one rebuild of the batch
         (``serve/decode_eviction.py``). Each row on its own count, so what a row keeps never depends on what else
-        runs. Returns the rows kept when an eviction failed (that row is failed and leaves the batch: it has no room
-        left), else None."""
+        runs. Returns the rows' new order (old indices: those left as they were, then the evicted ones; a row whose
+        eviction failed is failed and gone, it has no room left), or None when no row was due."""
         due = [job.cap is not None and job.fed >= job.cap.room for job in self._rows]
         if not any(due):
             return None
         rows = [(job.info.chosen.point.policy, job.cap) if d else None for job, d in zip(self._rows, due)]
-        self._cache, failed = evict_rows(self._cache, rows, [job.position for job in self._rows],
-                                         [job.fed for job in self._rows])
+        self._cache, order, failed = evict_rows(self._cache, rows, [job.position for job in self._rows],
+                                                [job.fed for job in self._rows])
         for i, err in failed.items():
             setting = self._rows[i].info.chosen.setting
             self._fail(self._rows[i], RuntimeError(f"policy {setting} failed while evicting during decoding "
@@ -421,10 +421,9 @@ class Scheduler:
         for job, d in zip(self._rows, due):
             if d:
                 job.fed = 0
-        keep = [i for i in range(len(self._rows)) if i not in failed]
-        self._rows = [self._rows[i] for i in keep]
+        self._rows = [self._rows[i] for i in order]
         self.evictions += sum(due)
-        return keep if failed else None
+        return order
 
     def close(self, timeout: float | None = None) -> bool:
         """Refuse new jobs, finish the waiting and running ones, stop the thread; False if it did not stop."""

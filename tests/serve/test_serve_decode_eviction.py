@@ -148,8 +148,8 @@ def test_an_eviction_keeps_each_row_as_it_would_alone(model):
     positions = [p + 3 for p in positions]
     compress_cache(alone, chosen.point.policy, protected_tail=1, layer_budgets=cap.layer_budgets)
     hold_room(alone, EVERY)
-    after, failed = evict_rows(batch, [None, (chosen.point.policy, cap)], positions, [3, 3])
-    assert not failed
+    after, order, failed = evict_rows(batch, [None, (chosen.point.policy, cap)], positions, [3, 3])
+    assert not failed and order == [0, 1]
     layers = zip(sieve_layers(after), sieve_layers(alone), sieve_layers(caches[0]))
     for (idx, got), (_, want), (_, other) in layers:
         lengths, rows = got.store.lengths.view(2, -1), got.padded()
