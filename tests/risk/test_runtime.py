@@ -115,6 +115,13 @@ def test_a_decode_time_point_runs_with_the_chunk_and_eviction_interval_it_was_ce
         assert got.token_ids == want.token_ids and got.kept_tokens == want.kept_tokens
 
 
+def test_a_point_certified_at_ratio_0_runs_as_full_kv_not_as_a_fallback():
+    """Ratio 0 evicts nothing: the request runs full KV, which is what the contract chose (not a fallback)."""
+    chosen = CertifiedPolicy(_contract(Candidate("knorm", 0.0))).operating_point()
+    assert chosen.point.is_full and not chosen.point.compresses and chosen.policy.name == "full"
+    assert not chosen.fell_back and "evicts nothing" in chosen.reason
+
+
 def _row(sample: int, policy: str, ratio: float, score: float, context_tokens: int) -> CellResult:
     key = CellKey("m", "niah_single_1", 1024, str(sample), policy, ratio, False)
     return CellResult(key, "", score, ["x"], 10, 500 if ratio else 1000, 1000, 0.1, 0.1,
