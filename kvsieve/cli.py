@@ -149,7 +149,7 @@ def cmd_pick(args) -> int:
         print("\n".join(format_pick(p) for p in picks))
     for p in picks:
         if args.out:
-            print(f"wrote {write_pick(p, args.out)}")
+            print(f"wrote {write_pick(p, args.out, args.config)}")
         if args.store:
             tried = exploratory(args.store, p.model)
             print(f"{args.store}, {p.model}: {len(tried['found_or_learned'])} found or learned policies and "

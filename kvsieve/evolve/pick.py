@@ -191,11 +191,11 @@ def format_pick(p: Pick) -> str:
     return "\n".join(lines)
 
 
-def write_pick(p: Pick, folder: str | Path) -> Path:
-    """``folder/MODEL-picked.py``: the program's source, headed by where the rule found it."""
+def write_pick(p: Pick, folder: str | Path, rule: str | Path) -> Path:
+    """``folder/MODEL-picked.py``: the program's source, headed by the rule's file and where it found it."""
     out = Path(folder) / f"{p.model}-picked.py"
     out.parent.mkdir(parents=True, exist_ok=True)
-    header = (f"# picked by the selection rule (configs/selection.toml): #{p.program.id} of {p.database}, "
+    header = (f"# picked by the selection rule ({rule}): #{p.program.id} of {p.database}, "
               f"dev {_num(p.program.score)}, gap {p.program.proxy or math.nan:.3f}, held-out {_num(p.heldout)}\n")
     out.write_text(header + (p.program.source or "").rstrip() + "\n")
     return out

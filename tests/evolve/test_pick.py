@@ -106,7 +106,8 @@ def test_cli_prints_the_pick_writes_it_and_counts_the_exploratory_policies(tmp_p
 def test_write_pick_without_a_gap(tmp_path):
     a = database(tmp_path / "a.sqlite", [(50.0, None)])
     p = pick(load_rule(rule_file(tmp_path, [a])), "smollm2-135m")
-    assert "gap nan" in write_pick(p, tmp_path).read_text()
+    text = write_pick(p, tmp_path, "configs/rule-x.toml").read_text()
+    assert "gap nan" in text and text.startswith("# picked by the selection rule (configs/rule-x.toml)")
 
 
 def test_the_demo_runs_the_rules_smollm2_pick():
