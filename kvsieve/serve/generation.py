@@ -111,14 +111,13 @@ class Prefill:
 
     def _start(self, chosen: ChosenPoint) -> None:
         self.chosen = chosen
-        self.compresses = chosen.compresses
         self.room = chosen.room(self.max_tokens)
         p = self.prompt
         self.question_aware = chosen.setting.protects_question
         first = torch.cat([p.context_ids, p.question_ids], dim=1) if self.question_aware else p.context_ids
         self.parts = [first] if self.question_aware else [first, p.question_ids]
         self.part, self.read = 0, 0  # the part being read and the tokens of it read so far
-        self.gathering = Gathering(chosen.point.policy) if self.compresses else FullCache()
+        self.gathering = Gathering(chosen.point.policy) if chosen.setting.compresses else FullCache()
         self.cache: DynamicCache | None = None
         self.logits: torch.Tensor | None = None
         self.info: CacheInfo | None = None
@@ -140,7 +139,7 @@ class Prefill:
         try:
             return self._advance(tokens)
         except Exception as err:  # noqa: BLE001 - a policy's failure is answered at full KV, not 500
-            if not self.compresses:
+            if not self.chosen.setting.compresses:
                 raise  # full KV failed: the model's fault, not a policy's
             self._start(self.chosen.fallback(f"policy {self.chosen.setting} failed while compressing "
                                              f"({type(err).__name__}: {err}); answered at full KV"))
@@ -174,7 +173,7 @@ class Prefill:
         for exactly the question (when still to read) and ``max_tokens``."""
         p, chosen, cache = self.prompt, self.chosen, self.cache
         n, m = p.context_ids.shape[1], p.question_ids.shape[1]
-        if self.compresses:
+        if chosen.setting.compresses:
             tail = m if self.question_aware else 0
             budget, policy = chosen.setting.budget, chosen.point.policy
             if policy.needs_reconstruction:  # KVzip: repeats the context over a copy of the cache

@@ -57,12 +57,8 @@ class ChosenPoint:
         return self.status == "certified"
 
     @property
-    def compresses(self) -> bool:
-        return self.setting.compresses
-
-    @property
     def evicts_in_decode(self) -> bool:
-        return self.evict_every > 0 and self.compresses and evicts_in_decode(self.point.policy)
+        return self.evict_every > 0 and self.setting.compresses and evicts_in_decode(self.point.policy)
 
     def room(self, max_tokens: int) -> int:
         """Entries of room a request's segments get once its prompt is read: ``evict_every`` for a row that evicts
@@ -221,7 +217,7 @@ class PointSource:
 
 def _feasible(chosen: ChosenPoint, prompt: Prompt) -> ChosenPoint:
     """Full KV, with the reason, when the prompt is too short for the point's policy to compress it."""
-    if not chosen.compresses:
+    if not chosen.setting.compresses:
         return chosen
     setting, policy = chosen.setting, chosen.point.policy
     n, m = prompt.context_ids.shape[1], prompt.question_ids.shape[1]

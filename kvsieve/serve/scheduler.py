@@ -165,7 +165,7 @@ class Scheduler:
         """(bytes a request is admitted for, of which its ``max_tokens``) (see the module docstring)."""
         tokens = prompt.context_ids.shape[1] + prompt.question_ids.shape[1]
         prefill_bytes = self.token_bytes * tokens
-        if chosen.compresses and chosen.point.policy.needs_reconstruction:
+        if chosen.setting.compresses and chosen.point.policy.needs_reconstruction:
             prefill_bytes *= 2  # KVzip repeats the context over a copy of the cache
         reserve = self.token_bytes * max_tokens
         return prefill_bytes + reserve, reserve

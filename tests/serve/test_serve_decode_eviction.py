@@ -185,4 +185,4 @@ def test_a_policy_scoring_nan_is_answered_at_full_kv_with_the_reason(model):
     got, want = results
     assert got.cache.chosen.status == "fallback" and "NaN" in got.cache.chosen.point.reason
     assert got.cache.chosen.point.reason.startswith("policy knorm@0.5 failed while compressing (ValueError")
-    assert not got.cache.chosen.compresses and got.token_ids == want.token_ids
+    assert not got.cache.chosen.setting.compresses and got.token_ids == want.token_ids
