@@ -44,7 +44,7 @@ def contexts(tokenizer, length: int, batch: int) -> torch.Tensor:
 def measure(model, spec: str, ids: torch.Tensor, ratio: float, chunk_size: int, tokens: int,
             evict_every: int = 32) -> dict:
     policy = from_spec(spec)
-    with kvsieve.attach(model, policy, ratio=ratio if policy.compresses else 0.0, mode="decode",
+    with kvsieve.attach(model, policy, ratio=ratio if policy.evicts else 0.0, mode="decode",
                         chunk_size=chunk_size, evict_every=evict_every) as session:
         start = time.perf_counter()
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1)

@@ -40,7 +40,8 @@ class Policy:
             score only those, which every KV head still holds (kvzap on a cache pruned per head).
         needs_reconstruction: scores come from a forward that makes the model repeat the context
             (KVzip, :mod:`kvsieve.engine.reconstruct`); prefill mode only.
-        compresses: ``False`` only for the full-cache policy.
+        evicts: ``False`` only for the full-cache policy (and serve's gathering stand-in); a point reads it as
+            ``Point.compresses``.
         uses_window: reads the observation window (its queries or the protected recent tokens);
             ``False`` lets a context shorter than ``window`` be compressed.
         is_reference: a reference line for reports (the answer-span oracle), never offered for real use.
@@ -58,7 +59,7 @@ class Policy:
     needs_hidden_states: bool = False  # an instance may set it (kvzap: when its checkpoint reads them)
     needs_reconstruction: ClassVar[bool] = False
     intrinsic_scores: ClassVar[bool] = False
-    compresses: ClassVar[bool] = True
+    evicts: ClassVar[bool] = True
     uses_window: ClassVar[bool] = True
     is_reference: ClassVar[bool] = False
     needs_spans: ClassVar[bool] = False
@@ -104,7 +105,7 @@ class FullCache(Policy):
 
     name = "full"
     uses_window = False
-    compresses = False
+    evicts = False
 
     def score(self, signals: Signals) -> torch.Tensor:
         return torch.zeros(signals.batch_size, signals.num_kv_heads, signals.seq_len, device=signals.keys.device)

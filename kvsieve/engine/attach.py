@@ -117,7 +117,7 @@ def attach(
         raise ValueError(f"evict_every must be a positive int, got {evict_every!r}")
     if isinstance(protected_tail, bool) or not isinstance(protected_tail, int) or protected_tail < 0:
         raise ValueError(f"protected_tail must be an int >= 0, got {protected_tail!r}")
-    budget = Budget(ratio=ratio, kept=kept) if policy.compresses else Budget(ratio=0.0)
+    budget = Budget(ratio=ratio, kept=kept) if policy.evicts else Budget(ratio=0.0)
     session = Session(policy, budget, mode, chunk_size, protected_tail, evict_every=evict_every)
     modules = attention_modules(model)
     configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in modules)] if c is not None}
@@ -181,15 +181,15 @@ def _compressing_forward(model, forward, session: Session):
                 raise ValueError(
                     f"the prompt ({q_len} tokens) is not longer than protected_tail={session.protected_tail}"
                 )
-            if fresh and session.policy.compresses and session.policy.uses_window and q_len < session.policy.window:
+            if fresh and session.policy.evicts and session.policy.uses_window and q_len < session.policy.window:
                 raise ValueError(
                     f"window {session.policy.window} is larger than the context ({q_len} tokens); use a smaller window"
                 )
             output = forward(*args, **kwargs)
             session.peak_cache_bytes = max(session.peak_cache_bytes, cache_bytes(cache))
-            if fresh and session.policy.compresses and session.policy.needs_reconstruction:
+            if fresh and session.policy.evicts and session.policy.needs_reconstruction:
                 _compress_with_reconstruction(model, cache, input_ids, session)  # KVzip: one more forward
-            elif fresh and session.policy.compresses:
+            elif fresh and session.policy.evicts:
                 compress_cache(cache, session.policy, session.budget, session.protected_tail, session.report)
             return output
         if fresh:
@@ -238,7 +238,7 @@ def _forward_in_chunks(forward, args, kwargs, by_ids: bool, q_len: int, session:
             if session.pending < session.evict_every:
                 continue
         over = any(layer_occupancy(layer) > session.layer_budgets[idx] for idx, layer in layers)
-        if session.policy.compresses and over:
+        if session.policy.evicts and over:
             # the chunk just read (e.g. the question) stays until the next compression: it is not answered yet
             report = CompressionReport(seconds=session.report.seconds, events=session.report.events)
             session.report = compress_cache(session.cache, session.policy, protected_tail=read,

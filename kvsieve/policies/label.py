@@ -252,10 +252,10 @@ class Point:
 
     @property
     def compresses(self) -> bool:
-        """Whether the policy evicts anything (at a ratio above 0): the family's ``compresses``; an unregistered
+        """Whether the policy evicts anything (at a ratio above 0): the family's ``evicts``; an unregistered
         family does."""
         cls = self.family_class
-        return cls.compresses if cls is not None else not self.is_full
+        return cls.evicts if cls is not None else not self.is_full
 
     @property
     def budget(self) -> Budget | None:

@@ -36,7 +36,7 @@ class OperatingPoint:
             raise ValueError(f"an operating point's point is a Point, got {type(self.point).__name__} {self.point!r}")
         if not isinstance(self.policy, Policy):
             raise ValueError(f"an operating point's policy is a built Policy, got {type(self.policy).__name__}")
-        if self.policy.compresses != self.point.compresses:
+        if self.policy.evicts != self.point.compresses:
             raise ValueError(f"policy {self.policy.name!r} does not run point {self.point}: one compresses, the other "
                              "does not")
         if self.point.compresses and self.point.budget is None:

@@ -57,7 +57,7 @@ NEWEST = 1  # the newest entry (its token's query reads it next step) is protect
 
 def evicts_in_decode(policy: Policy) -> bool:
     """Whether ``policy`` can evict from the running batch (module docstring)."""
-    return bool(policy.compresses and not policy.needs_reconstruction and not policy.needs_hidden_states
+    return bool(policy.evicts and not policy.needs_reconstruction and not policy.needs_hidden_states
                 and not policy.needs_accumulated_attention and not policy.needs_query_stats
                 and policy.selection.recent_share == 0)
 

@@ -87,7 +87,7 @@ class Gathering(Policy):
     while a prompt is read in chunks, and compresses nothing: the compression runs once the part is read."""
 
     name = "gathering"
-    compresses = False
+    evicts = False
     uses_window = False
 
     def __init__(self, policy: Policy) -> None:

@@ -67,7 +67,7 @@ def test_no_hidden_states_unless_a_policy_asks_and_none_after_a_compression():
     assert layer_signals(sieve_layers(cache)[0][1], 0, 3, 0, 1).hidden_states is None
 
     class Recording(FullCache):  # a compressing policy that asks for hidden states and records what it saw
-        compresses = True
+        evicts = True
         needs_hidden_states = True
         seen: list = []
 
