@@ -129,7 +129,8 @@ class Call:
 
     async def _event_or_gone(self, *kinds: str):
         """The first event of ``kinds`` (kind, value), or None when the client disconnected first (checked twice a
-        second: nothing else tells an endpoint that has not started its answer that its client left)."""
+        second: nothing else tells an endpoint that has not started its answer that its client left); a client that
+        left, or a cancelled endpoint, stops the request's decoding (:meth:`_gone`)."""
         waiter = asyncio.ensure_future(self.until(*kinds))
         try:
             while True:
@@ -137,7 +138,11 @@ class Call:
                 if finished:
                     return waiter.result()
                 if self.request is not None and await self.request.is_disconnected():
+                    self._gone()
                     return None
+        except asyncio.CancelledError:
+            self._gone()
+            raise
         finally:
             waiter.cancel()
 
@@ -146,43 +151,35 @@ class Call:
         self.job.cancel()
         self.state.metrics.inc("kvsieve_requests_total", endpoint=self.kind, status="499", kv_cache=self.chosen.status)
 
+    def _raise_recorded(self, failure: APIError) -> None:
+        """Count ``failure`` in the metrics once, then answer with it."""
+        self.record(failure.status, None)
+        failure.recorded = True
+        raise failure
+
     async def answer(self) -> Response:
-        try:
-            event = await self._event_or_gone("done")
-        except asyncio.CancelledError:
-            self._gone()
-            raise
+        event = await self._event_or_gone("done")
         if event is None:
-            self._gone()
             return Response(status_code=499)
         future = event[1]
         err = future.exception()
         if err is not None:
-            failure = self.failure(err)
-            self.record(failure.status, None)
-            failure.recorded = True
-            raise failure
+            self._raise_recorded(self.failure(err))
         completion = future.result()
         body = self.body(completion)
         self.record(200, completion)
         return JSONResponse(body, headers=kv_headers(body["usage"]["kv_cache"]))
 
     async def stream(self) -> Response:
-        try:  # a client that leaves while its request waits or is prefilled is noticed here (no stream yet)
-            event = await self._event_or_gone("prefilled", "done")
-        except asyncio.CancelledError:
-            self._gone()
-            raise
+        # a client that leaves while its request waits or is prefilled is noticed here (no stream yet)
+        event = await self._event_or_gone("prefilled", "done")
         if event is None:
-            self._gone()
             return Response(status_code=499)
         kind, value = event
         if kind == "done":  # failed (or finished) before the first event: a plain error answer
             err = value.exception()
-            failure = self.failure(err) if err is not None else APIError(500, "the request ended before its prefill")
-            self.record(failure.status, None)
-            failure.recorded = True
-            raise failure
+            self._raise_recorded(self.failure(err) if err is not None
+                                 else APIError(500, "the request ended before its prefill"))
         kv = kv_cache_usage(self.state, self.chosen, value)
         return StreamingResponse(self._events(), media_type="text/event-stream", headers=kv_headers(kv))
 
