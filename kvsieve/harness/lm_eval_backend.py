@@ -12,30 +12,8 @@ lm-eval 0.4.13 has no plugin hook through which the plain ``lm_eval`` command co
 
 From Python: ``import kvsieve.harness.lm_eval_backend`` registers the backend; then
 ``lm_eval.simple_evaluate(model="kvsieve", model_args={...}, tasks=[...], metadata=ruler_metadata(model, [4096]))``,
-or :func:`evaluate`, which does both.
-
-**Many policies at once** (``python -m kvsieve.harness.lm_eval_backend export``, :func:`export_samples`):
-lm-eval's requests written as kvsieve samples (JSONL), with the same task names, lengths and sample ids as the
-backend's rows, so ``kvsieve eval --data FILE`` scores every (policy, ratio) with one prefill per request
-and fills the same store the backend reads and writes (the backend then reuses those rows).
-
-**How a prompt is split** (:func:`split_prompt`). lm-eval hands the backend one string per request, without
-a chat template; the backend applies the model's template itself (as kvsieve's harness does) after
-splitting the string into context, question and answer prefix:
-
-1. *answer prefix*: the document's ``gen_prefix`` field (RULER's "The special magic number for X ... is"),
-   when the prompt ends with it; lm-eval put it there, and it is cut off and decoded after the template's
-   assistant header (kvsieve's ``answer_prefix``);
-2. *question*: the rest's last line (after its last newline), when that line is non-empty and shorter than
-   the text before it: RULER's ``input`` ends with the question on its own line;
-3. *context*: everything before that newline.
-
-Where rule 2 holds, the cell is **query-agnostic** (the context is compressed before the question is
-read; the row's ``question_aware`` is false). Where it does not (no newline, an empty or long last line),
-the whole text is the context, read with the question inside the observation window: the cell is
-**question-aware** and the row says so (``question_aware`` true, shown as ``POLICY+qa``;
-``config.lm_eval.split`` names the rule's outcome). ``qa=always`` makes every cell question-aware.
-``--apply_chat_template`` is refused: a templated string can no longer be split.
+or :func:`evaluate`, which does both. How a prompt is cut into context, question and answer prefix:
+``prompt_split.py``; ``kvsieve-lm-eval export`` (many policies at once, one prefill a request): ``lm_eval_export.py``.
 
 **Rows.** Each answered request lands in the store (``store=``, default ``results/lmeval.sqlite``;
 ``store=none``: none) as one row: task ``lmeval:TASK``, length the document's ``max_length`` (RULER's target
@@ -48,90 +26,32 @@ interrupted lm-eval run resumes; ``kvsieve report --headline`` and ``kvsieve cer
 from __future__ import annotations
 
 import argparse
-import hashlib
-import importlib
-import random
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import lm_eval
-import numpy as np
 import torch
 from lm_eval.__main__ import cli_evaluate
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
-from lm_eval.tasks import TaskManager
 from tqdm import tqdm
 
 from kvsieve.bundled import canonical_name
 from kvsieve.harness.content import check_dtype, check_store
 from kvsieve.harness.evaluate import evaluate_sample
 from kvsieve.harness.grid import Cell
+from kvsieve.harness.lm_eval_export import export_samples, reference_answers, ruler_metadata, sample_for
+from kvsieve.harness.prompt_split import split_prompt
 from kvsieve.harness.store import CellKey, CellResult, ResultsStore
 from kvsieve.models import dtype_name, load, local_source
 from kvsieve.policies.label import FULL_CACHE
 from kvsieve.policies.registry import parse
-from kvsieve.tasks.sample import Sample, write_jsonl
 
-__all__ = ["KvsieveLM", "Split", "TASK_PREFIX", "evaluate", "export_samples", "main", "ruler_metadata",
-           "sample_for", "split_prompt"]
+__all__ = ["KvsieveLM", "evaluate", "main"]
 
-RULER_GENERATORS = tuple(f"lm_eval.tasks.ruler.{name}" for name in
-                         ("common_utils", "prepare_niah", "niah_utils", "vt_utils", "cwe_utils", "fwe_utils"))
-LM_EVAL_RANDOM_SEED, LM_EVAL_NUMPY_SEED = 0, 1234  # simple_evaluate's defaults (random_seed, numpy_random_seed)
-TASK_PREFIX = "lmeval:"  # rows of lm-eval's tasks never share a table with kvsieve's own generator's
 DEFAULT_STORE = "results/lmeval.sqlite"
-METRIC = "string_match_all"  # RULER's metric, as lm-eval's ruler tasks score it (x100 here)
-
-
-@dataclass(frozen=True)
-class Split:
-    """A prompt cut into what is compressed, what is asked after, and the answer's opening words."""
-
-    context: str
-    question: str
-    answer_prefix: str
-    question_aware: bool
-    rule: str  # "last line" (query-agnostic), or why the cell is question-aware
-
-
-def split_prompt(prompt: str, gen_prefix: str | None = None, qa: str = "auto") -> Split:
-    """The documented rule (module docstring): ``gen_prefix`` cut off the end, the last line the question."""
-    if qa not in ("auto", "always"):
-        raise ValueError(f"qa must be 'auto' or 'always', got {qa!r}")
-    text, prefix = prompt, ""
-    if gen_prefix and prompt.rstrip().endswith(gen_prefix.strip()):
-        text = prompt.rstrip()[: -len(gen_prefix.strip())]
-        prefix = gen_prefix.strip()
-    text = text.rstrip()
-    head, newline, last = text.rpartition("\n")
-    last = last.strip()
-    if not newline or not head.strip():
-        reason = "no line break: question-aware"
-    elif not last:
-        reason = "empty last line: question-aware"
-    elif len(last) >= len(head):  # the bulk of the prompt is on its last line: no context to compress before it
-        reason = "last line longer than the text before it: question-aware"
-    else:
-        reason = ""
-    if reason or qa == "always":
-        if newline and head.strip() and last:  # keep the layout; the question is read before compressing
-            return Split(head, last, prefix, True, reason or "qa=always")
-        return Split(text, "", prefix, True, reason)
-    return Split(head, last, prefix, False, "last line")
-
-
-def _answers(doc: dict) -> list[str] | None:
-    """RULER's reference answers (``outputs``), or None where the document carries none."""
-    outputs = doc.get("outputs") if isinstance(doc, dict) else None
-    if isinstance(outputs, str):
-        outputs = [outputs]
-    if isinstance(outputs, list) and outputs and all(isinstance(o, str) and o for o in outputs):
-        return outputs
-    return None
 
 
 @register_model("kvsieve")
@@ -207,7 +127,7 @@ class KvsieveLM(LM):
         if gen_kwargs.get("do_sample"):
             raise ValueError("the kvsieve backend decodes greedily; the task asks for sampling (do_sample=true)")
         sample, split = sample_for(prompt, gen_kwargs, doc, task, doc_id, self.qa, self.length)
-        answers, digest = _answers(doc), sample.id.rpartition("-")[2]
+        answers, digest = reference_answers(doc), sample.id.rpartition("-")[2]
         # the full cache is one reference for every cell, question-aware or not (Label.reference has no +qa)
         cell = Cell(self.cell.policy_spec, self.cell.ratio, split.question_aware and self.cell.compresses)
         key = CellKey(self.model_name, sample.task, sample.length, sample.id, cell.stored, cell.ratio,
@@ -227,69 +147,6 @@ class KvsieveLM(LM):
         elif answers is None:
             self.unscored += 1
         return rows[0].prediction
-
-
-def sample_for(prompt: str, gen_kwargs: dict, doc: dict, task: str, doc_id: int | None, qa: str = "auto",
-               length: int = 0) -> tuple[Sample, Split]:
-    """The kvsieve sample of one lm-eval request (its row's task, length and id), and how its prompt was split.
-    A document without reference answers gets a placeholder one (its score means nothing; no row is stored)."""
-    split = split_prompt(prompt, doc.get("gen_prefix") if isinstance(doc, dict) else None, qa)
-    until = gen_kwargs.get("until") or []
-    stop = [until] if isinstance(until, str) else [s for s in until if s]
-    digest = hashlib.sha256(prompt.encode()).hexdigest()[:12]
-    sample = Sample(id=f"{doc_id}-{digest}", task=TASK_PREFIX + task, context=split.context, question=split.question,
-                    answer_prefix=split.answer_prefix, answers=_answers(doc) or ["-"],
-                    max_new_tokens=int(gen_kwargs.get("max_gen_toks", 256)),
-                    length=int(doc.get("max_length") or length), seed=0, metric=METRIC, stop=stop)
-    return sample, split
-
-
-def export_samples(model: str, tasks: Sequence[str], lengths: Sequence[int], limit: int, out: str | Path,
-                   include_path: str | None = None) -> int:
-    """Write lm-eval's first ``limit`` requests of each task (RULER built at ``lengths`` with ``model``'s tokenizer)
-    as kvsieve samples to ``out`` (JSONL), request-major (document 0 of every task, then 1, ...), so an interrupted
-    ``kvsieve eval --data`` leaves every task with about as many requests. Returns the number written.
-
-    Only prompts the rule splits query-agnostically, with reference answers, are written: ``kvsieve eval`` runs a
-    file's samples in one mode, and scores them against their answers. Others raise ``ValueError``.
-    ``include_path``: a folder of further task YAMLs (lm-eval's ``--include_path``).
-
-    RULER's generators draw from Python's and numpy's global generators, which only ``simple_evaluate`` seeds,
-    and importing them draws too: they are imported first, then each task is built after seeding both as
-    lm-eval's defaults do (``random`` 0, numpy 1234). A task's samples are then the same whatever other tasks
-    are listed, and a larger ``limit`` extends a smaller one's file."""
-    for module in RULER_GENERATORS:
-        importlib.import_module(module)
-    manager = TaskManager(include_path=include_path, metadata=ruler_metadata(model, lengths))
-    per_task = []
-    for requested in tasks:
-        random.seed(LM_EVAL_RANDOM_SEED)
-        np.random.seed(LM_EVAL_NUMPY_SEED)
-        for name, task in manager.load([requested])["tasks"].items():
-            per_task.append(_task_samples(name, task, limit))
-    ordered = [s for i in range(max(map(len, per_task), default=0)) for samples in per_task
-               if i < len(samples) for s in [samples[i]]]
-    return write_jsonl(ordered, out)
-
-
-def _task_samples(name: str, task: Any, limit: int) -> list[Sample]:
-    task.build_all_requests(limit=limit)
-    samples = []
-    for instance in task.instances:
-        prompt, gen_kwargs = instance.args
-        sample, split = sample_for(prompt, dict(gen_kwargs), instance.doc, name, instance.doc_id)
-        if split.question_aware or _answers(instance.doc) is None:
-            raise ValueError(f"{name} document {instance.doc_id}: "
-                             f"{split.rule if split.question_aware else 'no reference answers (outputs)'}; "
-                             "run this task through the backend (kvsieve-lm-eval) instead")
-        samples.append(sample)
-    return samples
-
-
-def ruler_metadata(model: str, lengths: Sequence[int]) -> dict[str, Any]:
-    """lm-eval ``metadata`` for its RULER tasks: the lengths, and the model's own tokenizer files (a bundled
-    model's converted folder), so the generators size the samples offline with the tokenizer that reads them."""
-    return {"tokenizer": local_source(canonical_name(model)), "max_seq_lengths": [int(n) for n in lengths]}
 
 
 def evaluate(model: str, tasks: Sequence[str], policy: str = FULL_CACHE, ratio: float = 0.0,
