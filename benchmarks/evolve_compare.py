@@ -7,8 +7,9 @@ held-out requests:
     python benchmarks/evolve_compare.py run --config configs/evolve-compare-smollm2.toml --seeds 0,1,2 \
         --candidates 48 --step 8          (rerun the same command to resume; every run grows in rounds of --step)
     python benchmarks/evolve_compare.py report --config configs/evolve-compare-smollm2.toml --seeds 0,1,2 \
-        --every 8 [--correlation 32]      (held-out scores cached in OUT/heldout.json; prints markdown, saves
-                                           OUT/curve.png; --correlation N: Spearman of dev fitness vs accuracy)
+        --every 8 [--correlation 32] [--plot OUT/curve-X.png]   (held-out scores cached in OUT/heldout.json;
+                                           prints markdown, draws the curve to --plot, default OUT/curve.png;
+                                           --correlation N: Spearman of dev fitness vs accuracy)
 
 Two databases of one evolution and its best-of-N control (the older, unreplicated comparison, on dev scores):
 
@@ -171,6 +172,7 @@ def study_main(verb: str, argv: list[str]) -> None:
         parser.add_argument("--every", type=int, default=8, help="curve points every N candidates")
         parser.add_argument("--curve", default="likelihood", choices=("likelihood", "task"),
                             help="the held-out measure of the best-so-far curve (task: decoded accuracy, costlier)")
+        parser.add_argument("--plot", default=None, help="where to draw the curve (default: OUT/curve.png)")
         parser.add_argument("--correlation", type=int, default=0,
                             help="also score N distinct programs (spread over the dev fitness) on held-out requests "
                                  "and give the Spearman correlation of dev fitness with held-out accuracy")
@@ -193,7 +195,8 @@ def study_main(verb: str, argv: list[str]) -> None:
         return
     from kvsieve.evolve.study_report import study_report
 
-    print(study_report(base, runs, load_rule(args.rule).order, args.every, args.correlation, load, args.curve))
+    print(study_report(base, runs, load_rule(args.rule).order, args.every, args.correlation, load, args.curve,
+                       args.plot))
 
 
 if __name__ == "__main__":

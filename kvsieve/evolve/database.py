@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvsieve.language.program_features import HELPERS_VERSION, TENSOR_FIELDS
-from kvsieve.language.program_source import fields_read
+from kvsieve.language.program_source import Program, fields_read
 
 __all__ = ["ProgramRecord", "ProgramDatabase", "behaviour_cell", "rank_key"]
 
@@ -182,6 +182,11 @@ class ProgramDatabase:
             params += (before_generation,)
         found = self.records(where, params)
         return found[0] if found else None
+
+    def score_of(self, program: Program) -> float | None:
+        """The dev score of ``program``'s code, None if it was never evaluated (what LLM mutators show in prompts)."""
+        record = self.by_hash(program.code_hash)
+        return None if record is None else record.score
 
     def by_kept_hash(self, before_generation: int) -> dict[str, ProgramRecord]:
         """The first program before ``before_generation`` that reached stage 2 with each kept-entries hash."""

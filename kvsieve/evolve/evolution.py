@@ -83,12 +83,7 @@ def _run(config: EvolveConfig, progress: bool, model, tokenizer) -> EvolveResult
             executor = LocalExecutor(dev, limits, config.fitness, config.dev_cells == "alternate")
         mutator = make_mutator(config, model, tokenizer)
         if hasattr(mutator, "score_of"):  # LLM prompts show the parent's and inspirations' dev scores
-
-            def score_of(program: Program) -> float | None:
-                record = db.by_hash(program.code_hash)
-                return None if record is None else record.score
-
-            mutator.score_of = score_of
+            mutator.score_of = db.score_of
         try:
             best = evolve(config, executor, mutator, db, progress=progress)
         finally:

@@ -36,6 +36,10 @@ class EvolveConfig:
     candidates: int = 200  # programs evaluated (duplicates and unusable proposals do not count)
     time_budget_s: float | None = None
     strategy: str = "evolve"  # or "best_of_n"
+    # with strategy "evolve": generations 1..N propose fresh random programs (mutators/random_programs.py, the seed
+    # as nominal parent, no score read), the initial population genetic programming starts from; selection and the
+    # mutator act from generation N + 1. The random arm with the same seed draws the same first programs.
+    random_generations: int = 0
     # "task": the dev score is the decoded answers' task metric (stages 2-3); "likelihood": the graded teacher-forced
     # answer likelihood of every dev cell (stage 2 the last; cascade.likelihood_score), seconds per candidate
     fitness: str = "task"
@@ -84,6 +88,12 @@ class EvolveConfig:
             raise ValueError(f"dev_cells must be 'all' or 'alternate', got {self.dev_cells!r}")
         if self.dev_cells == "alternate" and self.fitness != "likelihood":
             raise ValueError("dev_cells 'alternate' needs fitness 'likelihood' (stage 3 decodes every cell)")
+        if isinstance(self.random_generations, bool) or not isinstance(self.random_generations, int) \
+                or self.random_generations < 0:
+            raise ValueError(f"random_generations must be an int >= 0, got {self.random_generations!r}")
+        if self.random_generations and self.strategy != "evolve":
+            raise ValueError(f"random_generations needs strategy 'evolve' (best-of-N has no population), got "
+                             f"{self.random_generations!r} with {self.strategy!r}")
         if self.mutator == "openai" and not (self.llm_base_url and self.llm_model):
             raise ValueError("the openai mutator needs llm_base_url and llm_model (--llm-base-url, --llm-model)")
         if self.sandbox not in ("default", "strict"):

@@ -5,7 +5,9 @@ Generation 0 evaluates the seed programs in every island. Each later generation 
 children do not depend on which sibling finished first), evaluates them through the executor and
 stores each row as it finishes. Every choice is drawn from ``random.Random(f"{seed}:{generation}:
 {island}:{slot}")``: a killed run resumes with the same children and the same results.
-``strategy="best_of_n"`` is the control: every child is a mutation of the first seed program. In both, a child that
+``strategy="best_of_n"`` is the control: every child is a mutation of the first seed program. With
+``random_generations`` N, evolution's generations 1..N are fresh random programs (an initial population, drawn as the
+random arm draws them), selection and the mutator acting from N + 1. In every case a child that
 repeats an earlier program's code takes further random edits (``EXTRA_EDITS``) before it counts as a duplicate.
 """
 
@@ -21,6 +23,7 @@ from kvsieve.evolve.cascade import Evaluation, KnownKept
 from kvsieve.evolve.database import ProgramDatabase, ProgramRecord, behaviour_cell, rank_key
 from kvsieve.evolve.evolve_config import EvolveConfig
 from kvsieve.evolve.mutators.base import Mutator
+from kvsieve.evolve.mutators.random_programs import RandomProgramMutator
 from kvsieve.evolve.seeds import SEEDS
 from kvsieve.language.program_source import Program
 from kvsieve.language.static_check import StaticCheckError, check_source
@@ -109,11 +112,13 @@ def evolve(config: EvolveConfig, executor: Executor, mutator: Mutator, db: Progr
             _migrate(config, db, generation)
         generation += 1
     barren = 0  # consecutive generations without a new program: the mutator's neighbourhood is exhausted
+    initial = RandomProgramMutator()
     while not out_of_budget():
         before = db.evaluated_count()
         # graded fitness: stage 2 is the last stage, so no threshold (it would only save decoding)
         threshold = max_gap(db, config, generation) if config.fitness == "task" else None
-        _run_generation(config, executor, mutator, db, generation, threshold, bar)
+        proposer = initial if generation <= config.random_generations else mutator
+        _run_generation(config, executor, proposer, db, generation, threshold, bar)
         barren = barren + 1 if db.evaluated_count() == before else 0
         if barren >= STALL_GENERATIONS:
             print(f"kvsieve evolve: stopped after {STALL_GENERATIONS} generations without a new program "
@@ -149,8 +154,8 @@ def _run_generation(config, executor, mutator, db, generation, threshold, bar) -
             if db.has_slot(generation, island, slot):
                 continue
             rng = random.Random(f"{config.seed}:{generation}:{island}:{slot}")
-            if config.strategy == "best_of_n":
-                parent, pool = seed_record, []
+            if config.strategy == "best_of_n" or generation <= config.random_generations:
+                parent, pool = seed_record, []  # (initial random programs: drawn as the random arm draws them)
             else:
                 parent = best if (rng.random() < config.exploit or not elites) else rng.choice(elites)
                 pool = [r for r in elites + [o for o in others if o is not None] if r.code_hash != parent.code_hash]

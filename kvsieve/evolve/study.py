@@ -51,7 +51,14 @@ ARMS = {"evolve": dict(strategy="evolve", mutator="structural"),
         "best_of_n": dict(strategy="best_of_n", mutator="structural"),
         "random": dict(strategy="best_of_n", mutator="random"),
         "evolve_mixed": dict(strategy="evolve", mutator="mixed"),
-        "best_of_n_mixed": dict(strategy="best_of_n", mutator="mixed")}
+        "best_of_n_mixed": dict(strategy="best_of_n", mutator="mixed"),
+        # an initial population of random programs (4 generations: 8 programs at 2 a generation, a third of a
+        # 24-candidate run; the random arm with the same seed draws the same 8), then structural evolution
+        "evolve_random": dict(strategy="evolve", mutator="structural", random_generations=4),
+        # the bundled coder decoding under the language's grammar (mutators/constrained.py), prompted with the
+        # parent, inspirations and their dev scores; best-of-N asks it for children of the seed program only
+        "evolve_llm": dict(strategy="evolve", mutator="constrained"),
+        "best_of_n_llm": dict(strategy="best_of_n", mutator="constrained")}
 SKIPPED = ("duplicate", "no_proposal", "migrated")  # rows that cost no evaluation
 KEPT_REASON = "keeps the entries of program #"  # cascade's reason for a result taken from a run's earlier program
 
@@ -131,10 +138,16 @@ def run_study(runs: list[StudyRun], candidates: int, step: int, model, tokenizer
     limits = SandboxLimits(timeout_s=base.sandbox_timeout_s, memory_mb=base.sandbox_memory_mb)
     executor = SharedExecutor(LocalExecutor(dev, limits, base.fitness, base.dev_cells == "alternate"))
     budgets = sorted({*range(step, candidates + 1, step), candidates})
+    mutators = {}  # one per run, built once (an LLM mutator loads its coder on first use)
     for budget in budgets:
         for run in runs:
             config = replace(run.config, candidates=budget)
             db = ProgramDatabase(config.db)
+            if (run.arm, run.seed) not in mutators:
+                mutators[run.arm, run.seed] = make_mutator(config)
+            mutator = mutators[run.arm, run.seed]
+            if hasattr(mutator, "score_of"):  # LLM prompts show the parent's and inspirations' dev scores
+                mutator.score_of = db.score_of
             try:
                 db.check_config(config.identity())
                 db.set_meta("isolation", isolation)
@@ -145,7 +158,7 @@ def run_study(runs: list[StudyRun], candidates: int, step: int, model, tokenizer
                     continue
                 start = time.perf_counter()
                 before = db.evaluated_count()
-                evolve(config, executor, make_mutator(config), db, progress=False)
+                evolve(config, executor, mutator, db, progress=False)
                 done = db.evaluated_count() - before
                 best = db.best()
                 log(f"{time.strftime('%H:%M:%S')} {run.arm}-s{run.seed}: {db.evaluated_count()}/{budget} evaluated "

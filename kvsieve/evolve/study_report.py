@@ -17,9 +17,13 @@ from kvsieve.evolve.study import HeldoutScores, StudyRun, evaluated_records, per
 
 __all__ = ["study_report", "spearman", "spread_programs"]
 
-PAIRS = (("evolve_mixed", "best_of_n_mixed"), ("evolve_mixed", "random"), ("evolve_mixed", "evolve"),
-         ("best_of_n_mixed", "random"), ("evolve", "best_of_n"), ("evolve", "random"), ("best_of_n", "random"))
-PER_SEED = (("evolve_mixed", "best_of_n_mixed"), ("evolve", "best_of_n"))  # evolution - its best-of-N, seed by seed
+PAIRS = (("evolve_random", "random"), ("evolve_random", "evolve"), ("evolve_llm", "best_of_n_llm"),
+         ("evolve_llm", "random"), ("best_of_n_llm", "random"), ("evolve_mixed", "best_of_n_mixed"),
+         ("evolve_mixed", "random"), ("evolve_mixed", "evolve"), ("best_of_n_mixed", "random"), ("evolve", "best_of_n"),
+         ("evolve", "random"), ("best_of_n", "random"))
+# evolution - its control, seed by seed
+PER_SEED = (("evolve_random", "random"), ("evolve_llm", "best_of_n_llm"), ("evolve_mixed", "best_of_n_mixed"),
+            ("evolve", "best_of_n"))
 
 
 def spearman(x, y) -> float:
@@ -59,10 +63,10 @@ def _fmt(mean: float, low: float, high: float, signed: bool = False) -> str:
 
 
 def study_report(base: EvolveConfig, runs: list[StudyRun], order: tuple[str, ...], every: int, correlation: int,
-                 loader: Callable, curve_measure: str = "likelihood") -> str:
+                 loader: Callable, curve_measure: str = "likelihood", plot: str | Path | None = None) -> str:
     """Markdown: the runs, their picks' held-out scores, the pooled comparisons, the curve of ``curve_measure`` (also
-    ``OUT/curve.png``) and, with ``correlation`` > 0, the fitness's rank agreement with held-out accuracy. Held-out
-    cells as the dev set's (``dev_cells``)."""
+    drawn to ``plot``, default ``OUT/curve.png``) and, with ``correlation`` > 0, the fitness's rank agreement with
+    held-out accuracy. Held-out cells as the dev set's (``dev_cells``)."""
     found = {}
     for run in runs:
         if Path(run.config.db).is_file():
@@ -157,8 +161,9 @@ def study_report(base: EvolveConfig, runs: list[StudyRun], order: tuple[str, ...
             dev = np.mean([picks[(arm, s)][n].score for s in seeds])
             cols += [_fmt(*m), f"{dev:.2f}"]
         lines.append(f"| {n} | " + " | ".join(cols) + " |")
-    _plot(curve, marks, Path(base.out) / "curve.png", f"held-out {name} of the rule's pick")
-    lines += ["", f"Curve: {Path(base.out) / 'curve.png'}"]
+    plot = Path(plot) if plot is not None else Path(base.out) / "curve.png"
+    _plot(curve, marks, plot, f"held-out {name} of the rule's pick")
+    lines += ["", f"Curve: {plot}"]
     if correlation > 0:
         pooled = [r for records in found.values() for r in records]
         chosen = spread_programs(pooled, correlation)

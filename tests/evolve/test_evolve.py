@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -340,6 +341,51 @@ def test_resume_is_exact_across_migrations(tmp_path):
         evolve(config, _FakeExecutor(), StructuralMutator(), db, progress=False)
         db.close()
         assert _whole_rows(path) == expected, f"resumed after {stop} rows"
+
+
+def test_random_generations_draw_the_random_arms_programs_then_evolve_them(tmp_path):
+    """With ``random_generations`` N, generations 1..N are exactly the programs the random arm (best-of-N over
+    fresh random programs) draws with the same seed; later children are structural edits whose parents come from
+    the population, random programs included; a run killed in either phase resumes to the same rows."""
+    from kvsieve.evolve.mutators.random_programs import RandomProgramMutator
+    from kvsieve.evolve.search import evolve
+
+    config = tiny_run_config(tmp_path, 14, islands=1, per_island=2, random_generations=3)
+    control = replace(config, strategy="best_of_n", mutator="random", random_generations=0,
+                      db=str(tmp_path / "random.sqlite"))
+    for run, mutator in ((config, StructuralMutator()), (control, RandomProgramMutator())):
+        db = ProgramDatabase(run.db)
+        evolve(run, _FakeExecutor(), mutator, db, progress=False)
+        db.close()
+    ours, theirs = ProgramDatabase(config.db), ProgramDatabase(control.db)
+    try:
+        initial = ours.records("generation BETWEEN 1 AND 3")
+        assert len(initial) == 6 and {r.mutator for r in initial} == {"random"}
+        assert [r.source for r in initial] == [r.source for r in theirs.records("generation BETWEEN 1 AND 3")]
+        later = ours.records("generation > 3")
+        assert later and {r.mutator for r in later} == {"structural"}
+        seed_ids = {r.id for r in ours.records("generation = 0")}
+        random_ids = {r.id for r in initial}
+        assert any(r.parent_id in random_ids for r in later)  # evolution builds on the random population
+        assert all(r.parent_id in seed_ids | random_ids | {x.id for x in later} for r in later)
+    finally:
+        ours.close()
+        theirs.close()
+    expected = _whole_rows(config.db)
+    for stop in (4, 9):  # killed among the random programs, then among the evolved ones
+        path = tmp_path / f"stopped-{stop}.sqlite"
+        dying = _DyingDatabase(path, stop)
+        with pytest.raises(_Killed):
+            evolve(replace(config, db=str(path)), _FakeExecutor(), StructuralMutator(), dying, progress=False)
+        dying.close()
+        db = ProgramDatabase(path)
+        evolve(replace(config, db=str(path)), _FakeExecutor(), StructuralMutator(), db, progress=False)
+        db.close()
+        assert _whole_rows(path) == expected, f"resumed after {stop} rows"
+    with pytest.raises(ValueError, match="random_generations needs strategy 'evolve'"):
+        replace(config, strategy="best_of_n")
+    with pytest.raises(ValueError, match="random_generations must be an int >= 0, got -1"):
+        replace(config, random_generations=-1)
 
 
 def test_plateaus_follow_one_rule_mid_run_and_at_the_end(tmp_path):

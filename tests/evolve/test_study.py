@@ -149,7 +149,7 @@ def test_study_runs_grow_in_equal_rounds_resume_and_report(smollm2, tmp_path):
     model, tokenizer = tiny_model_and_tokenizer(smollm2[1])
     base = replace(tiny_run_config(tmp_path, 4), fitness="likelihood", dev_cells="alternate", heldout_samples=1,
                    out=str(tmp_path / "study"))
-    runs = study_runs(base, ["evolve", "best_of_n", "random"], [0, 1])
+    runs = study_runs(base, ["evolve", "best_of_n", "random", "evolve_random"], [0, 1])
     run_study(runs, 3, 3, model, tokenizer, "float32", log=lambda _: None)
     first = {run.config.db: evaluated_records(run.config.db)[1] for run in runs}
     assert {len(r) for r in first.values()} == {3}
@@ -159,10 +159,13 @@ def test_study_runs_grow_in_equal_rounds_resume_and_report(smollm2, tmp_path):
         assert len(records) == 5 and config["seed"] == run.seed
         assert [r.source for r in records[:3]] == [r.source for r in first[run.config.db]]
         assert [r.operation for r in records[:2]] == ["snapkv", "tova"]  # the same seed programs open every run
-        if run.arm == "random":
+        if run.arm in ("random", "evolve_random"):  # evolve_random opens with the random arm's programs
             assert all(r.operation.startswith("random") for r in records[2:])
+        if run.arm == "evolve_random":
+            same_seed = next(r for r in runs if r.arm == "random" and r.seed == run.seed)
+            assert [r.source for r in records] == [r.source for r in evaluated_records(same_seed.config.db)[1]]
         db = ProgramDatabase(run.config.db)
-        assert db.meta("config")["strategy"] == ("evolve" if run.arm == "evolve" else "best_of_n")
+        assert db.meta("config")["strategy"] == ("evolve" if run.arm.startswith("evolve") else "best_of_n")
         db.close()
     # a run alone, with its own executor and nothing shared, stores the same rows (but the timings)
     from test_evolve import rows
@@ -171,15 +174,17 @@ def test_study_runs_grow_in_equal_rounds_resume_and_report(smollm2, tmp_path):
     from kvsieve.evolve.mutators import make_mutator
     from kvsieve.evolve.search import evolve
 
-    alone = replace(runs[-2].config, candidates=5, db=str(tmp_path / "alone.sqlite"))
+    alone = replace(runs[-3].config, candidates=5, db=str(tmp_path / "alone.sqlite"))
     dev = DevSet(model, tokenizer, dev_samples(alone, tokenizer, alone.dev_seed, alone.dev_samples), alone.ratios,
                  alone.window, alone.dev_cache_folder)
     db = ProgramDatabase(alone.db)
     evolve(alone, LocalExecutor(dev, fitness="likelihood", alternate=True), make_mutator(alone), db, progress=False)
     db.close()
-    assert rows(alone.db) == rows(runs[-2].config.db)
-    report = study_report(base, runs, ORDER, 2, 0, lambda name, dtype: (model, tokenizer))
-    assert "| evolve - best_of_n |" in report and (tmp_path / "study" / "curve.png").is_file()
+    assert rows(alone.db) == rows(runs[-3].config.db)
+    report = study_report(base, runs, ORDER, 2, 0, lambda name, dtype: (model, tokenizer),
+                          plot=tmp_path / "named.png")
+    assert "| evolve - best_of_n |" in report and "| evolve_random - random |" in report
+    assert (tmp_path / "named.png").is_file() and not (tmp_path / "study" / "curve.png").exists()
     cached = json.loads((tmp_path / "study" / "heldout.json").read_text())
     assert all(set(v) >= {"task", "likelihood", "task_cells"} for v in cached.values())
 
@@ -191,6 +196,7 @@ def test_study_runs_grow_in_equal_rounds_resume_and_report(smollm2, tmp_path):
     original = study.evaluate_program
     study.evaluate_program = refuse
     try:
-        assert study_report(base, runs, ORDER, 2, 0, lambda name, dtype: (model, tokenizer)) == report
+        assert study_report(base, runs, ORDER, 2, 0, lambda name, dtype: (model, tokenizer),
+                            plot=tmp_path / "named.png") == report
     finally:
         study.evaluate_program = original
