@@ -173,6 +173,8 @@ def study_main(verb: str, argv: list[str]) -> None:
         parser.add_argument("--curve", default="likelihood", choices=("likelihood", "task"),
                             help="the held-out measure of the best-so-far curve (task: decoded accuracy, costlier)")
         parser.add_argument("--plot", default=None, help="where to draw the curve (default: OUT/curve.png)")
+        parser.add_argument("--budget", type=int, default=None,
+                            help="compare the picks among each run's first N candidates (default: the shortest run's)")
         parser.add_argument("--correlation", type=int, default=0,
                             help="also score N distinct programs (spread over the dev fitness) on held-out requests "
                                  "and give the Spearman correlation of dev fitness with held-out accuracy")
@@ -196,7 +198,7 @@ def study_main(verb: str, argv: list[str]) -> None:
     from kvsieve.evolve.study_report import study_report
 
     print(study_report(base, runs, load_rule(args.rule).order, args.every, args.correlation, load, args.curve,
-                       args.plot))
+                       args.plot, args.budget))
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ from kvsieve.evolve.search import evolve
 from kvsieve.files import written_whole
 from kvsieve.language.program_source import Program
 
-__all__ = ["ARMS", "SharedExecutor", "StudyRun", "study_runs", "run_study", "evaluated_records", "picks_at",
+__all__ = ["ARMS", "SKIPPED", "SharedExecutor", "StudyRun", "study_runs", "run_study", "evaluated_records", "picks_at",
            "per_request", "two_level_interval", "HeldoutScores"]
 
 ARMS = {"evolve": dict(strategy="evolve", mutator="structural"),
@@ -167,14 +167,15 @@ def run_study(runs: list[StudyRun], candidates: int, step: int, model, tokenizer
                 db.close()
 
 
-def evaluated_records(path: str | Path) -> tuple[dict, list[ProgramRecord]]:
-    """A run's configuration and its evaluated programs in (generation, island, slot) order."""
+def evaluated_records(path: str | Path, skipped: tuple[str, ...] = SKIPPED) -> tuple[dict, list[ProgramRecord]]:
+    """A run's configuration and its evaluated programs in (generation, island, slot) order (``skipped=()``: every
+    row, the ones that cost no evaluation included)."""
     if not Path(path).is_file():
         raise ValueError(f"no program database at {path}")
     db = ProgramDatabase(path)  # SQLite's locking lets a running study go on writing it
     try:
         config = db.meta("config") or {}
-        records = [r for r in db.records() if r.status not in SKIPPED]
+        records = [r for r in db.records() if r.status not in skipped]
     finally:
         db.close()
     return config, records

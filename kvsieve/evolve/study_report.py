@@ -13,9 +13,17 @@ from kvsieve.evolve.cascade import DevSet
 from kvsieve.evolve.database import ProgramRecord
 from kvsieve.evolve.evolve_config import EvolveConfig, dev_samples
 from kvsieve.evolve.sandbox import SandboxLimits
-from kvsieve.evolve.study import HeldoutScores, StudyRun, evaluated_records, per_request, picks_at, two_level_interval
+from kvsieve.evolve.study import (
+    SKIPPED,
+    HeldoutScores,
+    StudyRun,
+    evaluated_records,
+    per_request,
+    picks_at,
+    two_level_interval,
+)
 
-__all__ = ["study_report", "spearman", "spread_programs"]
+__all__ = ["study_report", "spearman", "spread_programs", "proposals"]
 
 PAIRS = (("evolve_random", "random"), ("evolve_random", "evolve"), ("evolve_llm", "best_of_n_llm"),
          ("evolve_llm", "random"), ("best_of_n_llm", "random"), ("evolve_mixed", "best_of_n_mixed"),
@@ -63,9 +71,11 @@ def _fmt(mean: float, low: float, high: float, signed: bool = False) -> str:
 
 
 def study_report(base: EvolveConfig, runs: list[StudyRun], order: tuple[str, ...], every: int, correlation: int,
-                 loader: Callable, curve_measure: str = "likelihood", plot: str | Path | None = None) -> str:
-    """Markdown: the runs, their picks' held-out scores, the pooled comparisons, the curve of ``curve_measure`` (also
-    drawn to ``plot``, default ``OUT/curve.png``) and, with ``correlation`` > 0, the fitness's rank agreement with
+                 loader: Callable, curve_measure: str = "likelihood", plot: str | Path | None = None,
+                 budget: int | None = None) -> str:
+    """Markdown: the runs, their picks' held-out scores, the pooled comparisons at ``budget`` candidates (default: as
+    many as the shortest run holds), the curve of ``curve_measure`` (also drawn to ``plot``, default
+    ``OUT/curve.png``), each mutator's proposals and, with ``correlation`` > 0, the fitness's rank agreement with
     held-out accuracy. Held-out cells as the dev set's (``dev_cells``)."""
     found = {}
     for run in runs:
@@ -73,7 +83,12 @@ def study_report(base: EvolveConfig, runs: list[StudyRun], order: tuple[str, ...
             found[(run.arm, run.seed)] = evaluated_records(run.config.db)[1]
     if not found:
         raise ValueError(f"no study database under {base.out}")
-    budget = min(len(r) for r in found.values())
+    shortest = min(len(r) for r in found.values())
+    if budget is None:
+        budget = shortest
+    elif not 1 <= budget <= shortest:
+        raise ValueError(f"budget must be in 1..{shortest} (the shortest run's evaluated candidates), got {budget}")
+    found = {key: records[:budget] for key, records in found.items()}
     marks = sorted({*range(every, budget + 1, every), budget})
     picks = {key: picks_at(records, order, marks) for key, records in found.items()}
     cache = HeldoutScores(Path(base.out) / "heldout.json", alternate=base.dev_cells == "alternate")
@@ -164,6 +179,19 @@ def study_report(base: EvolveConfig, runs: list[StudyRun], order: tuple[str, ...
     plot = Path(plot) if plot is not None else Path(base.out) / "curve.png"
     _plot(curve, marks, plot, f"held-out {name} of the rule's pick")
     lines += ["", f"Curve: {plot}"]
+    lines += ["", "Proposals of each arm's mutators over all its runs (every proposal the run made, duplicates and "
+              "replies with no program included; 95% Wilson intervals): past stage 0 = accepted by the static check, "
+              "past stage 1 = also by the sandbox's invariants, novel = code no earlier program of its run had", "",
+              "| arm | mutator | proposals | past stage 0 | past stage 1 | novel |", "|---|---|---:|---|---|---|"]
+    for arm in arms:
+        rows = [r for run in runs if run.arm == arm and (arm, run.seed) in found
+                for r in proposals(run.config.db, budget)]
+        for mutator in dict.fromkeys(r.mutator for r in rows):
+            mine = [r for r in rows if r.mutator == mutator]
+            counts = (sum(r.stage >= 0 for r in mine), sum(r.stage >= 1 for r in mine),
+                      sum(r.status not in ("duplicate", "no_proposal") for r in mine))
+            lines.append(f"| {arm} | {mutator} | {len(mine)} | " + " | ".join(_share(k, len(mine)) for k in counts)
+                         + " |")
     if correlation > 0:
         pooled = [r for records in found.values() for r in records]
         chosen = spread_programs(pooled, correlation)
@@ -178,6 +206,27 @@ def study_report(base: EvolveConfig, runs: list[StudyRun], order: tuple[str, ...
                   f"- dev fitness vs held-out accuracy: {_rho(dev, acc)}",
                   f"- held-out accuracy range {min(acc):.1f}-{max(acc):.1f}, distinct values {len(set(acc))}"]
     return "\n".join(lines)
+
+
+def proposals(path: str | Path, budget: int) -> list[ProgramRecord]:
+    """The rows a run's mutators proposed (not the seeds, not migrations' copies) up to its ``budget``-th evaluated
+    candidate, in (generation, island, slot) order."""
+    out, evaluated = [], 0
+    for record in evaluated_records(path, skipped=())[1]:
+        if evaluated >= budget:
+            break
+        if record.status not in SKIPPED:
+            evaluated += 1
+        if record.generation > 0 and record.status != "migrated":
+            out.append(record)
+    return out
+
+
+def _share(k: int, n: int) -> str:
+    from scipy.stats import binomtest
+
+    ci = binomtest(k, n).proportion_ci(method="wilson")
+    return f"{100 * k / n:.0f}% [{100 * ci.low:.0f}, {100 * ci.high:.0f}]"
 
 
 def _rho(x, y) -> str:

@@ -185,6 +185,18 @@ def test_study_runs_grow_in_equal_rounds_resume_and_report(smollm2, tmp_path):
                           plot=tmp_path / "named.png")
     assert "| evolve - best_of_n |" in report and "| evolve_random - random |" in report
     assert (tmp_path / "named.png").is_file() and not (tmp_path / "study" / "curve.png").exists()
+    # the mutators' table: every random proposal passes stage 0 (three per run of five candidates, two seeds); the
+    # interval is Wilson's, from its formula
+    z, n = 1.959964, 6
+    low = (1 + z * z / (2 * n) - z * math.sqrt(z * z / (4 * n * n))) / (1 + z * z / n)
+    assert f"| random | random | {n} | 100% [{100 * low:.0f}, 100] |" in report
+    assert f"| evolve_random | random | {n} | 100% [{100 * low:.0f}, 100] |" in report
+    assert "| random | seed |" not in report  # the seed programs are no mutator's proposals
+    with pytest.raises(ValueError, match="budget must be in 1..5"):
+        study_report(base, runs, ORDER, 2, 0, lambda name, dtype: (model, tokenizer), budget=6)
+    at_four = study_report(base, runs, ORDER, 2, 0, lambda name, dtype: (model, tokenizer),
+                           plot=tmp_path / "four.png", budget=4)
+    assert "4 evaluated candidates each" in at_four and "| random | random | 4 |" in at_four
     cached = json.loads((tmp_path / "study" / "heldout.json").read_text())
     assert all(set(v) >= {"task", "likelihood", "task_cells"} for v in cached.values())
 
