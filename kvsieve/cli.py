@@ -92,7 +92,8 @@ def cmd_eval(args) -> int:
 def _print_tables(store, model: str | None, out: str | None = None, markdown: bool = False,
                   tasks: list[str] | None = None, mixed_machines: bool = False) -> None:
     from kvsieve.bundled import canonical_name
-    from kvsieve.harness.report import report_text, write_plots
+    from kvsieve.harness.report import report_text
+    from kvsieve.harness.report_plots import write_plots
 
     filters = {k: v for k, v in (("model", model and canonical_name(model)), ("task", tasks)) if v}
     results, failures = store.rows(**filters), store.failed(**filters)

@@ -1,18 +1,15 @@
-"""Score tables and plots from a tiny synthetic result list with hand-computed means."""
+"""Score tables (report.py) and their plots (report_plots.py) from a tiny synthetic result list with hand-computed
+means."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvsieve.harness.report import (
-    by_model,
-    format_summary,
-    format_table,
+from kvsieve.harness.report import by_model, format_summary, format_table, report_text, score_table
+from kvsieve.harness.report_plots import (
     line_styles,
     plot_scores,
     plot_task_panels,
-    report_text,
-    score_table,
     scores_figure,
     task_panels_figure,
     write_plots,
@@ -133,13 +130,13 @@ def test_plots_written(tmp_path, results):
 
 
 def test_plot_line_styles(results):
-    from kvsieve.harness import report
+    from kvsieve.harness import report_plots
 
-    table, tasks, styles, model, n = report._prepare(results)
+    table, tasks, styles, model, n = report_plots._prepare(results)
     assert (model, n) == ("m", 4)  # qa, sum x s0, s1
-    fig = report._figure((4, 3))
+    fig = report_plots._figure((4, 3))
     ax = fig.add_subplot(1, 1, 1)
-    report._draw(ax, table, tasks, styles)
+    report_plots._draw(ax, table, tasks, styles)
     styles = {line.get_label(): line.get_linestyle() for line in ax.get_lines()}
     # knorm is incomplete (no sum task) so it has no average point; full is a horizontal reference line
     assert styles == {"snapkv": "-", "oracle(window=16)": "--", "snapkv+qa": "--", "full": "--"}
