@@ -176,6 +176,15 @@ def study_report(base: EvolveConfig, runs: list[StudyRun], order: tuple[str, ...
             dev = np.mean([picks[(arm, s)][n].score for s in seeds])
             cols += [_fmt(*m), f"{dev:.2f}"]
         lines.append(f"| {n} | " + " | ".join(cols) + " |")
+    present = [(a, b) for a, b in PAIRS if a in arms and b in arms]
+    if present:  # the same curve as paired differences: the arms' levels share the requests' and seeds' variation
+        lines += ["", f"Paired difference of the held-out {name} along the curve (95% bootstrap over seeds and "
+                  "requests)", "", "| N | " + " | ".join(f"{a} - {b}" for a, b in present) + " |",
+                  "|---:|" + "---|" * len(present)]
+        for n in marks:
+            cells = [_fmt(*two_level_interval(matrix(a, n, curve_measure) - matrix(b, n, curve_measure)), signed=True)
+                     for a, b in present]
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
     plot = Path(plot) if plot is not None else Path(base.out) / "curve.png"
     _plot(curve, marks, plot, f"held-out {name} of the rule's pick")
     lines += ["", f"Curve: {plot}"]

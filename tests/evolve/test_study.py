@@ -210,5 +210,23 @@ def test_study_runs_grow_in_equal_rounds_resume_and_report(smollm2, tmp_path):
     try:
         assert study_report(base, runs, ORDER, 2, 0, lambda name, dtype: (model, tokenizer),
                             plot=tmp_path / "named.png") == report
+        # the paired curve, on held-out likelihoods set by hand (the tiny model's are all ~0): each difference's mean
+        # is the difference of the two arms' levels; evolve_random and random share their first five candidates
+        for code_hash, entry in cached.items():
+            entry["likelihood_cells"] = {k: float(int(code_hash[:4], 16) % 97 + i)
+                                         for i, k in enumerate(sorted(entry["likelihood_cells"]))}
+        (tmp_path / "study" / "heldout.json").write_text(json.dumps(cached))
+        synthetic = study_report(base, runs, ORDER, 2, 0, lambda name, dtype: (model, tokenizer),
+                                 plot=tmp_path / "named.png")
     finally:
         study.evaluate_program = original
+    levels, paired = (table.split("\n\n")[0].splitlines() for table in synthetic.split("| N | ")[1:3])
+    columns = [c.strip(" |") for c in paired[0].split(" | ")]
+    arm_level = [float(c.split(" [")[0]) for c in levels[-1].split(" | ")[1::2]]  # held-out columns, arms in order
+    level = dict(zip(["evolve", "best_of_n", "random", "evolve_random"], arm_level, strict=True))
+    assert len(set(arm_level)) > 1  # the check below can fail
+    differences = [float(c.split(" [")[0]) for c in paired[-1].split(" | ")[1:]]
+    for name, difference in zip(columns, differences, strict=True):
+        a, b = name.split(" - ")
+        assert abs(difference - (level[a] - level[b])) <= 0.11, name
+    assert level["evolve_random"] == level["random"] and "evolve - best_of_n" in columns
