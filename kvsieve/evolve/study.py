@@ -37,12 +37,13 @@ from kvsieve.evolve.candidate_executor import LocalExecutor
 from kvsieve.evolve.cascade import DevSet, Evaluation, KnownKept, evaluate_program
 from kvsieve.evolve.database import ProgramDatabase, ProgramRecord
 from kvsieve.evolve.evolve_config import EvolveConfig, dev_samples
-from kvsieve.evolve.mutators import make_mutator
+from kvsieve.evolve.mutators import LLM_MUTATORS, Mutator, make_mutator
 from kvsieve.evolve.pick import pick_among
 from kvsieve.evolve.sandbox import SandboxLimits, require_isolation
 from kvsieve.evolve.search import evolve
 from kvsieve.files import written_whole
 from kvsieve.language.program_source import Program
+from kvsieve.models import load
 
 __all__ = ["ARMS", "SKIPPED", "SharedExecutor", "StudyRun", "study_runs", "run_study", "evaluated_records", "picks_at",
            "per_request", "two_level_interval", "HeldoutScores"]
@@ -138,13 +139,13 @@ def run_study(runs: list[StudyRun], candidates: int, step: int, model, tokenizer
     limits = SandboxLimits(timeout_s=base.sandbox_timeout_s, memory_mb=base.sandbox_memory_mb)
     executor = SharedExecutor(LocalExecutor(dev, limits, base.fitness, base.dev_cells == "alternate"))
     budgets = sorted({*range(step, candidates + 1, step), candidates})
-    mutators = {}  # one per run, built once (an LLM mutator loads its coder on first use)
+    mutators, coders = {}, {}  # one mutator per run, built once; one loaded copy of each LLM coder
     for budget in budgets:
         for run in runs:
             config = replace(run.config, candidates=budget)
             db = ProgramDatabase(config.db)
             if (run.arm, run.seed) not in mutators:
-                mutators[run.arm, run.seed] = make_mutator(config)
+                mutators[run.arm, run.seed] = _mutator(config, coders)
             mutator = mutators[run.arm, run.seed]
             if hasattr(mutator, "score_of"):  # LLM prompts show the parent's and inspirations' dev scores
                 mutator.score_of = db.score_of
@@ -165,6 +166,15 @@ def run_study(runs: list[StudyRun], candidates: int, step: int, model, tokenizer
                     f"(+{done} in {time.perf_counter() - start:.0f} s), best dev {best.score:.2f}")
             finally:
                 db.close()
+
+
+def _mutator(config: EvolveConfig, coders: dict) -> Mutator:
+    """A run's mutator; the study's LLM mutators share one loaded copy of their coder (``coders``, by name)."""
+    if config.mutator not in LLM_MUTATORS:
+        return make_mutator(config)
+    if config.local_model not in coders:
+        coders[config.local_model] = load(config.local_model, dtype=config.dtype)
+    return make_mutator(config, coder=coders[config.local_model])
 
 
 def evaluated_records(path: str | Path, skipped: tuple[str, ...] = SKIPPED) -> tuple[dict, list[ProgramRecord]]:

@@ -55,5 +55,8 @@ def test_the_config_names_the_constrained_mutator(tiny_coder):
     model, tokenizer = tiny_coder
     config = EvolveConfig(mutator="constrained", local_model="smollm2-135m-instruct", model="smollm2-135m-instruct")
     assert isinstance(make_mutator(config, model, tokenizer), ConstrainedLLMMutator)
+    # a coder loaded once and handed to every LLM mutator of a study: none loads its own (here the qwen default)
+    shared = [make_mutator(EvolveConfig(mutator=m), coder=(model, tokenizer)) for m in ("constrained", "local")]
+    assert all(m._loaded() == (model, tokenizer) for m in shared)
     with pytest.raises(ValueError, match="'constrained'"):
         EvolveConfig(mutator="grammar")

@@ -23,21 +23,26 @@ from kvsieve.evolve.mutators.random_programs import RandomProgramMutator
 from kvsieve.evolve.mutators.structural import StructuralMutator
 
 __all__ = ["Mutator", "StructuralMutator", "RandomProgramMutator", "MixedMutator", "LocalLLMMutator",
-           "ConstrainedLLMMutator", "OpenAIMutator", "make_mutator"]
+           "ConstrainedLLMMutator", "OpenAIMutator", "LLM_MUTATORS", "make_mutator"]
+
+LLM_MUTATORS = ("local", "constrained")  # the in-process LLM back ends (they load a coder model)
 
 
-def make_mutator(config: EvolveConfig, model=None, tokenizer=None) -> Mutator:
+def make_mutator(config: EvolveConfig, model=None, tokenizer=None, coder: tuple | None = None) -> Mutator:
+    """The mutator ``config`` names. ``model``/``tokenizer``: the evaluated model, reused by an LLM mutator whose
+    ``local_model`` it is; ``coder``: an LLM mutator's own (model, tokenizer), already loaded (a study's LLM runs
+    share one copy instead of loading one each)."""
     if config.mutator == "structural":
         return StructuralMutator()
     if config.mutator == "random":
         return RandomProgramMutator()
     if config.mutator == "mixed":
         return MixedMutator()
-    if config.mutator in ("local", "constrained"):
-        same = config.local_model == config.model and model is not None
+    if config.mutator in LLM_MUTATORS:
+        if coder is None and model is not None and config.local_model == config.model:
+            coder = (model, tokenizer)
         cls = ConstrainedLLMMutator if config.mutator == "constrained" else LocalLLMMutator
-        return cls(model_name=config.local_model, model=model if same else None,
-                               tokenizer=tokenizer if same else None, dtype=config.dtype,
-                               max_new_tokens=config.llm_max_new_tokens)
+        return cls(model_name=config.local_model, model=coder[0] if coder else None,
+                   tokenizer=coder[1] if coder else None, dtype=config.dtype, max_new_tokens=config.llm_max_new_tokens)
     return OpenAIMutator(config.llm_base_url, config.llm_model, api_key_env=config.llm_api_key_env,
                          edit_format=config.llm_edit_format, max_tokens=config.llm_max_new_tokens)
