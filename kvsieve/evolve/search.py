@@ -8,7 +8,8 @@ stores each row as it finishes. Every choice is drawn from ``random.Random(f"{se
 ``strategy="best_of_n"`` is the control: every child is a mutation of the first seed program. With
 ``random_generations`` N, evolution's generations 1..N are fresh random programs (an initial population, drawn as the
 random arm draws them), selection and the mutator acting from N + 1. In every case a child that
-repeats an earlier program's code takes further random edits (``EXTRA_EDITS``) before it counts as a duplicate.
+repeats an earlier program's code takes further random edits (the mutator's ``repeat_edits``: four for the
+structural, random and mixed mutators, none for a language model) before it counts as a duplicate.
 """
 
 from __future__ import annotations
@@ -31,10 +32,6 @@ from kvsieve.language.static_check import StaticCheckError, check_source
 __all__ = ["evolve", "export_best", "max_gap", "generation_summary"]
 
 STALL_GENERATIONS = 25
-# A proposal that repeats an earlier program is edited again, up to this many times, before it is stored as a
-# duplicate: a small neighbourhood (best-of-N's one edit of the seed, which the structural mutator exhausts after
-# ~90 programs on Qwen) widens into random walks of several edits, still without reading any score.
-EXTRA_EDITS = 4
 
 
 def _seed_sources(config: EvolveConfig) -> list[str]:
@@ -170,7 +167,7 @@ def _run_generation(config, executor, mutator, db, generation, threshold, bar) -
                             reason="the mutator returned no usable program"))
                 continue
             known = db.by_hash(child.code_hash, before_generation=generation)
-            for _ in range(EXTRA_EDITS):  # a repeat takes another random edit (no score is read)
+            for _ in range(mutator.repeat_edits):  # a repeat takes another random edit (no score is read)
                 if known is None:
                     break
                 further = mutator.propose(child, inspirations, rng)

@@ -24,6 +24,7 @@ Comparisons pool the seeds: :func:`two_level_interval` resamples seeds and reque
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections import defaultdict
@@ -127,9 +128,9 @@ class SharedExecutor:
 
 
 def run_study(runs: list[StudyRun], candidates: int, step: int, model, tokenizer, dtype: str, threads_note: str = "",
-              log: Callable[[str], None] = print) -> None:
+              log: Callable[[str], None] = functools.partial(print, flush=True)) -> None:
     """Grow every run to ``candidates`` evaluated programs in rounds of ``step`` (each round: every run in turn).
-    Rerun to resume: each run continues from its database."""
+    Rerun to resume: each run continues from its database. Log lines are flushed: a study runs for hours under nohup."""
     if step < 1 or candidates < 1:
         raise ValueError(f"candidates and step must be >= 1, got {candidates}, {step}")
     base = runs[0].config

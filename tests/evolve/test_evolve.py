@@ -21,6 +21,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from kvsieve.evolve.database import SCHEMA, ProgramDatabase, behaviour_cell
 from kvsieve.evolve.evolve_config import EvolveConfig, dev_samples, load_config
+from kvsieve.evolve.mutators.base import CHEAP_REPEAT_EDITS
+from kvsieve.evolve.mutators.prompting import CountingMutator
 from kvsieve.evolve.mutators.structural import OPERATIONS, StructuralMutator
 from kvsieve.evolve.seeds import SEEDS
 from kvsieve.language.interpreter import ScoreProgram
@@ -1001,6 +1003,7 @@ class _OneOfTwoEdits:
     """A mutator with a two-program neighbourhood: it adds 0.5 or 0.25 to the parent's score expression."""
 
     name = "two_edits"
+    repeat_edits = CHEAP_REPEAT_EDITS
 
     def propose(self, parent, inspirations, rng):
         weight = rng.choice(["0.5", "0.25"])
@@ -1024,4 +1027,37 @@ def test_best_of_n_walks_past_an_exhausted_neighbourhood_instead_of_stalling(tmp
     walked = [r for r in evaluated if r.operation.count("+") >= 1]
     assert walked and all(r.source.count("+ 0.") == r.operation.count("+") + 1 for r in walked)
     assert all(r.parent_id == db.records("generation = 0")[0].id for r in records)  # every child is the seed's
+    db.close()
+
+
+class _Parrot(CountingMutator):
+    """A language-model mutator that always writes the same child, counting its (expensive) calls."""
+
+    name = "parrot"
+
+    def __init__(self):
+        self.calls = 0
+
+    def propose(self, parent, inspirations, rng):
+        self.calls += 1
+        head, _, expression = SEEDS["tova"].rpartition("return ")
+        return Program(f"{head}return {expression.strip()} + 0.5\n")
+
+
+def test_a_language_models_repeat_is_stored_at_once_not_asked_again(tmp_path):
+    # An LLM call costs 13-45 s on CPU: re-asking for every repeat (as the structural mutator's cheap edits are)
+    # made a stuck run spend minutes a generation. Each slot asks once; the repeats are stored as duplicates.
+    from kvsieve.evolve.search import STALL_GENERATIONS, evolve
+
+    config = tiny_run_config(tmp_path, 50, strategy="best_of_n", islands=1, per_island=2, seed_programs=["tova"])
+    db = ProgramDatabase(tmp_path / "p.sqlite")
+    parrot = _Parrot()
+    evolve(config, _FakeExecutor(), parrot, db, progress=False)
+    children = db.records("generation > 0")
+    # generation 1 evaluates the child (siblings are not each other's duplicates); every later slot repeats it,
+    # until the search stops after STALL_GENERATIONS generations without a new program
+    assert [r.status for r in children if r.generation == 1] == ["ok", "ok"]
+    assert {r.status for r in children if r.generation > 1} == {"duplicate"}
+    assert len(children) == 2 * (1 + STALL_GENERATIONS)
+    assert parrot.calls == len(children)  # one call a slot: no repeat was asked again
     db.close()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import random
 
+from kvsieve.evolve.mutators.base import CHEAP_REPEAT_EDITS
 from kvsieve.evolve.mutators.random_programs import random_expression, random_term
 from kvsieve.evolve.mutators.structural import (
     StructuralMutator,
@@ -55,6 +56,7 @@ class MixedMutator:
     """Structural edits or random grafts (see the module docstring)."""
 
     name = "mixed"
+    repeat_edits = CHEAP_REPEAT_EDITS
 
     def __init__(self, random_share: float = RANDOM_SHARE, whole_share: float = WHOLE_SHARE) -> None:
         for label, value in (("random_share", random_share), ("whole_share", whole_share)):

@@ -257,6 +257,7 @@ ScoreLookup = Callable[[Program], float | None]
 class CountingMutator:
     """Counters shared by both back ends (read by the search loop's log)."""
 
+    repeat_edits = 0  # a repeat is stored as a duplicate at once: asking again costs a whole call (13-45 s on CPU)
     proposed: int
     malformed: int
     unchanged: int  # children whose syntax tree equals the parent's (small models often copy)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import re
 
+from kvsieve.evolve.mutators.base import CHEAP_REPEAT_EDITS
 from kvsieve.evolve.mutators.structural import KERNELS, TERMS
 from kvsieve.language.program_source import SELECTION_CHOICES, Program, ProgramError
 from kvsieve.language.static_check import StaticCheckError, check_source
@@ -52,6 +53,7 @@ class RandomProgramMutator:
     """``propose`` returns a fresh random program (:func:`random_source`) whatever the parent."""
 
     name = "random"
+    repeat_edits = CHEAP_REPEAT_EDITS
 
     def __init__(self) -> None:
         self.proposed = 0

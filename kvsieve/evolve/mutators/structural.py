@@ -12,6 +12,7 @@ import ast
 import copy
 import random
 
+from kvsieve.evolve.mutators.base import CHEAP_REPEAT_EDITS
 from kvsieve.language.program_source import SELECTION_CHOICES, Program, ProgramError
 
 __all__ = ["StructuralMutator", "OPERATIONS"]
@@ -55,6 +56,7 @@ class StructuralMutator:
     """Syntax-tree edits; ``propose`` tries operations in random order until one applies."""
 
     name = "structural"
+    repeat_edits = CHEAP_REPEAT_EDITS
 
     def __init__(self, operations: tuple[str, ...] = OPERATIONS, max_nodes: int = 400) -> None:
         unknown = [op for op in operations if op not in OPERATIONS]
