@@ -46,6 +46,7 @@ def cell(policy: str, ratio: float, sample: str, score: float, machine: str | No
 
 def test_a_written_row_records_machine_threads_dtype_versions_and_revision(tmp_path):
     torch = pytest.importorskip("torch")
+    provenance.revision.cache_clear()  # cached per process: a commit made while the suite runs must not fail this
     with ResultsStore(tmp_path / "s.sqlite") as store:
         store.add(CellResult(CellKey("m", "t", 1024, "s0", "full", 0.0, False), "p", 1.0, ["a"], 1, 1, 1, 0.0, 0.0,
                              {"dtype": "bfloat16"}))
