@@ -39,8 +39,9 @@ class _GlobalRecordingSelection(Selection):
     """Global allocation that also records, for the compression its policy just scored, the global draw order.
 
     ``pending`` collects per scored layer ``(time, layer, inputs)``; :meth:`allocate` turns them into one
-    :class:`Decision` whose ``features`` are the inputs per layer, ``protected`` the flat (layers x heads x n)
-    mask of the entries every head keeps anyway (the header) and ``order`` the draws, best first.
+    :class:`Decision` whose ``features`` are per layer (the surrogate's inputs, the signals or None),
+    ``protected`` the flat (layers x heads x n) mask of the entries every head keeps anyway (the header) and
+    ``order`` the draws, best first.
     """
 
     decisions: list = field(default_factory=list, compare=False, repr=False)
@@ -101,7 +102,8 @@ class KVzapRolloutPolicy(KVzap):
         known = self.shared.get(signals.layer_idx) if self.shared is not None else None
         if known is None or (self.record and known[1] is None):
             seconds, calls = self.overhead_seconds, self.overhead_calls  # counted once, below
-            known = (self._score_all(signals) / self.temperature, self.inputs(signals) if self.record else None)
+            inputs = (self.inputs(signals), self.signal_inputs(signals)) if self.record else None
+            known = (self._score_all(signals) / self.temperature, inputs)
             self.overhead_seconds, self.overhead_calls = seconds, calls
             if self.shared is not None:
                 self.shared[signals.layer_idx] = known
@@ -119,7 +121,8 @@ class KVzapRolloutPolicy(KVzap):
 
 
 def kvzap_decision_logits(net: KVzapNet, decision: Decision, variant: str, temperature: float) -> torch.Tensor:
-    """(b, layers x heads x n) keep logits of one global decision, with gradients, in the draw's flat order."""
-    parts = [net(inputs, layer, variant).transpose(1, 2).reshape(inputs.shape[0], -1)
-             for layer, inputs in decision.features]
+    """(b, layers x heads x n) keep logits of one global decision, with gradients, in the draw's flat order; each
+    layer's recorded features are (the surrogate's inputs, the signals or None)."""
+    parts = [net(x, layer, variant, signals).transpose(1, 2).reshape(x.shape[0], -1)
+             for layer, (x, signals) in decision.features]
     return torch.cat(parts, dim=-1) / temperature

@@ -80,7 +80,7 @@ from kvsieve.learn.trust_region import first_draw_kl
 from kvsieve.models import dtype_name
 from kvsieve.networks.checkpoint import load_checkpoint, save_checkpoint
 from kvsieve.networks.keep_net import KeepNet, NetConfig
-from kvsieve.networks.kvzap_net import load_kvzap, save_kvzap
+from kvsieve.networks.kvzap_net import load_kvzap, save_kvzap, with_signals
 from kvsieve.networks.model_shape import ModelShape
 from kvsieve.networks.shipped import resolve_checkpoint
 from kvsieve.selection import Budget
@@ -157,6 +157,8 @@ class Trainer:
         self.kvzap_meta: dict | None = None  # network "kvzap": the surrogate's checkpoint metadata
         if config.network == "kvzap":
             self.net, self.kvzap_meta = initial_kvzap(config.init or config.model, shape)
+            if config.signals:  # the signals' map starts at zero; the policy reads them from this window
+                self.net, self.kvzap_meta = with_signals(self.net), dict(self.kvzap_meta, window=config.window)
         else:
             with torch.random.fork_rng():
                 torch.manual_seed(derived_seed(config.seed, "init"))
@@ -168,7 +170,11 @@ class Trainer:
         if config.trainable == "bias":  # the output biases: per (layer, head) for the linear variant
             for name, parameter in self.net.named_parameters():
                 parameter.requires_grad_(name in ("linear_bias", "mlp_b2"))
-        self.optimizer = torch.optim.Adam([p for p in self.net.parameters() if p.requires_grad], lr=config.lr)
+        signal_weight = getattr(self.net, "signal_weight", None)
+        groups = [{"params": [p for p in self.net.parameters() if p.requires_grad and p is not signal_weight]}]
+        if signal_weight is not None:
+            groups.append({"params": [signal_weight], "lr": config.signal_lr or config.lr})
+        self.optimizer = torch.optim.Adam(groups, lr=config.lr)
         self.baseline = torch.zeros(0, dtype=torch.float64)  # running mean of G per decision index
         self.teachers: dict[int, Teacher] = {}
         self.context_caches: dict = {}  # prefill mode: the context's full cache, once per episode (rollouts clone it)

@@ -102,6 +102,11 @@ class TrainConfig:
     # network "kvzap": which weights REINFORCE moves, "all" or "bias" (the per-layer, per-head output bias only:
     # with global allocation it moves budget between heads and layers and leaves each head's ranking to the surrogate)
     trainable: str = "all"
+    # network "kvzap": the policy also reads the paper's signals (DistillCache's window-attention, norm and position
+    # features, per head) through a linear map that starts at zero (kvsieve.networks.kvzap_net.with_signals), so
+    # step 0 is still the surrogate; ``signal_lr`` is that map's learning rate (None: ``lr``)
+    signals: bool = False
+    signal_lr: float | None = None
 
     def __post_init__(self) -> None:
         def positive_int(name: str, minimum: int = 1) -> None:
@@ -127,6 +132,16 @@ class TrainConfig:
             raise ValueError(f"trainable {self.trainable!r} is not one of {', '.join(TRAINABLE)}")
         if self.trainable != "all" and self.network != "kvzap":
             raise ValueError(f"trainable {self.trainable!r} applies to network 'kvzap', not {self.network!r}")
+        if not isinstance(self.signals, bool):
+            raise ValueError(f"signals must be true or false, got {self.signals!r}")
+        if self.signals and (self.network != "kvzap" or self.trainable != "all"):
+            raise ValueError(f"signals apply to network 'kvzap' with trainable 'all', not network {self.network!r} "
+                             f"with trainable {self.trainable!r}")
+        if self.signal_lr is not None and (not self.signals or isinstance(self.signal_lr, bool)
+                                           or not isinstance(self.signal_lr, (int, float))
+                                           or not 0 < self.signal_lr <= 1):
+            raise ValueError(f"signal_lr must be a number in (0, 1] with signals = true, got {self.signal_lr!r} "
+                             f"(signals {self.signals!r})")
         if self.baseline == "loo" and self.rollouts < 2:
             raise ValueError(f"baseline 'loo' (leave-one-out) needs rollouts >= 2, got {self.rollouts}")
         if self.eval_every and self.mode != "prefill":

@@ -5,6 +5,12 @@ Inputs (:data:`INPUTS`): ``"kv"``, every KV head's pre-RoPE key and value at the
 back, :func:`pre_rope_keys`), or ``"hidden"``, the hidden state entering the layer (KVzap's own). The policy that
 reads it is :class:`kvsieve.policies.kvzap.KVzap`; its training is :mod:`kvsieve.learn.kvzap_train`.
 
+The paper's signals (issue 51's REINFORCE): a network with ``signals = S > 0`` also reads, per KV head and entry,
+the first ``S`` of DistillCache's features (:data:`SIGNAL_FEATURES`, :mod:`kvsieve.networks.keep_features`: the
+observation window's attention, norms, position), through a per-layer, per-head linear map added to the output.
+:func:`with_signals` adds that map with zero weights to a fitted surrogate, so it scores exactly as before until
+REINFORCE moves it.
+
 A checkpoint (one safetensors file, metadata key ``kvsieve_kvzap``) holds both variants, ``linear`` and ``mlp``,
 the per-layer input standardisation, the rotary frequencies, the header length, the held-out losses and the model
 it was trained for (:class:`~kvsieve.networks.model_shape.ModelShape`).
@@ -13,7 +19,7 @@ it was trained for (:class:`~kvsieve.networks.model_shape.ModelShape`).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -21,14 +27,16 @@ from torch import nn
 
 from kvsieve.files import save_safetensors
 from kvsieve.networks.checkpoint import read_checkpoint_file, tensor_digest
+from kvsieve.networks.keep_features import FEATURES, NUM_FLOAT_FEATURES
 from kvsieve.networks.shipped import HOW_TO_TRAIN
 from kvsieve.signals import Signals
 
-__all__ = ["VARIANTS", "INPUTS", "KVzapNetConfig", "KVzapNet", "rotary_tables", "pre_rope_keys", "shared_positions",
-           "kvzap_inputs", "save_kvzap", "load_kvzap"]
+__all__ = ["VARIANTS", "INPUTS", "SIGNAL_FEATURES", "KVzapNetConfig", "KVzapNet", "rotary_tables", "pre_rope_keys",
+           "shared_positions", "kvzap_inputs", "with_signals", "save_kvzap", "load_kvzap"]
 
 VARIANTS = ("mlp", "linear")
 INPUTS = ("kv", "hidden")  # what the network reads per position: pre-RoPE keys and values, or the hidden state
+SIGNAL_FEATURES = FEATURES[:NUM_FLOAT_FEATURES]  # what ``signals = S`` reads: the first S of these, per head
 METADATA_KEY = "kvsieve_kvzap"
 FORMAT = 1
 
@@ -90,15 +98,23 @@ class KVzapNetConfig:
     num_kv_heads: int
     input_dim: int
     hidden: int = 64
+    signals: int = 0  # how many of SIGNAL_FEATURES each head's output also reads (0: the surrogate alone)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "input_dim", "hidden"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"KVzapNetConfig.{name} must be a positive int, got {value!r}")
+        if isinstance(self.signals, bool) or not isinstance(self.signals, int) \
+                or not 0 <= self.signals <= len(SIGNAL_FEATURES):
+            raise ValueError(f"KVzapNetConfig.signals must be an int in [0, {len(SIGNAL_FEATURES)}], "
+                             f"got {self.signals!r}")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if not self.signals:  # a surrogate alone writes the metadata it always did
+            del out["signals"]
+        return out
 
 
 class KVzapNet(nn.Module):
@@ -122,13 +138,18 @@ class KVzapNet(nn.Module):
         self.mlp_b1 = nn.Parameter(torch.zeros(L, M))
         self.mlp_w2 = nn.Parameter(torch.randn(L, M, H) / M ** 0.5)
         self.mlp_b2 = nn.Parameter(torch.zeros(L, H))
+        if c.signals:  # per layer and head: the head's own signals -> its output
+            self.signal_weight = nn.Parameter(torch.zeros(L, c.signals, H))
 
     def standardise(self, x: torch.Tensor, layers: slice | int) -> torch.Tensor:
         return (x - self.mean[layers, None, :]) / self.std[layers, None, :] if isinstance(layers, slice) else \
             (x - self.mean[layers]) / self.std[layers]
 
     def forward_all(self, x: torch.Tensor, variant: str) -> torch.Tensor:
-        """(L, N, D) raw inputs, one row set per layer -> (L, N, H) predicted log scores."""
+        """(L, N, D) raw inputs, one row set per layer -> (L, N, H) predicted log scores (the surrogate's fit: a
+        network that reads signals is scored per layer, :meth:`forward`)."""
+        if self.config.signals:
+            raise ValueError("forward_all fits the surrogate alone; this network also reads signals")
         z = self.standardise(x, slice(None))
         linear = torch.baddbmm(self.linear_bias[:, None, :], z, self.linear_weight)
         if variant == "linear":
@@ -136,22 +157,42 @@ class KVzapNet(nn.Module):
         hidden = nn.functional.gelu(torch.baddbmm(self.mlp_b1[:, None, :], z, self.mlp_w1))
         return linear + torch.baddbmm(self.mlp_b2[:, None, :], hidden, self.mlp_w2)
 
-    def forward(self, x: torch.Tensor, layer: int, variant: str = "mlp") -> torch.Tensor:
-        """(..., D) raw inputs of ``layer`` -> (..., H) predicted log KVzip scores."""
+    def forward(self, x: torch.Tensor, layer: int, variant: str = "mlp",
+                signals: torch.Tensor | None = None) -> torch.Tensor:
+        """(b, n, D) raw inputs of ``layer`` -> (b, n, H) predicted log KVzip scores; a network that reads signals
+        also takes ``signals``, (b, H, n, S) features of every head's entries, and adds their per-head linear map."""
         if variant not in VARIANTS:
             raise ValueError(f"kvzap variant {variant!r} is not one of {', '.join(map(repr, VARIANTS))}")
         if not 0 <= layer < self.config.num_layers:
             raise ValueError(f"layer {layer} is outside the surrogate's {self.config.num_layers} layers")
+        S = self.config.signals
+        if (signals is None) != (S == 0) or (signals is not None and (
+                signals.shape[-1] != S or signals.shape[1] != self.config.num_kv_heads)):
+            got = None if signals is None else tuple(signals.shape)
+            raise ValueError(f"this kvzap network reads {S} signals per head ((b, {self.config.num_kv_heads}, n, "
+                             f"{S}) features), got {got}")
         z = self.standardise(x, layer)
-        linear = z @ self.linear_weight[layer] + self.linear_bias[layer]
-        if variant == "linear":
-            return linear
-        hidden = nn.functional.gelu(z @ self.mlp_w1[layer] + self.mlp_b1[layer])
-        return linear + hidden @ self.mlp_w2[layer] + self.mlp_b2[layer]
+        out = z @ self.linear_weight[layer] + self.linear_bias[layer]
+        if variant == "mlp":
+            hidden = nn.functional.gelu(z @ self.mlp_w1[layer] + self.mlp_b1[layer])
+            out = out + hidden @ self.mlp_w2[layer] + self.mlp_b2[layer]
+        if S:
+            out = out + torch.einsum("bhns,sh->bnh", signals.to(out.dtype), self.signal_weight[layer])
+        return out
 
     def num_parameters(self, variant: str) -> int:
         names = ("linear_weight", "linear_bias") if variant == "linear" else ("mlp_w1", "mlp_b1", "mlp_w2", "mlp_b2")
         return sum(getattr(self, n).numel() for n in names)
+
+
+def with_signals(net: KVzapNet, signals: int = len(SIGNAL_FEATURES)) -> KVzapNet:
+    """A copy of the surrogate ``net`` that also reads ``signals`` of :data:`SIGNAL_FEATURES` per head, with zero
+    weights on them: it scores exactly as ``net`` does until training moves them."""
+    if net.config.signals:
+        raise ValueError(f"this kvzap network already reads {net.config.signals} signals")
+    wide = KVzapNet(replace(net.config, signals=signals))
+    wide.load_state_dict({**net.state_dict(), "signal_weight": wide.signal_weight.detach().clone()}, strict=True)
+    return wide.to(net.linear_weight.device)
 
 
 def save_kvzap(path: str | Path, net: KVzapNet, meta: dict) -> Path:
@@ -164,6 +205,8 @@ def save_kvzap(path: str | Path, net: KVzapNet, meta: dict) -> Path:
             raise ValueError(f"kvzap checkpoint metadata needs {key!r}")
     tensors = {k: v.detach().to(torch.float16).contiguous().cpu() for k, v in net.state_dict().items()}
     meta = dict(meta, format=FORMAT, net=net.config.to_dict(), sha256=tensor_digest(tensors))
+    if net.config.signals:  # by name: a later reordering of the features cannot silently feed it others
+        meta["signal_features"] = list(SIGNAL_FEATURES[: net.config.signals])
     return save_safetensors(tensors, path, metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
 
 
@@ -171,6 +214,10 @@ def load_kvzap(path: str | Path) -> tuple[KVzapNet, dict]:
     """(network in float32, metadata) of a kvzap checkpoint; every problem is a ValueError naming the file."""
     meta, tensors = read_checkpoint_file(path, METADATA_KEY, FORMAT, "kvzap", HOW_TO_TRAIN["kvzap"])
     net = KVzapNet(KVzapNetConfig(**meta["net"]))
+    wanted = meta.get("signal_features", [])
+    if wanted != list(SIGNAL_FEATURES[: net.config.signals]):
+        raise ValueError(f"kvzap checkpoint {str(path)!r} reads the signals {wanted}, this kvsieve computes "
+                         f"{list(SIGNAL_FEATURES[: net.config.signals])}")
     try:
         net.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
     except RuntimeError as err:

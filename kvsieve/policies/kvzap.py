@@ -27,6 +27,10 @@ How this one differs from KVzap:
   best predicted scores of the whole model, every head at least one entry, the chat template's header
   (``header`` tokens, recorded at training) always kept inside the budget, as KVzip does. The scores
   are log KVzip scores, one scale for every head and layer, hence ``comparable_across_*``.
+* **Signals** (issue 51): a checkpoint fine-tuned by REINFORCE with ``signals = true`` also reads, per head,
+  DistillCache's features of the observation window's queries
+  (:data:`kvsieve.networks.kvzap_net.SIGNAL_FEATURES`), so its scores depend on the queries: it uses the
+  window it was trained with (the checkpoint's ``window``), and they are not kept with the entries.
 * **Training data** (:mod:`kvsieve.learn.kvzap_train`): generated RULER-style samples (seeds 5000+)
   and Python standard-library sources, not KVzap's Nemotron pretraining sample.
 
@@ -47,6 +51,7 @@ from pathlib import Path
 import torch
 
 from kvsieve.networks.checkpoint import load_once
+from kvsieve.networks.keep_features import extract
 from kvsieve.networks.kvzap_net import (
     INPUTS,
     VARIANTS,
@@ -80,7 +85,8 @@ class KVzap(Policy):
         allocation: ``"global"`` (KVzip's: one budget for every layer and head), ``"layer"`` or ``"uniform"``.
         model: the name the policy will run on, checked against the checkpoint's model.
         selection: overrides the selection ``allocation`` builds.
-        window: unused (the scores read no queries); kept for the interface.
+        window: the observation window of a checkpoint that reads signals (default: the one it was trained
+            with); the surrogate alone reads no queries and ignores it.
     """
 
     name = "kvzap"
@@ -90,7 +96,7 @@ class KVzap(Policy):
     comparable_across_layers = True  # ... and every layer (KVzip ranks them together)
 
     def __init__(self, checkpoint: str | None = None, variant: str | None = None, allocation: str = "global",
-                 model: str | None = None, selection: Selection | None = None, window: int = 1) -> None:
+                 model: str | None = None, selection: Selection | None = None, window: int | None = None) -> None:
         if allocation not in ALLOCATIONS:
             raise ValueError(f"allocation {allocation!r} is not one of {', '.join(map(repr, ALLOCATIONS))}")
         path = resolve_checkpoint("kvzap", checkpoint)
@@ -110,7 +116,7 @@ class KVzap(Policy):
         return policy
 
     def _setup(self, net: KVzapNet, meta: dict, checkpoint: str | None, variant: str | None, allocation: str,
-               selection: Selection | None, window: int = 1) -> None:
+               selection: Selection | None, window: int | None = None) -> None:
         self.net, self.meta = net, meta
         self._shared_net = False  # a live network (training) moves with its policy
         self.variant = variant or self.meta["variant"]
@@ -129,10 +135,14 @@ class KVzap(Policy):
         if self.reads not in INPUTS:
             raise ValueError(f"{self._what} reads inputs {self.reads!r}; this kvsieve knows {', '.join(INPUTS)}")
         self.needs_hidden_states = self.reads == "hidden"
+        self.signals = self.net.config.signals
+        if self.signals:  # scores that read the window's queries: neither intrinsic nor window-free
+            self.uses_window, self.intrinsic_scores = True, False
+            window = window if window is not None else int(self.meta.get("window", 64))
         self.overhead_seconds, self.overhead_calls = 0.0, 0
         self._last_tables: tuple | None = None  # (positions, inv_freq, (cos, sin)) of the last scored layer
         self._folded: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        super().__init__(selection=selection, window=window)
+        super().__init__(selection=selection, window=window if window is not None else 1)
 
     @property
     def _what(self) -> str:
@@ -210,6 +220,10 @@ class KVzap(Policy):
         inv_freq, scaling, _, tables = self._rotary(signals)
         return kvzap_inputs(signals, inv_freq, scaling, tables)
 
+    def signal_inputs(self, signals: Signals) -> torch.Tensor | None:
+        """(b, h, n, S) the signals a network that reads them takes for one layer, else None."""
+        return extract(signals)[..., : self.signals] if self.signals else None
+
     @torch.no_grad()
     def score(self, signals: Signals) -> torch.Tensor:
         memo = signals.entry_scores
@@ -234,7 +248,7 @@ class KVzap(Policy):
         start = time.perf_counter()
         layer = signals.layer_idx
         # keys and values, linear: a matmul per head, no concatenated input (~2x cheaper than the network)
-        if self.variant == "linear" and self.reads == "kv":
+        if self.variant == "linear" and self.reads == "kv" and not self.signals:
             inv_freq, scaling, positions, tables = self._rotary(signals)
             keys = signals.keys.float() if inv_freq is None else pre_rope_keys(signals.keys, positions, inv_freq,
                                                                                 scaling, tables)
@@ -245,7 +259,7 @@ class KVzap(Policy):
                 out = torch.baddbmm(out, keys[:, head], key_weight[head].expand(keys.shape[0], -1, -1))
                 out = torch.baddbmm(out, values[:, head], value_weight[head].expand(keys.shape[0], -1, -1))
         else:
-            out = self.net(self.inputs(signals), layer, self.variant)
+            out = self.net(self.inputs(signals), layer, self.variant, self.signal_inputs(signals))
         scores = out.transpose(1, 2)  # (b, h, n)
         self.overhead_seconds += time.perf_counter() - start
         self.overhead_calls += 1

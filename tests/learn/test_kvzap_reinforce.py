@@ -18,7 +18,7 @@ from kvsieve.learn.rollout import Episode, decision_terms
 from kvsieve.learn.sampling import gumbel_noise
 from kvsieve.learn.train import train
 from kvsieve.learn.train_config import TrainConfig
-from kvsieve.networks.kvzap_net import load_kvzap
+from kvsieve.networks.kvzap_net import SIGNAL_FEATURES, load_kvzap, save_kvzap, with_signals
 from kvsieve.networks.model_shape import ModelShape
 from kvsieve.policies.kvzap import KVzap
 
@@ -69,7 +69,8 @@ def test_a_rollout_is_one_global_plackett_luce_draw_with_the_exact_log_probabili
     # then prod_i exp(l[o_i]) / sum over the entries not yet drawn
     state = {k: v.double().numpy() for k, v in net.state_dict().items()}
     logits = []
-    for layer, inputs in decision.features:
+    for layer, (inputs, signals) in decision.features:
+        assert signals is None  # the surrogate alone reads no signals
         z = (inputs[0].double().numpy() - state["mean"][layer]) / state["std"][layer]
         logits.append(((z @ state["linear_weight"][layer] + state["linear_bias"][layer]).T / temperature).reshape(-1))
     logits = np.concatenate(logits)
@@ -168,3 +169,129 @@ def test_bad_settings_give_clear_errors(setup, tmp_path):
     with pytest.raises(ValueError, match="was trained for 3 layers.*another config"):
         reinforce_module.Trainer(TrainConfig(model="tiny-qwen", network="kvzap", init=str(path), mode="prefill"),
                                  other, ModelShape.of(other, "tiny-qwen"), [_episode(0)])
+
+
+def _signal_net(path, weight_seed: int | None = None):
+    """The surrogate at ``path`` reading every signal; zero signal weights, or random ones from ``weight_seed``."""
+    net, meta = load_kvzap(path)
+    wide = with_signals(net)
+    if weight_seed is not None:
+        with torch.no_grad():
+            wide.signal_weight.copy_(torch.randn(wide.signal_weight.shape,
+                                                 generator=torch.Generator().manual_seed(weight_seed)))
+    return wide, dict(meta, window=8)
+
+
+def test_a_surrogate_given_signals_keeps_exactly_what_it_kept_until_their_weights_move(setup, tmp_path):
+    """with_signals: zero weights on the signals, so step 0 of a signals run is the surrogate, index for index;
+    with weights on them, the kept entries follow the window's attention and change."""
+    model, path = setup
+    ids = _episode(4).context
+    kept = {}
+    for name, weight_seed in (("zero", None), ("moved", 0)):
+        wide, meta = _signal_net(path, weight_seed)
+        meta = {k: v for k, v in meta.items() if k not in ("format", "net", "sha256")}
+        save_kvzap(tmp_path / f"{name}.safetensors", wide, meta)
+    for name, policy in (("surrogate", KVzap(checkpoint=str(path))),
+                         ("zero", KVzap(checkpoint=str(tmp_path / "zero.safetensors"))),
+                         ("greedy", KVzapRolloutPolicy(*_signal_net(path), 0.25, None, record=False)),
+                         ("moved", KVzap(checkpoint=str(tmp_path / "moved.safetensors")))):
+        with kvsieve.attach(model, policy, ratio=0.5):
+            kept[name] = _kept_sets(model(input_ids=ids, use_cache=True).cache)
+    assert kept["zero"] == kept["surrogate"] and kept["greedy"] == kept["surrogate"]
+    assert kept["moved"] != kept["surrogate"]
+    policy = KVzap(checkpoint=str(tmp_path / "zero.safetensors"))
+    assert policy.window == 8 and policy.uses_window and not policy.intrinsic_scores
+    assert KVzap(checkpoint=str(path)).intrinsic_scores  # the surrogate alone is unchanged
+
+
+def test_the_signal_term_is_each_heads_own_features_through_its_own_weights(setup):
+    """The decision's logits with signals, written out in numpy: the surrogate's linear map on the standardised
+    inputs plus, for head h, sum_s f[h, n, s] W[layer, s, h], over the features recorded for the draw."""
+    model, path = setup
+    net, meta = _signal_net(path, weight_seed=1)
+    temperature = 0.5
+    policy = KVzapRolloutPolicy(net, meta, temperature, torch.Generator().manual_seed(5))
+    ids = _episode(2).context
+    with kvsieve.attach(model, policy, ratio=0.75):
+        model(input_ids=ids, use_cache=True)
+    (decision,) = policy.decisions
+    state = {k: v.double().numpy() for k, v in net.state_dict().items()}
+    want = []
+    for layer, (inputs, signals) in decision.features:
+        assert signals.shape == (1, HEADS, ids.shape[1], len(SIGNAL_FEATURES))
+        z = (inputs[0].double().numpy() - state["mean"][layer]) / state["std"][layer]
+        surrogate = z @ state["linear_weight"][layer] + state["linear_bias"][layer]  # (n, H)
+        f = signals[0].double().numpy()  # (H, n, S)
+        term = np.stack([f[h] @ state["signal_weight"][layer][:, h] for h in range(HEADS)], axis=1)  # (n, H)
+        want.append(((surrogate + term).T / temperature).reshape(-1))
+    got = kvzap_decision_logits(net, decision, "linear", temperature)[0].detach().double().numpy()
+    np.testing.assert_allclose(got, np.concatenate(want), rtol=1e-5, atol=1e-5)
+
+
+def test_the_signals_are_distillcaches_features_of_the_policys_window(setup):
+    """What the policy feeds the network, checked in numpy from the layer's own queries and keys: column 0 is
+    log1p(n x the attention an entry receives, averaged over the window's queries and the head's query group), the
+    window the checkpoint's (8 queries), causal inside it; column 7 the position over the last position."""
+    model, path = setup
+    net, meta = _signal_net(path)
+    policy = KVzap.from_network(net, meta)
+    seen = []
+    real = policy.signal_inputs
+    policy.signal_inputs = lambda signals: seen.append((signals, real(signals))) or seen[-1][1]
+    with kvsieve.attach(model, policy, ratio=0.5):
+        model(input_ids=_episode(3).context, use_cache=True)
+    assert len(seen) == LAYERS
+    for signals, features in seen:
+        q = signals.window_queries[0].detach().double().numpy() * signals.scaling  # (hq, w, d)
+        k = signals.keys[0].detach().double().numpy()  # (h, n, d)
+        hq, w, _ = q.shape
+        n, group = k.shape[1], hq // HEADS
+        assert w == 8 and features.shape == (1, HEADS, n, len(SIGNAL_FEATURES))
+        for h in range(HEADS):
+            logits = np.einsum("qwd,nd->qwn", q[h * group:(h + 1) * group], k[h])
+            for i in range(w):  # window query i sits at position n - w + i and sees nothing after it
+                logits[:, i, n - w + i + 1:] = -np.inf
+            attention = np.exp(logits - logits.max(-1, keepdims=True))
+            attention /= attention.sum(-1, keepdims=True)
+            np.testing.assert_allclose(features[0, h, :, 0].numpy(), np.log1p(n * attention.mean(axis=(0, 1))),
+                                       rtol=1e-4, atol=1e-5)
+        positions = signals.positions[0].double().numpy()
+        np.testing.assert_allclose(features[0, :, :, 7].numpy(), positions / positions.max(), rtol=1e-6)
+
+
+def test_reinforce_with_signals_moves_their_weights_and_resumes_exactly(setup, tmp_path):
+    model, path = setup
+    common = dict(model="tiny-llama", network="kvzap", init=str(path), mode="prefill", temperature=0.5,
+                  ratios=[0.75, 0.5], window=8, rollouts=2, lr=1e-3, signals=True, signal_lr=1e-2, save_every=1)
+    episodes = [_episode(i) for i in range(3)]
+    whole = train(TrainConfig(steps=3, out=str(tmp_path / "whole"), **common), model=model, episodes=episodes,
+                  progress=False)
+    train(TrainConfig(steps=1, out=str(tmp_path / "split"), **common), model=model, episodes=episodes, progress=False)
+    split = train(TrainConfig(steps=3, out=str(tmp_path / "split"), **common), model=model, episodes=episodes,
+                  progress=False)
+    a, meta = load_kvzap(whole.policy)
+    b, _ = load_kvzap(split.policy)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    # Adam moves every weight by about its learning rate a step: the signals' map by ~1e-2, the surrogate by ~1e-3
+    moved = a.signal_weight.detach().abs().amax()
+    assert 3e-3 < float(moved) < 0.05
+    start, _ = load_kvzap(path)
+    assert float((a.linear_weight - start.linear_weight).abs().amax()) < 0.01
+    assert meta["window"] == 8 and meta["signal_features"] == list(SIGNAL_FEATURES)
+    policy = KVzap(checkpoint=str(tmp_path / "whole"), model="tiny-llama")
+    assert policy.signals == len(SIGNAL_FEATURES) and policy.window == 8
+
+
+def test_signal_settings_give_clear_errors(setup):
+    with pytest.raises(ValueError, match="signals apply to network 'kvzap' with trainable 'all', not network "
+                                         "'keepnet'"):
+        TrainConfig(signals=True)
+    with pytest.raises(ValueError, match="signal_lr must be a number in \\(0, 1\\] with signals = true, got 0.1 "
+                                         "\\(signals False\\)"):
+        TrainConfig(network="kvzap", mode="prefill", signal_lr=0.1)
+    net, _ = load_kvzap(setup[1])
+    with pytest.raises(ValueError, match="reads 0 signals per head"):
+        net(torch.zeros(1, 4, net.config.input_dim), 0, "linear", torch.zeros(1, HEADS, 4, 10))
+    with pytest.raises(ValueError, match="reads 10 signals per head"):
+        with_signals(net)(torch.zeros(1, 4, net.config.input_dim), 0, "linear")
