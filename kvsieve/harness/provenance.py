@@ -3,8 +3,8 @@
 Every row the results store writes carries a provenance record (``ResultsStore`` stamps rows that come
 without one with :func:`current`): the device (the CPU's model name and its bf16 features, or the GPU's
 name), the cores and torch threads, the dtype, the kvsieve, torch and transformers versions and the code
-revision (``git rev-parse HEAD`` of the checkout kvsieve runs from, with a dirty flag; ``None`` where
-git or the checkout is absent: never an error). Rows written before this record existed have none:
+revision (``git rev-parse HEAD`` of the checkout kvsieve runs from, with a dirty flag for edits outside
+``results/``; ``None`` where git or the checkout is absent: never an error). Rows written before this record existed have none:
 :data:`UNKNOWN`.
 
 Comparisons pair rows. Rows from two machines differ in their kernels (bf16 AMX vs AVX2 float32 flip
@@ -66,7 +66,9 @@ def revision() -> dict[str, Any]:
     commit = git("rev-parse", "HEAD")
     if not commit:
         return {"commit": None, "dirty": None}
-    status = git("status", "--porcelain", "--untracked-files=no")
+    # the committed results (results/: stores, reports) are data, written by the runs themselves: a store a run
+    # fills is not an edit of the code that fills it
+    status = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results")
     return {"commit": commit.strip(), "dirty": None if status is None else bool(status.strip())}
 
 

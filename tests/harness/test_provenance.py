@@ -173,3 +173,27 @@ def test_provenance_module_needs_no_torch():
     # kvsieve report reads provenance without loading torch (its --help and reports stay light)
     code = "import sys; import kvsieve.harness.provenance as p; p.current(); assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_dirty_means_an_edit_of_the_code_not_a_committed_store_a_run_fills(tmp_path, monkeypatch):
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "kvsieve").mkdir()
+    (tmp_path / "results").mkdir()
+    (tmp_path / "kvsieve" / "code.py").write_text("x = 1\n")
+    (tmp_path / "results" / "store.sqlite").write_bytes(b"rows")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "c")
+    monkeypatch.setattr(provenance, "_REPO", tmp_path)
+    try:
+        states = []
+        for path, text in (("results/store.sqlite", "more rows"), ("notes.txt", "untracked"),
+                           ("kvsieve/code.py", "x = 2\n")):
+            (tmp_path / path).write_text(text)
+            provenance.revision.cache_clear()
+            states.append(provenance.revision()["dirty"])
+        assert states == [False, False, True]
+    finally:
+        provenance.revision.cache_clear()
