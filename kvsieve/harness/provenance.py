@@ -4,8 +4,8 @@ Every row the results store writes carries a provenance record (``ResultsStore``
 without one with :func:`current`): the device (the CPU's model name and its bf16 features, or the GPU's
 name), the cores and torch threads, the dtype, the kvsieve, torch and transformers versions and the code
 revision (``git rev-parse HEAD`` of the checkout kvsieve runs from, with a dirty flag for edits outside
-``results/``; ``None`` where git or the checkout is absent: never an error). Rows written before this record existed have none:
-:data:`UNKNOWN`.
+``results/``; ``None`` where git or the checkout is absent: never an error). Rows written before this record
+existed have none: :data:`UNKNOWN`.
 
 Comparisons pair rows. Rows from two machines differ in their kernels (bf16 AMX vs AVX2 float32 flip
 near-tie tokens), so :func:`check_one_machine` refuses to put them in one table unless asked, and
