@@ -131,16 +131,23 @@ def test_a_step_moves_the_surrogate_along_the_advantage(setup, tmp_path, monkeyp
     assert torch.equal(before.mean, trainer.net.mean) and torch.equal(before.std, trainer.net.std)
 
 
-def test_training_writes_a_kvzap_checkpoint_and_resumes_exactly(setup, tmp_path):
+def _whole_and_resumed(setup, tmp_path, **settings):
+    """Three steps in one run (``whole``), and one step then resumed to three (``split``), from the same settings."""
     model, path = setup
     common = dict(model="tiny-llama", network="kvzap", init=str(path), mode="prefill", temperature=0.5,
-                  ratios=[0.75, 0.5], window=8, rollouts=2, lr=1e-2, save_every=1)
+                  ratios=[0.75, 0.5], window=8, rollouts=2, save_every=1, **settings)
     episodes = [_episode(i) for i in range(3)]
     whole = train(TrainConfig(steps=3, out=str(tmp_path / "whole"), **common), model=model, episodes=episodes,
                   progress=False)
     train(TrainConfig(steps=1, out=str(tmp_path / "split"), **common), model=model, episodes=episodes, progress=False)
     split = train(TrainConfig(steps=3, out=str(tmp_path / "split"), **common), model=model, episodes=episodes,
                   progress=False)
+    return whole, split
+
+
+def test_training_writes_a_kvzap_checkpoint_and_resumes_exactly(setup, tmp_path):
+    model, path = setup
+    whole, split = _whole_and_resumed(setup, tmp_path, lr=1e-2)
     a, meta = load_kvzap(whole.policy)
     b, _ = load_kvzap(split.policy)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
@@ -152,7 +159,7 @@ def test_training_writes_a_kvzap_checkpoint_and_resumes_exactly(setup, tmp_path)
     assert "train" not in meta and meta["init_train"] == start_meta.get("train")
     policy = KVzap(checkpoint=str(tmp_path / "whole"), model="tiny-llama")  # the run folder loads as a surrogate
     with kvsieve.attach(model, policy, ratio=0.5):
-        model(input_ids=episodes[0].context, use_cache=True)
+        model(input_ids=_episode(0).context, use_cache=True)
 
 
 def test_bad_settings_give_clear_errors(setup, tmp_path):
@@ -261,15 +268,8 @@ def test_the_signals_are_distillcaches_features_of_the_policys_window(setup):
 
 
 def test_reinforce_with_signals_moves_their_weights_and_resumes_exactly(setup, tmp_path):
-    model, path = setup
-    common = dict(model="tiny-llama", network="kvzap", init=str(path), mode="prefill", temperature=0.5,
-                  ratios=[0.75, 0.5], window=8, rollouts=2, lr=1e-3, signals=True, signal_lr=1e-2, save_every=1)
-    episodes = [_episode(i) for i in range(3)]
-    whole = train(TrainConfig(steps=3, out=str(tmp_path / "whole"), **common), model=model, episodes=episodes,
-                  progress=False)
-    train(TrainConfig(steps=1, out=str(tmp_path / "split"), **common), model=model, episodes=episodes, progress=False)
-    split = train(TrainConfig(steps=3, out=str(tmp_path / "split"), **common), model=model, episodes=episodes,
-                  progress=False)
+    _, path = setup
+    whole, split = _whole_and_resumed(setup, tmp_path, lr=1e-3, signals=True, signal_lr=1e-2)
     a, meta = load_kvzap(whole.policy)
     b, _ = load_kvzap(split.policy)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
