@@ -43,6 +43,7 @@ from __future__ import annotations
 import copy
 import csv
 import dataclasses
+import json
 import math
 import time
 from pathlib import Path
@@ -67,6 +68,7 @@ from kvsieve.learn.rollout import (
     step_returns,
     teacher_for,
 )
+from kvsieve.learn.signal_fit import SignalFit, fit_signal_map
 from kvsieve.learn.stopping import StoppingRule
 from kvsieve.learn.train_config import (
     RESUMABLE,
@@ -209,6 +211,8 @@ class Trainer:
     def tensors(self, with_state: bool) -> dict[str, torch.Tensor]:
         out = {f"net.{k}": v for k, v in self.net.state_dict().items()}
         if with_state:
+            if self.config.signal_fit:  # the fitted map is the trust region's reference: kept for a resume
+                out["warm.signal_weight"] = self.warm.signal_weight
             for i, p in enumerate(self.net.parameters()):
                 for key, value in self.optimizer.state.get(p, {}).items():
                     out[f"optim.{i}.{key}"] = torch.as_tensor(value)
@@ -250,12 +254,21 @@ class Trainer:
             raise ValueError(f"{path} holds a run whose model computed in {recorded}, this one computes in "
                              f"{now_dtype}: pass --dtype {recorded} to resume it, or use another out folder")
         self.net.load_state_dict(loaded.group("net"))
+        if self.config.signal_fit:
+            self.warm.signal_weight.copy_(loaded.tensors["warm.signal_weight"])
         params = list(self.net.parameters())
         for key, value in loaded.group("optim").items():
             index, name = key.split(".", 1)
             self.optimizer.state.setdefault(params[int(index)], {})[name] = value.clone()
         self.baseline = loaded.tensors["baseline.mean"].clone()
         self.step = int(loaded.meta["step"])
+
+    def fit_signals(self) -> SignalFit:
+        """The signal map fitted on the training episodes (:mod:`kvsieve.learn.signal_fit`): the warm start and the
+        trust region's reference from now on."""
+        fit = fit_signal_map(self.net, self.kvzap_meta, self.model, self.episodes, self.config.signal_ridge)
+        self.warm = copy.deepcopy(self.net).eval().requires_grad_(False)
+        return fit
 
     # -- one step -----------------------------------------------------------------------------------
     def teacher(self, index: int, context_cache) -> Teacher:
@@ -480,6 +493,8 @@ def reinforce(config: TrainConfig, model, episodes: list[Episode], progress: boo
     checkpoint = out / "checkpoint.safetensors"
     if checkpoint.is_file():
         trainer.resume(checkpoint)
+    elif config.signal_fit:
+        (out / "signal_fit.json").write_text(json.dumps(trainer.fit_signals().to_dict(), indent=1) + "\n")
     log_path, curve, heldout_path = out / "log.csv", out / "curve.png", out / "heldout.csv"
     history = _read_log(log_path, trainer.step)
     evaluator = None

@@ -107,6 +107,10 @@ class TrainConfig:
     # step 0 is still the surrogate; ``signal_lr`` is that map's learning rate (None: ``lr``)
     signals: bool = False
     signal_lr: float | None = None
+    # with signals: fit the map by ridge regression on the continuation's attention before REINFORCE
+    # (kvsieve.learn.signal_fit), so step 0 is the fitted map, not the surrogate; ``signal_ridge`` is the penalty
+    signal_fit: bool = False
+    signal_ridge: float = 0.01
 
     def __post_init__(self) -> None:
         def positive_int(name: str, minimum: int = 1) -> None:
@@ -142,6 +146,12 @@ class TrainConfig:
                                            or not 0 < self.signal_lr <= 1):
             raise ValueError(f"signal_lr must be a number in (0, 1] with signals = true, got {self.signal_lr!r} "
                              f"(signals {self.signals!r})")
+        if not isinstance(self.signal_fit, bool) or (self.signal_fit and not self.signals):
+            raise ValueError(f"signal_fit must be true or false, and true only with signals = true; got signal_fit "
+                             f"{self.signal_fit!r} (signals {self.signals!r})")
+        if isinstance(self.signal_ridge, bool) or not isinstance(self.signal_ridge, (int, float)) \
+                or not self.signal_ridge > 0:
+            raise ValueError(f"signal_ridge must be a number > 0, got {self.signal_ridge!r}")
         if self.baseline == "loo" and self.rollouts < 2:
             raise ValueError(f"baseline 'loo' (leave-one-out) needs rollouts >= 2, got {self.rollouts}")
         if self.eval_every and self.mode != "prefill":
