@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kvsieve.engine.attach import attach
-from kvsieve.engine.cache import clone_cache, sieve_layers
+from kvsieve.engine.cache import sieve_layers
 from kvsieve.engine.compress import compress_cache, layer_signals
 from kvsieve.learn.kvzap_rollout import KVzapRolloutPolicy
 from kvsieve.learn.rollout import Episode, context_cache_for
