@@ -263,10 +263,11 @@ class Trainer:
         self.baseline = loaded.tensors["baseline.mean"].clone()
         self.step = int(loaded.meta["step"])
 
-    def fit_signals(self) -> SignalFit:
+    def fit_signals(self, progress: bool = False) -> SignalFit:
         """The signal map fitted on the training episodes (:mod:`kvsieve.learn.signal_fit`): the warm start and the
         trust region's reference from now on."""
-        fit = fit_signal_map(self.net, self.kvzap_meta, self.model, self.episodes, self.config.signal_ridge)
+        fit = fit_signal_map(self.net, self.kvzap_meta, self.model, self.episodes, self.config.signal_ridge,
+                             progress)
         self.warm = copy.deepcopy(self.net).eval().requires_grad_(False)
         return fit
 
@@ -494,7 +495,7 @@ def reinforce(config: TrainConfig, model, episodes: list[Episode], progress: boo
     if checkpoint.is_file():
         trainer.resume(checkpoint)
     elif config.signal_fit:
-        (out / "signal_fit.json").write_text(json.dumps(trainer.fit_signals().to_dict(), indent=1) + "\n")
+        (out / "signal_fit.json").write_text(json.dumps(trainer.fit_signals(progress).to_dict(), indent=1) + "\n")
     log_path, curve, heldout_path = out / "log.csv", out / "curve.png", out / "heldout.csv"
     history = _read_log(log_path, trainer.step)
     evaluator = None

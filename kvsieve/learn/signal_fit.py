@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from kvsieve.engine.attach import attach
 from kvsieve.engine.cache import sieve_layers
@@ -74,7 +75,7 @@ def solve_ridge(xtx: torch.Tensor, xty: torch.Tensor, rows: int, ridge: float) -
 
 @torch.no_grad()
 def fit_signal_map(net: KVzapNet, meta: dict, model, episodes: list[Episode], ridge: float,
-                   progress=None) -> SignalFit:
+                   progress: bool = False) -> SignalFit:
     """Set ``net.signal_weight`` (in place) to the ridge fit of the module docstring over ``episodes``; the
     surrogate's own weights are untouched. ``meta``: the checkpoint metadata (variant, header, ``window``)."""
     if not net.config.signals:
@@ -89,7 +90,7 @@ def fit_signal_map(net: KVzapNet, meta: dict, model, episodes: list[Episode], ri
     xty = torch.zeros(L, H, S, dtype=torch.float64)
     yy, ysum = torch.zeros(L, H, dtype=torch.float64), torch.zeros(L, H, dtype=torch.float64)
     rows = 0
-    for number, episode in enumerate(episodes):
+    for episode in tqdm(episodes, desc="signal fit", unit="request", disable=not progress):
         recorder = KVzapRolloutPolicy(net, meta, 1.0, None, record=True)
         cache = context_cache_for(model, episode, int(meta["window"]), recorder.needs_hidden_states)
         compress_cache(cache, recorder, Budget(ratio=0.5))  # scores every layer once; records its inputs
@@ -107,8 +108,6 @@ def fit_signal_map(net: KVzapNet, meta: dict, model, episodes: list[Episode], ri
             yy[layer] += residual.pow(2).sum(dim=(0, 2))
             ysum[layer] += residual.sum(dim=(0, 2))
         rows += decision.features[0][1][0].shape[0] * (episode.context.shape[1] - header)
-        if progress is not None:
-            progress(number + 1, len(episodes))
     weight = solve_ridge(xtx, xty, rows, float(ridge))  # (L, H, S)
     # explained share of the residual's variance: 1 - SSE / SST, SSE = y'y - 2 w'X'y + w'X'Xw
     sse = yy - 2 * (weight * xty).sum(-1) + torch.einsum("lhs,lhst,lht->lh", weight, xtx, weight)
