@@ -3,8 +3,8 @@
 REINFORCE moves the per-head map from DistillCache's signals to the surrogate's output slowly: one step's gradient is
 mostly noise, and in 120 steps of the Qwen run the map's weights stayed near 0.015 beside log scores that spread over
 several units (docs/results.md, issue 51). Every method that holds most of the full cache at small budgets is
-supervised first (ForesightKV ranks entries by the attention of future tokens before its RL; KVzip scores an entry by
-the largest attention the context's reconstruction pays it, arXiv:2505.23416). So before REINFORCE the map is fitted
+supervised first (ForesightKV runs its RL only after a supervised ranking; KVzip scores an entry by the largest
+attention the context's reconstruction pays it, arXiv:2505.23416). So before REINFORCE the map is fitted
 by least squares, per layer and KV head, to what the surrogate misses of the *continuation's* attention:
 
     target = log(exp(s) + a),   residual = target - s,   residual ~ signals @ w
@@ -19,7 +19,7 @@ log of the largest attention from the reconstruction *or* the continuation: an e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 from tqdm import tqdm
@@ -33,7 +33,7 @@ from kvsieve.networks.kvzap_net import KVzapNet
 from kvsieve.policy import FullCache
 from kvsieve.selection import Budget
 
-__all__ = ["SignalFit", "continuation_attention", "fit_signal_map", "solve_ridge"]
+__all__ = ["SignalFit", "continuation_attention", "fit_signal_map"]
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class SignalFit:
     mean_abs_weight: float
 
     def to_dict(self) -> dict:
-        return {"rows": self.rows, "r2_by_layer": self.r2_by_layer, "mean_abs_weight": self.mean_abs_weight}
+        return asdict(self)
 
 
 @torch.no_grad()
@@ -66,7 +66,7 @@ def continuation_attention(model, episode: Episode) -> list[torch.Tensor]:
     return out
 
 
-def solve_ridge(xtx: torch.Tensor, xty: torch.Tensor, rows: int, ridge: float) -> torch.Tensor:
+def _solve_ridge(xtx: torch.Tensor, xty: torch.Tensor, rows: int, ridge: float) -> torch.Tensor:
     """(..., S) least-squares weights from summed ``X^T X`` (..., S, S) and ``X^T y`` (..., S) over ``rows`` rows,
     with ``ridge`` added to the diagonal of the per-row mean ``X^T X``."""
     eye = torch.eye(xtx.shape[-1], dtype=xtx.dtype)
@@ -108,7 +108,7 @@ def fit_signal_map(net: KVzapNet, meta: dict, model, episodes: list[Episode], ri
             yy[layer] += residual.pow(2).sum(dim=(0, 2))
             ysum[layer] += residual.sum(dim=(0, 2))
         rows += decision.features[0][1][0].shape[0] * (episode.context.shape[1] - header)
-    weight = solve_ridge(xtx, xty, rows, float(ridge))  # (L, H, S)
+    weight = _solve_ridge(xtx, xty, rows, float(ridge))  # (L, H, S)
     # explained share of the residual's variance: 1 - SSE / SST, SSE = y'y - 2 w'X'y + w'X'Xw
     sse = yy - 2 * (weight * xty).sum(-1) + torch.einsum("lhs,lhst,lht->lh", weight, xtx, weight)
     sst = yy - ysum.pow(2) / rows
