@@ -17,6 +17,8 @@ from transformers import (
 from kvsieve.engine.reconstruct import ReconstructionPrompt
 from kvsieve.learn.kvzap_train import rope_tables
 from kvsieve.learn.rollout import Episode
+from kvsieve.learn.train import train
+from kvsieve.learn.train_config import TrainConfig
 from kvsieve.models import load
 from kvsieve.networks.kvzap_net import KVzapNet, KVzapNetConfig, save_kvzap
 from kvsieve.networks.model_shape import ModelShape
@@ -117,6 +119,20 @@ def random_kvzap(model, path, name: str = "tiny-llama", header: int = 3, seed: i
     meta = {"model": ModelShape.of(model, name).to_dict(), "header": header,
             "rope": {"inv_freq": freqs, "attention_scaling": scales}, "variant": "linear"}
     return save_kvzap(path, net, meta)
+
+
+def whole_and_resumed(model, init, tmp_path, **settings):
+    """REINFORCE on a kvzap checkpoint ``init``: three steps in one run (``whole``), and one step then resumed to
+    three (``split``), from the same settings and three episodes; returns both runs' results."""
+    common = dict(model="tiny-llama", network="kvzap", init=str(init), mode="prefill", temperature=0.5,
+                  ratios=[0.75, 0.5], window=8, rollouts=2, save_every=1, **settings)
+    episodes = [episode(i, 80, 12) for i in range(3)]
+    whole = train(TrainConfig(steps=3, out=str(tmp_path / "whole"), **common), model=model, episodes=episodes,
+                  progress=False)
+    train(TrainConfig(steps=1, out=str(tmp_path / "split"), **common), model=model, episodes=episodes, progress=False)
+    split = train(TrainConfig(steps=3, out=str(tmp_path / "split"), **common), model=model, episodes=episodes,
+                  progress=False)
+    return whole, split
 
 
 @pytest.fixture(scope="session")

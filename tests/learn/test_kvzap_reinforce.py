@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import episode, random_kvzap, tiny_model
+from conftest import episode, random_kvzap, tiny_model, whole_and_resumed
 
 import kvsieve
 from kvsieve.engine.cache import sieve_layers
@@ -16,7 +16,6 @@ from kvsieve.learn import reinforce as reinforce_module
 from kvsieve.learn.kvzap_rollout import KVzapRolloutPolicy, kvzap_decision_logits
 from kvsieve.learn.rollout import Episode, decision_terms
 from kvsieve.learn.sampling import gumbel_noise
-from kvsieve.learn.train import train
 from kvsieve.learn.train_config import TrainConfig
 from kvsieve.networks.kvzap_net import SIGNAL_FEATURES, load_kvzap, save_kvzap, with_signals
 from kvsieve.networks.model_shape import ModelShape
@@ -131,23 +130,9 @@ def test_a_step_moves_the_surrogate_along_the_advantage(setup, tmp_path, monkeyp
     assert torch.equal(before.mean, trainer.net.mean) and torch.equal(before.std, trainer.net.std)
 
 
-def _whole_and_resumed(setup, tmp_path, **settings):
-    """Three steps in one run (``whole``), and one step then resumed to three (``split``), from the same settings."""
-    model, path = setup
-    common = dict(model="tiny-llama", network="kvzap", init=str(path), mode="prefill", temperature=0.5,
-                  ratios=[0.75, 0.5], window=8, rollouts=2, save_every=1, **settings)
-    episodes = [_episode(i) for i in range(3)]
-    whole = train(TrainConfig(steps=3, out=str(tmp_path / "whole"), **common), model=model, episodes=episodes,
-                  progress=False)
-    train(TrainConfig(steps=1, out=str(tmp_path / "split"), **common), model=model, episodes=episodes, progress=False)
-    split = train(TrainConfig(steps=3, out=str(tmp_path / "split"), **common), model=model, episodes=episodes,
-                  progress=False)
-    return whole, split
-
-
 def test_training_writes_a_kvzap_checkpoint_and_resumes_exactly(setup, tmp_path):
     model, path = setup
-    whole, split = _whole_and_resumed(setup, tmp_path, lr=1e-2)
+    whole, split = whole_and_resumed(*setup, tmp_path, lr=1e-2)
     a, meta = load_kvzap(whole.policy)
     b, _ = load_kvzap(split.policy)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
@@ -269,7 +254,7 @@ def test_the_signals_are_distillcaches_features_of_the_policys_window(setup):
 
 def test_reinforce_with_signals_moves_their_weights_and_resumes_exactly(setup, tmp_path):
     _, path = setup
-    whole, split = _whole_and_resumed(setup, tmp_path, lr=1e-3, signals=True, signal_lr=1e-2)
+    whole, split = whole_and_resumed(*setup, tmp_path, lr=1e-3, signals=True, signal_lr=1e-2)
     a, meta = load_kvzap(whole.policy)
     b, _ = load_kvzap(split.policy)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))

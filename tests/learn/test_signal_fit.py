@@ -5,12 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import episode, random_kvzap, sharpened, tiny_config
+from conftest import episode, random_kvzap, sharpened, tiny_config, whole_and_resumed
 from transformers import AutoModelForCausalLM
 
 import kvsieve
 from kvsieve.learn.signal_fit import continuation_attention, fit_signal_map
-from kvsieve.learn.train import train
 from kvsieve.learn.train_config import TrainConfig
 from kvsieve.networks.kvzap_net import load_kvzap, with_signals
 from kvsieve.policies.kvzap import KVzap
@@ -104,24 +103,16 @@ def test_training_starts_from_the_fit_and_resumes_exactly(setup, tmp_path):
     """signal_fit: step 0 is the fitted map; the trust region pulls towards it, so a resume that forgot it (and
     pulled towards zero weights) would end elsewhere."""
     model, _, path = setup
-    common = dict(model="tiny-llama", network="kvzap", init=str(path), mode="prefill", temperature=0.5,
-                  ratios=[0.75, 0.5], window=WINDOW, rollouts=2, save_every=1, lr=1e-3, signals=True,
-                  signal_lr=1e-2, signal_fit=True, trust_coef=1.0)
-    episodes = [episode(i, 80, 12) for i in range(3)]
-    def run(name: str, steps: int):
-        return train(TrainConfig(steps=steps, out=str(tmp_path / name), **common), model=model, episodes=episodes,
-                     progress=False)
-
-    whole = run("whole", 3)
-    run("split", 1)
-    runs = {"whole": whole, "split": run("split", 3)}
+    whole, split = whole_and_resumed(model, path, tmp_path, lr=1e-3, signals=True, signal_lr=1e-2, signal_fit=True,
+                                     trust_coef=1.0)
+    runs = {"whole": whole, "split": split}
     a, meta = load_kvzap(runs["whole"].policy)
     b, _ = load_kvzap(runs["split"].policy)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     assert [r["reward"] for r in runs["whole"].history] == [r["reward"] for r in runs["split"].history]
     start, _ = load_kvzap(path)
     alone = with_signals(start)
-    fit_signal_map(alone, dict(meta, window=WINDOW), model, episodes, 0.01)
+    fit_signal_map(alone, dict(meta, window=WINDOW), model, [episode(i, 80, 12) for i in range(3)], 0.01)
     # three Adam steps move each weight by at most ~3 x signal_lr from the fit
     assert float((a.signal_weight - alone.signal_weight).detach().abs().amax()) < 0.05
     assert float(alone.signal_weight.detach().abs().amax()) > 0.05
