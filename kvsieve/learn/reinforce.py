@@ -211,8 +211,8 @@ class Trainer:
     def tensors(self, with_state: bool) -> dict[str, torch.Tensor]:
         out = {f"net.{k}": v for k, v in self.net.state_dict().items()}
         if with_state:
-            if self.config.signal_fit:  # the fitted map is the trust region's reference: kept for a resume
-                out["warm.signal_weight"] = self.warm.signal_weight
+            if self.config.signal_fit:  # the fitted start is the trust region's reference: kept for a resume
+                out.update({f"warm.{k}": v for k, v in self.warm.state_dict().items()})
             for i, p in enumerate(self.net.parameters()):
                 for key, value in self.optimizer.state.get(p, {}).items():
                     out[f"optim.{i}.{key}"] = torch.as_tensor(value)
@@ -254,8 +254,10 @@ class Trainer:
             raise ValueError(f"{path} holds a run whose model computed in {recorded}, this one computes in "
                              f"{now_dtype}: pass --dtype {recorded} to resume it, or use another out folder")
         self.net.load_state_dict(loaded.group("net"))
-        if self.config.signal_fit:
-            self.warm.signal_weight.copy_(loaded.tensors["warm.signal_weight"])
+        if self.config.signal_fit:  # (a checkpoint of before signal_affine holds the fitted map alone)
+            for name, value in self.warm.state_dict().items():
+                if f"warm.{name}" in loaded.tensors:
+                    value.copy_(loaded.tensors[f"warm.{name}"])
         params = list(self.net.parameters())
         for key, value in loaded.group("optim").items():
             index, name = key.split(".", 1)
@@ -266,8 +268,9 @@ class Trainer:
     def fit_signals(self, progress: bool = False) -> SignalFit:
         """The signal map fitted on the training episodes (:mod:`kvsieve.learn.signal_fit`): the warm start and the
         trust region's reference from now on."""
-        fit = fit_signal_map(self.net, self.kvzap_meta, self.model, self.episodes, self.config.signal_ridge,
-                             progress)
+        c = self.config
+        fit = fit_signal_map(self.net, self.kvzap_meta, self.model, self.episodes, c.signal_ridge, progress,
+                             c.signal_continuation_weight, c.signal_affine)
         self.warm = copy.deepcopy(self.net).eval().requires_grad_(False)
         return fit
 

@@ -15,6 +15,13 @@ full cache). ``exp(s)`` is the surrogate's estimate of the reconstruction's larg
 log of the largest attention from the reconstruction *or* the continuation: an entry nobody but the question reads
 (a needle) gets a high residual, one the surrogate already ranks high little. Ridge regularised; the chat header
 (always kept) is left out. The fitted map is REINFORCE's warm start and its trust region's reference.
+
+Two refinements (issue 51; chosen on the stopping rule's held-out requests, docs/results.md): the continuation's
+attention weighted by ``continuation_weight`` (lambda) in the target, ``log(exp(s) + lambda a)``: the question's reads
+decide the answer, the reconstruction's only approximate them; and, with ``affine``, two more columns per head, ``s``
+and 1, so the fit also rescales and shifts each head's surrogate score (``(1 + c) s + b``): under one global top-k
+that moves budget between heads and layers. The rescaling is folded into the surrogate's output layer (its
+``linear`` and ``mlp`` output weights and biases, per head), so the network keeps its form.
 """
 
 from __future__ import annotations
@@ -38,11 +45,14 @@ __all__ = ["SignalFit", "continuation_attention", "fit_signal_map"]
 
 @dataclass(frozen=True)
 class SignalFit:
-    """What the fit did: rows per layer and head, the residual's variance explained (R^2) per layer, mean |w|."""
+    """What the fit did: rows per layer and head, the residual's variance explained (R^2) per layer, mean |w| of
+    the signals' map, and the two refinements' settings."""
 
     rows: int
     r2_by_layer: list[float]
     mean_abs_weight: float
+    continuation_weight: float = 1.0
+    affine: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -73,45 +83,67 @@ def _solve_ridge(xtx: torch.Tensor, xty: torch.Tensor, rows: int, ridge: float) 
     return torch.linalg.solve(xtx / rows + ridge * eye, (xty / rows).unsqueeze(-1)).squeeze(-1)
 
 
+def _episode_rows(net: KVzapNet, meta: dict, model, episode: Episode):
+    """Per layer of one episode: ``(layer, s, x, a)``, the surrogate's own log scores (H, n'), the signals
+    (H, n', S) and the continuation's attention (H, n'), in float64, batch rows joined, the header's rows left out."""
+    header, variant = int(meta["header"]), meta["variant"]
+    recorder = KVzapRolloutPolicy(net, meta, 1.0, None, record=True)
+    cache = context_cache_for(model, episode, int(meta["window"]), recorder.needs_hidden_states)
+    compress_cache(cache, recorder, Budget(ratio=0.5))  # scores every layer once; records its inputs
+    (decision,) = recorder.decisions
+    future = continuation_attention(model, episode)
+
+    def rows(t: torch.Tensor) -> torch.Tensor:  # (b, H, n, ...) -> (H, b * n', ...)
+        return t[:, :, header:].double().transpose(0, 1).flatten(1, 2)
+
+    for layer, (inputs, signals) in decision.features:
+        yield layer, rows(net.surrogate(inputs, layer, variant).transpose(1, 2)), rows(signals), rows(future[layer])
+
+
+def _solve_ridge(x: torch.Tensor, y: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """(..., P) weights minimising ``mean (x @ w - y)^2 + sum_p penalty_p w_p^2``; x (..., N, P), y (..., N)."""
+    xtx, xty = x.transpose(-1, -2) @ x / x.shape[-2], (x.transpose(-1, -2) @ y.unsqueeze(-1)) / x.shape[-2]
+    return torch.linalg.solve(xtx + torch.diag(penalty), xty).squeeze(-1)
+
+
 @torch.no_grad()
-def fit_signal_map(net: KVzapNet, meta: dict, model, episodes: list[Episode], ridge: float,
-                   progress: bool = False) -> SignalFit:
-    """Set ``net.signal_weight`` (in place) to the ridge fit of the module docstring over ``episodes``; the
-    surrogate's own weights are untouched. ``meta``: the checkpoint metadata (variant, header, ``window``)."""
+def fit_signal_map(net: KVzapNet, meta: dict, model, episodes: list[Episode], ridge: float, progress: bool = False,
+                   continuation_weight: float = 1.0, affine: bool = False) -> SignalFit:
+    """Set ``net.signal_weight`` (in place) to the ridge fit of the module docstring over ``episodes``; with
+    ``affine`` also rescale and shift each head's surrogate score, else the surrogate's own weights are untouched.
+    ``meta``: the checkpoint metadata (variant, header, ``window``)."""
     if not net.config.signals:
         raise ValueError("fit_signal_map needs a kvzap network that reads signals (kvzap_net.with_signals)")
     if not episodes:
         raise ValueError("fit_signal_map needs at least one episode")
-    if isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or not ridge > 0:
-        raise ValueError(f"ridge must be a number > 0, got {ridge!r}")
-    L, S, H = net.signal_weight.shape
-    header, variant = int(meta["header"]), meta["variant"]
-    xtx = torch.zeros(L, H, S, S, dtype=torch.float64)
-    xty = torch.zeros(L, H, S, dtype=torch.float64)
-    yy, ysum = torch.zeros(L, H, dtype=torch.float64), torch.zeros(L, H, dtype=torch.float64)
-    rows = 0
+    for name, value in (("ridge", ridge), ("continuation_weight", continuation_weight)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{name} must be a number > 0, got {value!r}")
+    by_layer: dict[int, list[tuple[torch.Tensor, ...]]] = {}
     for episode in tqdm(episodes, desc="signal fit", unit="request", disable=not progress):
-        recorder = KVzapRolloutPolicy(net, meta, 1.0, None, record=True)
-        cache = context_cache_for(model, episode, int(meta["window"]), recorder.needs_hidden_states)
-        compress_cache(cache, recorder, Budget(ratio=0.5))  # scores every layer once; records its inputs
-        (decision,) = recorder.decisions
-        future = continuation_attention(model, episode)
-        for layer, (inputs, signals) in decision.features:
-            total = net(inputs, layer, variant, signals)  # (b, n, H)
-            mapped = torch.einsum("bhns,sh->bnh", signals, net.signal_weight[layer])
-            surrogate = (total - mapped).transpose(1, 2).double()  # (b, H, n), the map's current part removed
-            target = torch.log(surrogate.exp() + future[layer].double())
-            residual = (target - surrogate)[:, :, header:]  # (b, H, n')
-            x = signals[:, :, header:, :].double()  # (b, H, n', S)
-            xtx[layer] += torch.einsum("bhns,bhnt->hst", x, x)
-            xty[layer] += torch.einsum("bhns,bhn->hs", x, residual)
-            yy[layer] += residual.pow(2).sum(dim=(0, 2))
-            ysum[layer] += residual.sum(dim=(0, 2))
-        rows += decision.features[0][1][0].shape[0] * (episode.context.shape[1] - header)
-    weight = _solve_ridge(xtx, xty, rows, float(ridge))  # (L, H, S)
-    # explained share of the residual's variance: 1 - SSE / SST, SSE = y'y - 2 w'X'y + w'X'Xw
-    sse = yy - 2 * (weight * xty).sum(-1) + torch.einsum("lhs,lhst,lht->lh", weight, xtx, weight)
-    sst = yy - ysum.pow(2) / rows
-    r2 = (1 - sse.sum(-1) / sst.sum(-1).clamp_min(1e-12)).tolist()
-    net.signal_weight.copy_(weight.permute(0, 2, 1).to(net.signal_weight.dtype))
-    return SignalFit(rows, [round(v, 4) for v in r2], float(weight.abs().mean()))
+        for layer, *parts in _episode_rows(net, meta, model, episode):
+            by_layer.setdefault(layer, []).append(parts)
+    # (L, H, N, ...): every layer has the same rows (one per context entry past the header)
+    s, x, a = (torch.stack([torch.cat([p[i] for p in by_layer[layer]], dim=1) for layer in sorted(by_layer)])
+               for i in range(3))
+    residual = torch.log(s.exp() + float(continuation_weight) * a) - s
+    S = x.shape[-1]
+    columns = torch.cat([x, s[..., None], torch.ones_like(s)[..., None]], dim=-1) if affine else x
+    penalty = torch.full((columns.shape[-1],), float(ridge), dtype=torch.float64)
+    if affine:
+        penalty[-1] = 0.0  # the shift is not shrunk
+    weight = _solve_ridge(columns, residual, penalty)  # (L, H, S [+ 2])
+    predicted = torch.einsum("lhnp,lhp->lhn", columns, weight)
+    # explained share of the residual's variance: 1 - SSE / SST, per layer over its heads' rows
+    sse = (residual - predicted).pow(2).sum(dim=(1, 2))
+    sst = (residual - residual.mean(dim=-1, keepdim=True)).pow(2).sum(dim=(1, 2))
+    r2 = (1 - sse / sst.clamp_min(1e-12)).tolist()
+    net.signal_weight.copy_(weight[..., :S].permute(0, 2, 1).to(net.signal_weight.dtype))
+    if affine:  # s -> (1 + c) s + b, folded into the surrogate's output layer of each head
+        scale, shift = (1 + weight[..., S]).float(), weight[..., S + 1].float()  # (L, H)
+        net.linear_weight.mul_(scale[:, None, :])
+        net.mlp_w2.mul_(scale[:, None, :])
+        net.linear_bias.mul_(scale).add_(shift)
+        net.mlp_b2.mul_(scale)
+    return SignalFit(int(s.shape[-1]), [round(v, 4) for v in r2], float(weight[..., :S].abs().mean()),
+                     float(continuation_weight), affine)

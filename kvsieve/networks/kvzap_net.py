@@ -161,23 +161,28 @@ class KVzapNet(nn.Module):
                 signals: torch.Tensor | None = None) -> torch.Tensor:
         """(b, n, D) raw inputs of ``layer`` -> (b, n, H) predicted log KVzip scores; a network that reads signals
         also takes ``signals``, (b, H, n, S) features of every head's entries, and adds their per-head linear map."""
-        if variant not in VARIANTS:
-            raise ValueError(f"kvzap variant {variant!r} is not one of {', '.join(map(repr, VARIANTS))}")
-        if not 0 <= layer < self.config.num_layers:
-            raise ValueError(f"layer {layer} is outside the surrogate's {self.config.num_layers} layers")
         S = self.config.signals
         if (signals is None) != (S == 0) or (signals is not None and (
                 signals.shape[-1] != S or signals.shape[1] != self.config.num_kv_heads)):
             got = None if signals is None else tuple(signals.shape)
             raise ValueError(f"this kvzap network reads {S} signals per head ((b, {self.config.num_kv_heads}, n, "
                              f"{S}) features), got {got}")
+        out = self.surrogate(x, layer, variant)
+        if S:
+            out = out + torch.einsum("bhns,sh->bnh", signals.to(out.dtype), self.signal_weight[layer])
+        return out
+
+    def surrogate(self, x: torch.Tensor, layer: int, variant: str = "mlp") -> torch.Tensor:
+        """(b, n, D) raw inputs of ``layer`` -> (b, n, H): the surrogate's own log scores, before any signals."""
+        if variant not in VARIANTS:
+            raise ValueError(f"kvzap variant {variant!r} is not one of {', '.join(map(repr, VARIANTS))}")
+        if not 0 <= layer < self.config.num_layers:
+            raise ValueError(f"layer {layer} is outside the surrogate's {self.config.num_layers} layers")
         z = self.standardise(x, layer)
         out = z @ self.linear_weight[layer] + self.linear_bias[layer]
         if variant == "mlp":
             hidden = nn.functional.gelu(z @ self.mlp_w1[layer] + self.mlp_b1[layer])
             out = out + hidden @ self.mlp_w2[layer] + self.mlp_b2[layer]
-        if S:
-            out = out + torch.einsum("bhns,sh->bnh", signals.to(out.dtype), self.signal_weight[layer])
         return out
 
     def num_parameters(self, variant: str) -> int:
