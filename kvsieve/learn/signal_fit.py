@@ -40,7 +40,7 @@ from kvsieve.networks.kvzap_net import KVzapNet
 from kvsieve.policy import FullCache
 from kvsieve.selection import Budget
 
-__all__ = ["SignalFit", "continuation_attention", "fit_signal_map"]
+__all__ = ["SignalFit", "SignalRows", "continuation_attention", "collect_rows", "fit_rows", "fit_signal_map"]
 
 
 @dataclass(frozen=True)
@@ -106,26 +106,57 @@ def _solve_ridge(x: torch.Tensor, y: torch.Tensor, penalty: torch.Tensor) -> tor
     return torch.linalg.solve(xtx + torch.diag(penalty), xty).squeeze(-1)
 
 
+@dataclass(frozen=True)
+class SignalRows:
+    """The fit's data, per layer and head (L, H, N[, S]) in float64: the surrogate's own log scores ``s``, the
+    signals ``x`` and the continuation's attention ``a`` of every context entry past the header."""
+
+    s: torch.Tensor
+    x: torch.Tensor
+    a: torch.Tensor
+
+
+@torch.no_grad()
+def collect_rows(net: KVzapNet, meta: dict, model, episodes: list[Episode], progress: bool = False) -> SignalRows:
+    """The rows of ``episodes`` (one context prefill and one full read of each); ``meta``: the checkpoint metadata
+    (variant, header, ``window``)."""
+    if not net.config.signals:
+        raise ValueError("fit_signal_map needs a kvzap network that reads signals (kvzap_net.with_signals)")
+    if not episodes:
+        raise ValueError("fit_signal_map needs at least one episode")
+    by_layer: dict[int, list[tuple[torch.Tensor, ...]]] = {}
+    for episode in tqdm(episodes, desc="signal fit", unit="request", disable=not progress):
+        for layer, *parts in _episode_rows(net, meta, model, episode):
+            by_layer.setdefault(layer, []).append(parts)
+    # every layer has the same rows (one per context entry past the header)
+    s, x, a = (torch.stack([torch.cat([p[i] for p in by_layer[layer]], dim=1) for layer in sorted(by_layer)])
+               for i in range(3))
+    return SignalRows(s, x, a)
+
+
 @torch.no_grad()
 def fit_signal_map(net: KVzapNet, meta: dict, model, episodes: list[Episode], ridge: float, progress: bool = False,
                    continuation_weight: float = 1.0, affine: bool = False) -> SignalFit:
     """Set ``net.signal_weight`` (in place) to the ridge fit of the module docstring over ``episodes``; with
     ``affine`` also rescale and shift each head's surrogate score, else the surrogate's own weights are untouched.
     ``meta``: the checkpoint metadata (variant, header, ``window``)."""
-    if not net.config.signals:
-        raise ValueError("fit_signal_map needs a kvzap network that reads signals (kvzap_net.with_signals)")
-    if not episodes:
-        raise ValueError("fit_signal_map needs at least one episode")
+    _check_settings(ridge, continuation_weight)
+    return fit_rows(net, collect_rows(net, meta, model, episodes, progress), ridge, continuation_weight, affine)
+
+
+def _check_settings(ridge: float, continuation_weight: float) -> None:
     for name, value in (("ridge", ridge), ("continuation_weight", continuation_weight)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"{name} must be a number > 0, got {value!r}")
-    by_layer: dict[int, list[tuple[torch.Tensor, ...]]] = {}
-    for episode in tqdm(episodes, desc="signal fit", unit="request", disable=not progress):
-        for layer, *parts in _episode_rows(net, meta, model, episode):
-            by_layer.setdefault(layer, []).append(parts)
-    # (L, H, N, ...): every layer has the same rows (one per context entry past the header)
-    s, x, a = (torch.stack([torch.cat([p[i] for p in by_layer[layer]], dim=1) for layer in sorted(by_layer)])
-               for i in range(3))
+
+
+@torch.no_grad()
+def fit_rows(net: KVzapNet, rows: SignalRows, ridge: float, continuation_weight: float = 1.0,
+             affine: bool = False) -> SignalFit:
+    """:func:`fit_signal_map` on rows already collected from ``net``'s surrogate (the same rows serve several
+    settings; ``net``'s surrogate must be the one that scored them)."""
+    _check_settings(ridge, continuation_weight)
+    s, x, a = rows.s, rows.x, rows.a
     residual = torch.log(s.exp() + float(continuation_weight) * a) - s
     S = x.shape[-1]
     columns = torch.cat([x, s[..., None], torch.ones_like(s)[..., None]], dim=-1) if affine else x
