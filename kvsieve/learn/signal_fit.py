@@ -76,13 +76,6 @@ def continuation_attention(model, episode: Episode) -> list[torch.Tensor]:
     return out
 
 
-def _solve_ridge(xtx: torch.Tensor, xty: torch.Tensor, rows: int, ridge: float) -> torch.Tensor:
-    """(..., S) least-squares weights from summed ``X^T X`` (..., S, S) and ``X^T y`` (..., S) over ``rows`` rows,
-    with ``ridge`` added to the diagonal of the per-row mean ``X^T X``."""
-    eye = torch.eye(xtx.shape[-1], dtype=xtx.dtype)
-    return torch.linalg.solve(xtx / rows + ridge * eye, (xty / rows).unsqueeze(-1)).squeeze(-1)
-
-
 def _episode_rows(net: KVzapNet, meta: dict, model, episode: Episode):
     """Per layer of one episode: ``(layer, s, x, a)``, the surrogate's own log scores (H, n'), the signals
     (H, n', S) and the continuation's attention (H, n'), in float64, batch rows joined, the header's rows left out."""
