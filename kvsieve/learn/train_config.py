@@ -156,14 +156,14 @@ class TrainConfig:
         if isinstance(self.signal_ridge, bool) or not isinstance(self.signal_ridge, (int, float)) \
                 or not self.signal_ridge > 0:
             raise ValueError(f"signal_ridge must be a number > 0, got {self.signal_ridge!r}")
+        if not isinstance(self.signal_affine, bool):
+            raise ValueError(f"signal_affine must be true or false, got {self.signal_affine!r}")
         weight = self.signal_continuation_weight
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0 or (
                 (weight != 1.0 or self.signal_affine) and not self.signal_fit):
             raise ValueError(f"signal_continuation_weight must be a number > 0, and it and signal_affine apply only "
                              f"with signal_fit = true; got {weight!r}, signal_affine {self.signal_affine!r} "
                              f"(signal_fit {self.signal_fit!r})")
-        if not isinstance(self.signal_affine, bool):
-            raise ValueError(f"signal_affine must be true or false, got {self.signal_affine!r}")
         if self.baseline == "loo" and self.rollouts < 2:
             raise ValueError(f"baseline 'loo' (leave-one-out) needs rollouts >= 2, got {self.rollouts}")
         if self.eval_every and self.mode != "prefill":

@@ -164,6 +164,8 @@ def test_fit_settings_give_clear_errors(setup):
         TrainConfig(network="kvzap", mode="prefill", signals=True, signal_fit=True, signal_continuation_weight=0)
     with pytest.raises(ValueError, match="got 1.0, signal_affine True \\(signal_fit False\\)"):
         TrainConfig(network="kvzap", mode="prefill", signals=True, signal_affine=True)
+    with pytest.raises(ValueError, match="signal_affine must be true or false, got 'yes'"):
+        TrainConfig(network="kvzap", mode="prefill", signals=True, signal_fit=True, signal_affine="yes")
     model, _, path = setup
     net, meta = load_kvzap(path)
     with pytest.raises(ValueError, match="needs a kvzap network that reads signals"):
