@@ -114,9 +114,9 @@ def collect_rows(net: KVzapNet, meta: dict, model, episodes: list[Episode], prog
     """The rows of ``episodes`` (one context prefill and one full read of each); ``meta``: the checkpoint metadata
     (variant, header, ``window``)."""
     if not net.config.signals:
-        raise ValueError("fit_signal_map needs a kvzap network that reads signals (kvzap_net.with_signals)")
+        raise ValueError("the signal fit needs a kvzap network that reads signals (kvzap_net.with_signals)")
     if not episodes:
-        raise ValueError("fit_signal_map needs at least one episode")
+        raise ValueError("the signal fit needs at least one episode")
     by_layer: dict[int, list[tuple[torch.Tensor, ...]]] = {}
     for episode in tqdm(episodes, desc="signal fit", unit="request", disable=not progress):
         for layer, *parts in _episode_rows(net, meta, model, episode):
@@ -133,7 +133,7 @@ def fit_signal_map(net: KVzapNet, meta: dict, model, episodes: list[Episode], ri
     """Set ``net.signal_weight`` (in place) to the ridge fit of the module docstring over ``episodes``; with
     ``affine`` also rescale and shift each head's surrogate score, else the surrogate's own weights are untouched.
     ``meta``: the checkpoint metadata (variant, header, ``window``)."""
-    _check_settings(ridge, continuation_weight)
+    _check_settings(ridge, continuation_weight)  # before the rows' minutes of work
     return fit_rows(net, collect_rows(net, meta, model, episodes, progress), ridge, continuation_weight, affine)
 
 
@@ -164,10 +164,6 @@ def fit_rows(net: KVzapNet, rows: SignalRows, ridge: float, continuation_weight:
     r2 = (1 - sse / sst.clamp_min(1e-12)).tolist()
     net.signal_weight.copy_(weight[..., :S].permute(0, 2, 1).to(net.signal_weight.dtype))
     if affine:  # s -> (1 + c) s + b, folded into the surrogate's output layer of each head
-        scale, shift = (1 + weight[..., S]).float(), weight[..., S + 1].float()  # (L, H)
-        net.linear_weight.mul_(scale[:, None, :])
-        net.mlp_w2.mul_(scale[:, None, :])
-        net.linear_bias.mul_(scale).add_(shift)
-        net.mlp_b2.mul_(scale)
+        net.rescale_scores((1 + weight[..., S]).float(), weight[..., S + 1].float())
     return SignalFit(int(s.shape[-1]), [round(v, 4) for v in r2], float(weight[..., :S].abs().mean()),
                      float(continuation_weight), affine)

@@ -185,6 +185,15 @@ class KVzapNet(nn.Module):
             out = out + hidden @ self.mlp_w2[layer] + self.mlp_b2[layer]
         return out
 
+    @torch.no_grad()
+    def rescale_scores(self, scale: torch.Tensor, shift: torch.Tensor) -> None:
+        """Make :meth:`surrogate` score ``scale * s + shift`` per layer and head ((L, H) each), in both variants,
+        by rescaling the output layer's weights and biases in place."""
+        self.linear_weight.mul_(scale[:, None, :])
+        self.mlp_w2.mul_(scale[:, None, :])
+        self.linear_bias.mul_(scale).add_(shift)
+        self.mlp_b2.mul_(scale)
+
     def num_parameters(self, variant: str) -> int:
         names = ("linear_weight", "linear_bias") if variant == "linear" else ("mlp_w1", "mlp_b1", "mlp_w2", "mlp_b2")
         return sum(getattr(self, n).numel() for n in names)
