@@ -58,7 +58,7 @@ from kvsieve.evolve.sandbox import SandboxLimits, run_in_sandbox
 from kvsieve.language.program_features import Features, load_features, save_features
 from kvsieve.language.program_source import Program, ProgramError
 from kvsieve.models import weights_digest
-from kvsieve.policies.kvzap import shipped_kvzap_for
+from kvsieve.policies.kvzap import KVzap, shipped_kvzap_for
 from kvsieve.policy import FullCache, Policy
 from kvsieve.prompt import Prompt, build_prompt
 from kvsieve.selection import Budget, Selection
@@ -148,7 +148,7 @@ class DevSet:
     (:func:`_prefill_key`), and a later dev set of the same sample reads them back instead of prefilling."""
 
     def __init__(self, model, tokenizer, samples: list[Sample], ratios: list[float], window: int = 64,
-                 workdir: str | Path | None = None, progress: bool = False) -> None:
+                 workdir: str | Path | None = None, progress: bool = False, surrogate: str | None = None) -> None:
         if not samples:
             raise ValueError("the dev set is empty")
         for ratio in ratios:
@@ -159,8 +159,13 @@ class DevSet:
         self.workdir = Path(workdir if workdir is not None else self._tmp.name)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.capture = FullCache(window=window)
-        # the features' ``surrogate``: the shipped kvzap of this model (zeros when none ships for it)
-        self.surrogate = shipped_kvzap_for(model)
+        # the features' ``surrogate``: the kvzap checkpoint named (a shipped name or a path), else the shipped one of
+        # this model (zeros when none ships for it)
+        if surrogate is None:
+            self.surrogate = shipped_kvzap_for(model)
+        else:
+            self.surrogate = KVzap(checkpoint=surrogate)
+            self.surrogate.check_model(model)
         self.capture.needs_hidden_states = self.surrogate is not None and self.surrogate.needs_hidden_states
         self.items: list[DevSample] = []
         features: dict[str, Features] = {}

@@ -75,7 +75,8 @@ def _run(config: EvolveConfig, progress: bool, model, tokenizer) -> EvolveResult
             model, tokenizer = load(config.model, dtype=config.dtype)
         db.check_dtype(dtype_name(model))  # before the dev cache, which holds its answers
         dev = DevSet(model, tokenizer, dev_samples(config, tokenizer, config.dev_seed, config.dev_samples),
-                     config.ratios, config.window, config.dev_cache_folder, progress=progress)
+                     config.ratios, config.window, config.dev_cache_folder, progress=progress,
+                     surrogate=config.surrogate)
         limits = SandboxLimits(timeout_s=config.sandbox_timeout_s, memory_mb=config.sandbox_memory_mb)
         if config.executor == "ray":  # actors build their own model and dev set; the database stays here
             executor = RayExecutor(config, limits, address=config.ray_address, workers=config.workers)
@@ -122,7 +123,8 @@ def _heldout_scores(db: ProgramDatabase, config: EvolveConfig, model, tokenizer,
     todo = [r for r in heldout_programs(db, top) if r.id not in cached and r.source]
     if todo:
         held = DevSet(model, tokenizer, dev_samples(config, tokenizer, config.heldout_seed, config.heldout_samples),
-                      config.ratios, config.window, Path(config.out) / "heldout-cache", progress=progress)
+                      config.ratios, config.window, Path(config.out) / "heldout-cache", progress=progress,
+                      surrogate=config.surrogate)
         for record in todo:
             evaluation = evaluate_program(Program(record.source), held, limits)
             cached[record.id] = evaluation.score if evaluation.score is not None else float("nan")

@@ -8,6 +8,7 @@ from pathlib import Path
 from kvsieve.config import load_config as load_config_file
 from kvsieve.evolve.cascade import FITNESSES
 from kvsieve.evolve.seeds import SEEDS
+from kvsieve.networks.shipped import resolve_checkpoint
 from kvsieve.tasks.load import SampleSpec, load_samples
 
 __all__ = ["EvolveConfig", "load_config", "dev_samples"]
@@ -46,6 +47,10 @@ class EvolveConfig:
     # with fitness "likelihood": "all" (every dev sample at every ratio) or "alternate" (each sample at one ratio, the
     # ratios in turn: every budget, half the forward passes)
     dev_cells: str = "all"
+    # the kvzap checkpoint behind the features' ``surrogate`` (a shipped name, a file or a `kvsieve train` folder);
+    # None: the shipped one of the model. A program found over another surrogate is evaluated with it
+    # (``program(path=..., surrogate=...)``)
+    surrogate: str | None = None
     islands: int = 2
     per_island: int = 4  # children per island and generation
     migration_interval: int = 5  # generations between copies of each island's best to the next island
@@ -96,6 +101,10 @@ class EvolveConfig:
                              f"{self.random_generations!r} with {self.strategy!r}")
         if self.mutator == "openai" and not (self.llm_base_url and self.llm_model):
             raise ValueError("the openai mutator needs llm_base_url and llm_model (--llm-base-url, --llm-model)")
+        if self.surrogate is not None:
+            if not isinstance(self.surrogate, str):
+                raise ValueError(f"surrogate must be a kvzap checkpoint name or path (a str), got {self.surrogate!r}")
+            resolve_checkpoint("kvzap", self.surrogate)  # names the bad value and the shipped ones
         if self.sandbox not in ("default", "strict"):
             raise ValueError(f"sandbox must be 'default' or 'strict', got {self.sandbox!r}")
         for name in ("candidates", "islands", "per_island", "migration_interval", "dev_samples", "heldout_samples",

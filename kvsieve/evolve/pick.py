@@ -42,7 +42,7 @@ FOUND_OR_LEARNED = (ProgramPolicy.name, LearnedPolicy.name, KVzap.name)  # famil
 # criterion -> (value of a program, +1 when higher is better, -1 when lower is)
 CRITERIA = ("dev_score", "proxy_gap", "heldout_score")
 DEV_SET_KEYS = ("model", "tasks", "length", "ratios", "dev_samples", "dev_seed", "window", "dev_max_new_tokens",
-                "fitness", "dev_cells")
+                "fitness", "dev_cells", "surrogate")
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,7 @@ class Pick:
     seed_heldout: float | None
     candidates: int  # programs with a dev score, pooled over the databases
     tied_on_dev: int  # of them, how many share the best dev score
+    surrogate: str | None = None  # the kvzap checkpoint behind the dev set's f.surrogate (None: the shipped one)
 
 
 def load_rule(path: str | Path) -> SelectionRule:
@@ -152,7 +153,7 @@ def pick(rule: SelectionRule, model: str) -> Pick:
     pooled.sort(key=lambda item: item[0])
     _, path, best, held = pooled[0]
     tied = sum(1 for _, _, r, _ in pooled if r.score == best.score)
-    return Pick(model, path, best, held, seed, seed_held, len(pooled), tied)
+    return Pick(model, path, best, held, seed, seed_held, len(pooled), tied, reference["surrogate"])
 
 
 def exploratory(store_path: str | Path, model: str) -> dict[str, list[str]]:
@@ -185,6 +186,8 @@ def format_pick(p: Pick) -> str:
              f"held-out score {_num(p.heldout)}; {p.candidates} scored programs, {p.tied_on_dev} tied on the best "
              "dev score",
              ]
+    if p.surrogate is not None:
+        lines.append(f"  scored over the kvzap surrogate {p.surrogate} (evaluate with program(..., surrogate=...))")
     if p.seed is not None:
         lines.append(f"  seed program #{p.seed.id}: dev score {_num(p.seed.score)}, held-out score "
                      f"{_num(p.seed_heldout)}")
@@ -197,6 +200,9 @@ def write_pick(p: Pick, folder: str | Path, rule: str | Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     header = (f"# picked by the selection rule ({rule}): #{p.program.id} of {p.database}, "
               f"dev {_num(p.program.score)}, gap {p.program.proxy or math.nan:.3f}, held-out {_num(p.heldout)}\n")
+    if p.surrogate is not None:  # the program was scored over this surrogate: it is evaluated with it
+        header += (f"# its f.surrogate is the kvzap checkpoint {p.surrogate}: "
+                   f"program(path='{out}', surrogate='{p.surrogate}')\n")
     out.write_text(header + (p.program.source or "").rstrip() + "\n")
     return out
 
@@ -206,4 +212,5 @@ def summary(p: Pick) -> dict[str, Any]:
     return {"model": p.model, "database": p.database, "program": p.program.id, "dev_score": p.program.score,
             "proxy_gap": p.program.proxy, "heldout_score": p.heldout, "candidates": p.candidates,
             "tied_on_dev": p.tied_on_dev, "seed_program": p.seed.id if p.seed else None,
-            "seed_dev_score": p.seed.score if p.seed else None, "seed_heldout_score": p.seed_heldout}
+            "seed_dev_score": p.seed.score if p.seed else None, "seed_heldout_score": p.seed_heldout,
+            "surrogate": p.surrogate}

@@ -38,7 +38,8 @@ class EvolveWorker:
         model, tokenizer = factory()
         samples = dev_samples(config, tokenizer, config.dev_seed, config.dev_samples)
         # the driver's saved prefills where this machine sees them (else computed here and saved for the next actor)
-        self.dev = DevSet(model, tokenizer, samples, config.ratios, config.window, config.dev_cache_folder)
+        self.dev = DevSet(model, tokenizer, samples, config.ratios, config.window, config.dev_cache_folder,
+                          surrogate=config.surrogate)
         self.fitness, self.alternate = config.fitness, config.dev_cells == "alternate"
 
     def pid(self) -> int:

@@ -136,7 +136,7 @@ def run_study(runs: list[StudyRun], candidates: int, step: int, model, tokenizer
     base = runs[0].config
     isolation = require_isolation(base.sandbox)
     dev = DevSet(model, tokenizer, dev_samples(base, tokenizer, base.dev_seed, base.dev_samples), base.ratios,
-                 base.window, base.dev_cache_folder, progress=True)
+                 base.window, base.dev_cache_folder, progress=True, surrogate=base.surrogate)
     limits = SandboxLimits(timeout_s=base.sandbox_timeout_s, memory_mb=base.sandbox_memory_mb)
     executor = SharedExecutor(LocalExecutor(dev, limits, base.fitness, base.dev_cells == "alternate"))
     budgets = sorted({*range(step, candidates + 1, step), candidates})

@@ -99,7 +99,8 @@ def study_report(base: EvolveConfig, runs: list[StudyRun], order: tuple[str, ...
         model, tokenizer = loader(base.model, dtype=base.dtype)
         loaded["model"] = model
         return DevSet(model, tokenizer, dev_samples(base, tokenizer, base.heldout_seed, base.heldout_samples),
-                      base.ratios, base.window, Path(base.out) / "heldout-cache", progress=True)
+                      base.ratios, base.window, Path(base.out) / "heldout-cache", progress=True,
+                      surrogate=base.surrogate)
 
     def score(record: ProgramRecord, measures: tuple[str, ...] = ("task", "likelihood")) -> dict:
         if not cache.has(record.code_hash, measures):

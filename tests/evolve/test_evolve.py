@@ -130,6 +130,25 @@ def test_config_files_reject_unknown_keys_and_bad_values(tmp_path):
         load_config(str(path))
     path.write_text('candidates = 7\n')
     assert load_config(str(path), seed=3).candidates == 7
+    path.write_text('surrogate = "no/such/kvzap"\n')
+    with pytest.raises(ValueError, match="kvzap checkpoint 'no/such/kvzap' is neither a file nor a shipped name"):
+        load_config(str(path))
+    path.write_text('surrogate = 3\n')
+    with pytest.raises(ValueError, match="surrogate must be a kvzap checkpoint name or path.*3"):
+        load_config(str(path))
+
+
+def test_a_named_surrogate_is_part_of_the_runs_identity(tmp_path):
+    """Features over another surrogate are another dev set: a run with the shipped one is not resumed with a named
+    one, nor the reverse."""
+    for first, then in ((None, "smollm2-135m-instruct"), ("smollm2-135m-instruct", None)):
+        db = ProgramDatabase(tmp_path / f"{first}.sqlite")
+        db.check_config(tiny_run_config(tmp_path, 5, surrogate=first).identity())
+        db.add(dict(generation=0, island=0, slot=0, mutator="seed", status="ok", stage=3))
+        db.check_config(tiny_run_config(tmp_path, 9, surrogate=first).identity())
+        with pytest.raises(ValueError, match="surrogate"):
+            db.check_config(tiny_run_config(tmp_path, 5, surrogate=then).identity())
+        db.close()
 
 
 # --- end to end --------------------------------------------------------------------------------------

@@ -72,6 +72,18 @@ def test_databases_pool_only_on_one_dev_set(tmp_path):
     d = database(tmp_path / "d.sqlite", [(99.0, 0.0)], fitness="likelihood", dev_cells="alternate")
     with pytest.raises(ValueError, match="another dev set.*dev_cells, fitness"):
         pick(load_rule(rule_file(tmp_path, [a, d])), "smollm2-135m")
+    # features over another surrogate are another dev set
+    e = database(tmp_path / "e.sqlite", [(99.0, 0.0)], surrogate="runs/my-kvzap")
+    with pytest.raises(ValueError, match="another dev set.*surrogate"):
+        pick(load_rule(rule_file(tmp_path, [a, e])), "smollm2-135m")
+
+
+def test_a_pick_over_a_named_surrogate_says_how_to_evaluate_it(tmp_path, capsys):
+    e = database(tmp_path / "e.sqlite", [(50.0, 0.5), (99.0, 0.1)], surrogate="runs/my-kvzap")
+    assert main(["pick", "--config", str(rule_file(tmp_path, [e])), "--out", str(tmp_path / "out")]) == 0
+    assert "scored over the kvzap surrogate runs/my-kvzap" in capsys.readouterr().out
+    out = tmp_path / "out" / "smollm2-135m-instruct-picked.py"
+    assert f"program(path='{out}', surrogate='runs/my-kvzap')" in out.read_text().splitlines()[1]
 
 
 def test_the_shipped_rule_picks_from_the_shipped_databases():

@@ -317,6 +317,18 @@ def test_dev_sets_carry_the_shipped_surrogates_predictions(trained, monkeypatch,
     plain = load_features(DevSet(model, TOKENIZER, [sample], ratios=[0.5], window=4, workdir=tmp_path / "b")
                           .features_path)
     assert all(float(f.surrogate.abs().sum()) == 0.0 for f in plain.values())
+    # a named checkpoint replaces the shipped one, in the same workdir: its prefill is keyed apart, never read back
+    other = random_kvzap(model, tmp_path / "other.safetensors", header=2, seed=1)
+    named = DevSet(model, TOKENIZER, [sample], ratios=[0.5], window=4, workdir=tmp_path, surrogate=str(other))
+    features = load_features(named.features_path)
+    for idx, layer in sieve_layers(named.items[0].cache):
+        signals = layer_signals(layer, idx, 3, window=4)
+        want = KVzap(checkpoint=str(other)).score(signals)
+        torch.testing.assert_close(features[f"s0-l{idx}"].surrogate, want)
+        assert not torch.allclose(want, linear.score(signals))
+    foreign = random_kvzap(tiny_model("qwen2"), tmp_path / "foreign.safetensors", name="tiny-qwen2")
+    with pytest.raises(ValueError, match="tiny-qwen2"):
+        DevSet(model, TOKENIZER, [sample], ratios=[0.5], window=4, surrogate=str(foreign))
 
 
 @torch.no_grad()
