@@ -8,7 +8,7 @@ from pathlib import Path
 from kvsieve.config import load_config as load_config_file
 from kvsieve.evolve.cascade import FITNESSES
 from kvsieve.evolve.seeds import SEEDS
-from kvsieve.networks.shipped import resolve_checkpoint
+from kvsieve.policies.kvzap import KVzap
 from kvsieve.tasks.load import SampleSpec, load_samples
 
 __all__ = ["EvolveConfig", "load_config", "dev_samples"]
@@ -104,7 +104,7 @@ class EvolveConfig:
         if self.surrogate is not None:
             if not isinstance(self.surrogate, str):
                 raise ValueError(f"surrogate must be a kvzap checkpoint name or path (a str), got {self.surrogate!r}")
-            resolve_checkpoint("kvzap", self.surrogate)  # names the bad value and the shipped ones
+            KVzap(checkpoint=self.surrogate)  # loaded once per process; names a bad value and the shipped ones
         if self.sandbox not in ("default", "strict"):
             raise ValueError(f"sandbox must be 'default' or 'strict', got {self.sandbox!r}")
         for name in ("candidates", "islands", "per_island", "migration_interval", "dev_samples", "heldout_samples",
