@@ -122,20 +122,18 @@ def test_selection_parameters_are_checked():
 
 def test_config_files_reject_unknown_keys_and_bad_values(tmp_path):
     path = tmp_path / "c.toml"
-    path.write_text('candidates = 5\nislandz = 3\n')
-    with pytest.raises(ValueError, match="islandz"):
-        load_config(str(path))
-    path.write_text('candidates = 5\nmutator = "gpt"\n')
-    with pytest.raises(ValueError, match="'gpt'"):
-        load_config(str(path))
+    bad_configs = [
+        ('candidates = 5\nislandz = 3\n', "islandz"),
+        ('candidates = 5\nmutator = "gpt"\n', "'gpt'"),
+        ('surrogate = "no/such/kvzap"\n', "kvzap checkpoint 'no/such/kvzap' is neither a file nor a shipped name"),
+        ('surrogate = 3\n', "surrogate must be a kvzap checkpoint name or path.*3"),
+    ]
+    for text, message in bad_configs:
+        path.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            load_config(str(path))
     path.write_text('candidates = 7\n')
     assert load_config(str(path), seed=3).candidates == 7
-    path.write_text('surrogate = "no/such/kvzap"\n')
-    with pytest.raises(ValueError, match="kvzap checkpoint 'no/such/kvzap' is neither a file nor a shipped name"):
-        load_config(str(path))
-    path.write_text('surrogate = 3\n')
-    with pytest.raises(ValueError, match="surrogate must be a kvzap checkpoint name or path.*3"):
-        load_config(str(path))
 
 
 def test_a_named_surrogate_is_part_of_the_runs_identity(tmp_path):
