@@ -231,6 +231,8 @@ def cmd_evolve(args) -> int:
     from kvsieve.evolve.evolve_config import load_config
     from kvsieve.evolve.sandbox import SandboxUnavailable
     from kvsieve.models import check_length
+    from kvsieve.policies.label import FULL_CACHE
+    from kvsieve.policies.program import program_spec
 
     config = load_config(args.config, model=args.model, candidates=args.candidates, seed=args.seed,
                          strategy=args.strategy, mutator=args.llm, llm_base_url=args.llm_base_url,
@@ -246,7 +248,8 @@ def cmd_evolve(args) -> int:
     if result.best is not None:
         print(f"best program #{result.best.id}: dev score {result.best.score:.1f}, held-out "
               f"{result.heldout.get(result.best.id, float('nan')):.1f} -> {result.best_path}")
-        print(f"evaluate it: kvsieve eval --model {config.model} --policies full,program:{result.best_path} ...")
+        print(f"evaluate it: kvsieve eval --model {config.model} "
+              f"--policies \"{FULL_CACHE},{program_spec(result.best_path, config.surrogate)}\" ...")
     print(f"report: {result.report}")
     return 0
 

@@ -33,7 +33,7 @@ from kvsieve.evolve.database import ProgramDatabase, ProgramRecord
 from kvsieve.policies.kvzap import KVzap
 from kvsieve.policies.label import Label
 from kvsieve.policies.learned import LearnedPolicy
-from kvsieve.policies.program import ProgramPolicy
+from kvsieve.policies.program import ProgramPolicy, program_spec
 
 __all__ = ["CRITERIA", "DEV_SET_KEYS", "Pick", "SelectionRule", "exploratory", "format_pick", "load_rule", "pick",
            "pick_among", "summary", "write_pick"]
@@ -202,7 +202,7 @@ def write_pick(p: Pick, folder: str | Path, rule: str | Path) -> Path:
               f"dev {_num(p.program.score)}, gap {p.program.proxy or math.nan:.3f}, held-out {_num(p.heldout)}\n")
     if p.surrogate is not None:  # the program was scored over this surrogate: it is evaluated with it
         header += (f"# its f.surrogate is the kvzap checkpoint {p.surrogate}: "
-                   f"program(path='{out}', surrogate='{p.surrogate}')\n")
+                   f"{program_spec(out, p.surrogate)}\n")
     out.write_text(header + (p.program.source or "").rstrip() + "\n")
     return out
 

@@ -37,7 +37,7 @@ from kvsieve.policy import Policy
 from kvsieve.selection import Selection
 from kvsieve.signals import Signals
 
-__all__ = ["ProgramPolicy", "run_budget", "InterpreterError"]
+__all__ = ["ProgramPolicy", "program_spec", "run_budget", "InterpreterError"]
 
 DEFAULT_LIMITS = Limits()
 PARSED_CACHE_SIZE = 256  # distinct program texts kept parsed (an evolution builds many candidates from source)
@@ -64,6 +64,13 @@ def _parsed(source: str, label: str) -> tuple[ScoreProgram, Program]:
         while len(_PARSED) > PARSED_CACHE_SIZE:
             _PARSED.popitem(last=False)
     return parsed, program
+
+
+def program_spec(path: str | Path, surrogate: str | None = None) -> str:
+    """The policy spec that evaluates the program file ``path``, over the kvzap checkpoint it was scored over if any."""
+    if surrogate is None:
+        return f"program:{path}"
+    return f"program(path='{path}', surrogate='{surrogate}')"
 
 
 def _read(path: str) -> str:

@@ -1,5 +1,7 @@
 """Selection in the spec: any family's scores under another allocation or chunking, spelled in text."""
 
+import hashlib
+
 import pytest
 import torch
 from conftest import tiny_model
@@ -71,3 +73,25 @@ def test_adakv_and_pyramidkv_are_snapkv_under_another_selection(name, spec):
     assert named.selection == composed.selection
     assert kept_positions(model, named, ids, 0.5) == kept_positions(model, composed, ids, 0.5)
     assert kept_positions(model, named, ids, 0.5) != kept_positions(model, get("snapkv", window=8), ids, 0.5)
+
+
+def test_a_program_spec_builds_the_program_over_the_surrogate_it_names(tmp_path):
+    """What `kvsieve evolve` and `kvsieve pick` print to evaluate a program is a spec the registry builds."""
+    from kvsieve.networks.shipped import resolve_checkpoint
+    from kvsieve.policies.program import ProgramPolicy, program_spec
+
+    program = tmp_path / "best.py"
+    program.write_text('SELECTION = {"allocation": "global", "normalization": "none"}\n\n\n'
+                       "def score(f):\n    return f.surrogate\n")
+    named = parse(program_spec(program, "smollm2-135m-instruct"))
+    assert named.family == "program" and named.params == {"path": str(program), "surrogate": "smollm2-135m-instruct"}
+    built = named.build()
+    assert isinstance(built, ProgramPolicy) and built.path == str(program) and built.surrogate is not None
+    checkpoint = resolve_checkpoint("kvzap", "smollm2-135m-instruct")
+    assert named.digest == hashlib.sha256((sha256(program) + sha256(checkpoint)).encode()).hexdigest()
+    plain = parse(program_spec(program)).build()
+    assert isinstance(plain, ProgramPolicy) and plain.path == str(program) and plain.surrogate is None
+
+
+def sha256(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
