@@ -15,7 +15,9 @@ are pooled only when their dev sets are the same (model, tasks, length, ratios, 
 window, decoding cap, helpers version and dtype): a dev score is comparable only on one dev set.
 
 ``kvsieve pick --config configs/selection.toml`` prints each model's pick with its dev, gap and held-out
-scores beside the seed program's; ``--out DIR`` writes ``DIR/MODEL-picked.py``; ``--store S`` adds how many
+scores beside the seed program's (the rule applied to the seed programs, generation 0, alone), and the pick's dev
+margin over it with a paired 95% interval over the dev cells both scored: a lead whose interval holds 0 is
+not shown to be more than the dev set's noise; ``--out DIR`` writes ``DIR/MODEL-picked.py``; ``--store S`` adds how many
 policies were scored on the requests of a results store (the exploratory count).
 """
 
@@ -27,9 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvsieve.bundled import canonical_name
 from kvsieve.config import read_config_file
 from kvsieve.evolve.database import ProgramDatabase, ProgramRecord
+from kvsieve.evolve.intervals import two_level_interval
 from kvsieve.policies.kvzap import KVzap
 from kvsieve.policies.label import Label
 from kvsieve.policies.learned import LearnedPolicy
@@ -58,11 +63,16 @@ class Pick:
     database: str
     program: ProgramRecord
     heldout: float | None
-    seed: ProgramRecord | None  # the run's seed program (the first of generation 0), for comparison
+    seed: ProgramRecord | None  # the rule's pick among the seed programs (generation 0) alone, for comparison
     seed_heldout: float | None
     candidates: int  # programs with a dev score, pooled over the databases
     tied_on_dev: int  # of them, how many share the best dev score
     surrogate: str | None = None  # the kvzap checkpoint behind the dev set's f.surrogate (None: the shipped one)
+    seed_database: str = ""
+    # the pick's dev score minus the seed's: (mean, low, high) over the dev cells both scored, and how many; None
+    # when the pick is that seed or they share no cell
+    margin: tuple[float, float, float] | None = None
+    margin_cells: int = 0
 
 
 def load_rule(path: str | Path) -> SelectionRule:
@@ -124,7 +134,6 @@ def pick(rule: SelectionRule, model: str) -> Pick:
                          f"it has {', '.join(rule.databases)}")
     pooled: list[tuple[tuple, str, ProgramRecord, float | None]] = []
     reference: dict[str, Any] | None = None
-    seed = seed_held = None
     for index, path in enumerate(rule.databases[model]):
         if not Path(path).is_file():
             raise ValueError(f"selection rule {rule.path}: program database {path} does not exist")
@@ -142,10 +151,6 @@ def pick(rule: SelectionRule, model: str) -> Pick:
             for record in db.scored():
                 pooled.append((_key(rule.order, record, held.get(record.id), index), path, record,
                                held.get(record.id)))
-            if seed is None:
-                first = db.records("generation = 0 AND score IS NOT NULL")
-                if first:
-                    seed, seed_held = first[0], held.get(first[0].id)
         finally:
             db.close()
     if not pooled:
@@ -153,7 +158,21 @@ def pick(rule: SelectionRule, model: str) -> Pick:
     pooled.sort(key=lambda item: item[0])
     _, path, best, held = pooled[0]
     tied = sum(1 for _, _, r, _ in pooled if r.score == best.score)
-    return Pick(model, path, best, held, seed, seed_held, len(pooled), tied, reference["surrogate"])
+    _, seed_path, seed, seed_held = next((item for item in pooled if item[2].generation == 0), (None, "", None, None))
+    margin, cells = _margin(best, seed)
+    return Pick(model, path, best, held, seed, seed_held, len(pooled), tied, reference["surrogate"], seed_path,
+                margin, cells)
+
+
+def _margin(program: ProgramRecord, seed: ProgramRecord | None) -> tuple[tuple[float, float, float] | None, int]:
+    """``program``'s dev score minus ``seed``'s, paired over the dev cells both scored, with its 95% interval."""
+    if seed is None or seed is program:
+        return None, 0
+    shared = sorted(set(program.cells) & set(seed.cells))
+    if not shared:
+        return None, 0
+    differences = np.array([[program.cells[k] - seed.cells[k] for k in shared]])
+    return two_level_interval(differences), len(shared)
 
 
 def exploratory(store_path: str | Path, model: str) -> dict[str, list[str]]:
@@ -189,8 +208,14 @@ def format_pick(p: Pick) -> str:
     if p.surrogate is not None:
         lines.append(f"  scored over the kvzap surrogate {p.surrogate} (evaluate with program(..., surrogate=...))")
     if p.seed is not None:
-        lines.append(f"  seed program #{p.seed.id}: dev score {_num(p.seed.score)}, held-out score "
-                     f"{_num(p.seed_heldout)}")
+        lines.append(f"  the rule's pick among the seed programs: #{p.seed.id} of {p.seed_database}, dev score "
+                     f"{_num(p.seed.score)}, held-out score {_num(p.seed_heldout)}")
+    if p.margin is not None:
+        mean, low, high = p.margin
+        verdict = ("not distinguishable: the lead over the seed may be the dev set's noise" if low <= 0 <= high
+                   else "ahead" if low > 0 else "behind")
+        lines.append(f"  pick - seed on dev: {mean:+.2f} [{low:+.2f}, {high:+.2f}] (paired 95% interval over "
+                     f"{p.margin_cells} dev cells), {verdict}")
     return "\n".join(lines)
 
 
@@ -213,4 +238,5 @@ def summary(p: Pick) -> dict[str, Any]:
             "proxy_gap": p.program.proxy, "heldout_score": p.heldout, "candidates": p.candidates,
             "tied_on_dev": p.tied_on_dev, "seed_program": p.seed.id if p.seed else None,
             "seed_dev_score": p.seed.score if p.seed else None, "seed_heldout_score": p.seed_heldout,
-            "surrogate": p.surrogate}
+            "surrogate": p.surrogate, "seed_database": p.seed_database,
+            "margin_over_seed": list(p.margin) if p.margin else None, "margin_cells": p.margin_cells}

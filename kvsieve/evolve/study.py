@@ -19,7 +19,7 @@ equal budgets (up to one round), and a rerun resumes every run from its database
 Each run's program is picked by the fixed rule (``configs/selection.toml``'s ``order``, :func:`pick.pick_among`)
 among its first N evaluated candidates (seeds included; duplicates and unusable proposals cost nothing), for every
 N of the curve; the picks are then scored on held-out requests (:class:`HeldoutScores`, cached by code hash).
-Comparisons pool the seeds: :func:`two_level_interval` resamples seeds and requests.
+Comparisons pool the seeds: :func:`~kvsieve.evolve.intervals.two_level_interval` resamples seeds and requests.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from kvsieve.language.program_source import Program
 from kvsieve.models import load
 
 __all__ = ["ARMS", "SKIPPED", "SharedExecutor", "StudyRun", "study_runs", "run_study", "evaluated_records", "picks_at",
-           "per_request", "two_level_interval", "HeldoutScores"]
+           "per_request", "HeldoutScores"]
 
 ARMS = {"evolve": dict(strategy="evolve", mutator="structural"),
         "best_of_n": dict(strategy="best_of_n", mutator="structural"),
@@ -204,22 +204,6 @@ def per_request(cells: dict[str, float]) -> dict[int, float]:
     for key, value in cells.items():
         by_sample[int(key.split("/")[0])].append(value)
     return {k: float(np.mean(v)) for k, v in sorted(by_sample.items())}
-
-
-def two_level_interval(values: np.ndarray, resamples: int = 10_000, seed: int = 0,
-                       level: float = 0.95) -> tuple[float, float, float]:
-    """Mean of a (seeds, requests) array and its percentile-bootstrap interval, resampling the seeds (rows) and,
-    independently, the requests (columns, the same draw for every row: the requests are shared), each with
-    replacement: the interval covers both the run-to-run and the request-to-request variation."""
-    x = np.asarray(values, dtype=np.float64)
-    if x.ndim != 2 or x.size == 0:
-        raise ValueError(f"two_level_interval needs a non-empty (seeds, requests) array, got shape {x.shape}")
-    rng = np.random.default_rng(seed)
-    rows = rng.integers(0, x.shape[0], (resamples, x.shape[0]))
-    cols = rng.integers(0, x.shape[1], (resamples, x.shape[1]))
-    means = np.array([x[np.ix_(r, c)].mean() for r, c in zip(rows, cols)])
-    low, high = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
-    return float(x.mean()), float(low), float(high)
 
 
 class HeldoutScores:

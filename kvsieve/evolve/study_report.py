@@ -12,6 +12,7 @@ import numpy as np
 from kvsieve.evolve.cascade import DevSet
 from kvsieve.evolve.database import ProgramRecord
 from kvsieve.evolve.evolve_config import EvolveConfig, dev_samples
+from kvsieve.evolve.intervals import two_level_interval
 from kvsieve.evolve.sandbox import SandboxLimits
 from kvsieve.evolve.study import (
     SKIPPED,
@@ -20,7 +21,6 @@ from kvsieve.evolve.study import (
     evaluated_records,
     per_request,
     picks_at,
-    two_level_interval,
 )
 
 __all__ = ["study_report", "spearman", "spread_programs", "proposals"]

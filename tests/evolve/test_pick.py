@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvsieve.cli import main
 from kvsieve.evolve.database import ProgramDatabase
-from kvsieve.evolve.pick import exploratory, load_rule, pick, write_pick
+from kvsieve.evolve.pick import exploratory, format_pick, load_rule, pick, write_pick
 from kvsieve.harness.store import CellKey, CellResult, ResultsStore
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,6 +59,33 @@ def test_the_configs_order_is_what_is_applied(tmp_path):
         load_rule(rule_file(tmp_path, [a], '["proxy_gap", "dev_score"]'))
     with pytest.raises(ValueError, match="start with dev_score"):
         load_rule(rule_file(tmp_path, [a], '["dev_score", "test_score"]'))
+
+
+def test_the_pick_is_compared_with_the_seeds_own_pick_on_the_dev_cells_both_scored(tmp_path, capsys):
+    """The margin pairs the dev cells the pick and the seed share: its mean is the mean of their differences (plain
+    numpy), the seed is the rule's pick among generation 0 of every pooled database, and a margin whose interval
+    holds 0 says so."""
+    seed_cells = {"0/0.75": 40.0, "1/0.75": 60.0, "2/0.75": 50.0, "3/0.75": 70.0}
+    child_cells = {"0/0.75": 45.0, "1/0.75": 58.0, "2/0.75": 80.0, "3/0.75": 71.0, "9/0.75": 0.0}
+    a = tmp_path / "a.sqlite"
+    db = ProgramDatabase(a)
+    db.set_meta("config", DEV)
+    db.set_meta("dtype", "float32")
+    for i, (score, cells) in enumerate([(55.0, seed_cells), (63.5, child_cells)]):
+        db.add(dict(generation=i, island=0, slot=0, mutator="seed" if i == 0 else "m", status="ok", stage=3,
+                    score=score, proxy=0.1, cells=cells, source="def score(f):\n    return f.attn", code_hash=str(i)))
+    db.close()
+    b = database(tmp_path / "b.sqlite", [(50.0, 0.1)])  # a worse seed in another database: not the comparison
+    p = pick(load_rule(rule_file(tmp_path, [b, a])), "smollm2-135m")
+    assert (p.program.id, p.database, p.seed.id, p.seed_database) == (2, str(a), 1, str(a))
+    differences = np.array([child_cells[k] - seed_cells[k] for k in seed_cells])
+    assert p.margin_cells == 4 and p.margin[0] == pytest.approx(differences.mean())
+    assert p.margin[1] < 0 < p.margin[2]  # differences 5, -2, 30, 1: the interval holds 0
+    assert "pick - seed on dev: +8.50" in format_pick(p) and "not distinguishable" in format_pick(p)
+    # the pick is a seed: nothing to compare
+    only = pick(load_rule(rule_file(tmp_path, [database(tmp_path / "c.sqlite", [(90.0, 0.1), (80.0, 0.1)])])),
+                "smollm2-135m")
+    assert only.program.id == only.seed.id == 1 and only.margin is None and "pick - seed" not in format_pick(only)
 
 
 def test_databases_pool_only_on_one_dev_set(tmp_path):

@@ -19,7 +19,7 @@ from kvsieve.evolve.evolve_config import EvolveConfig, dev_samples
 from kvsieve.evolve.mutators.random_programs import RandomProgramMutator
 from kvsieve.evolve.pick import pick_among
 from kvsieve.evolve.seeds import SEEDS
-from kvsieve.evolve.study import evaluated_records, per_request, run_study, study_runs, two_level_interval
+from kvsieve.evolve.study import evaluated_records, per_request, run_study, study_runs
 from kvsieve.evolve.study_report import spearman, spread_programs, study_report
 from kvsieve.language.program_source import Program
 from kvsieve.language.static_check import check_source
@@ -49,22 +49,6 @@ def test_pick_at_a_budget_follows_the_rule_on_the_first_n():
     assert pick_among(ORDER, records[:3]).id == 2  # tie on 30: the smaller gap
     assert pick_among(ORDER, records).id == 3
     assert pick_among(ORDER, [record(4, None)]) is None
-
-
-def test_two_level_interval_covers_seeds_and_requests():
-    """x[s, r] = a_s + b_r: every resampled mean is mean(a[rows]) + mean(b[cols]) (derived with plain numpy from
-    the same draws); a constant array has a point interval."""
-    a, b = np.array([0.0, 3.0, 9.0]), np.linspace(-5, 5, 40)
-    x = a[:, None] + b[None, :]
-    mean, low, high = two_level_interval(x, resamples=4000, seed=7)
-    rng = np.random.default_rng(7)
-    rows, cols = rng.integers(0, 3, (4000, 3)), rng.integers(0, 40, (4000, 40))
-    means = a[rows].mean(axis=1) + b[cols].mean(axis=1)
-    assert mean == pytest.approx(x.mean())
-    assert (low, high) == pytest.approx(tuple(np.quantile(means, [0.025, 0.975])))
-    assert two_level_interval(np.full((3, 5), 2.5)) == pytest.approx((2.5, 2.5, 2.5))
-    with pytest.raises(ValueError, match="seeds, requests"):
-        two_level_interval(np.zeros(4))
 
 
 def test_per_request_averages_the_ratios_and_spearman_matches_a_hand_ranking():
