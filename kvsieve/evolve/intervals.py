@@ -12,7 +12,7 @@ import numpy as np
 __all__ = ["two_level_interval"]
 
 
-def two_level_interval(values: np.ndarray, resamples: int = 10_000, seed: int = 0,
+def two_level_interval(values: np.ndarray | list[list[float]], resamples: int = 10_000, seed: int = 0,
                        level: float = 0.95) -> tuple[float, float, float]:
     """Mean of a (seeds, requests) array and its percentile-bootstrap interval, resampling the seeds (rows) and,
     independently, the requests (columns, the same draw for every row: the requests are shared), each with

@@ -29,8 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from kvsieve.bundled import canonical_name
 from kvsieve.config import read_config_file
 from kvsieve.evolve.database import ProgramDatabase, ProgramRecord
@@ -171,8 +169,7 @@ def _margin(program: ProgramRecord, seed: ProgramRecord | None) -> tuple[tuple[f
     shared = sorted(set(program.cells) & set(seed.cells))
     if not shared:
         return None, 0
-    differences = np.array([[program.cells[k] - seed.cells[k] for k in shared]])
-    return two_level_interval(differences), len(shared)
+    return two_level_interval([[program.cells[k] - seed.cells[k] for k in shared]]), len(shared)
 
 
 def exploratory(store_path: str | Path, model: str) -> dict[str, list[str]]:

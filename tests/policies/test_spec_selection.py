@@ -8,7 +8,9 @@ from conftest import tiny_model
 
 import kvsieve
 from kvsieve.engine.cache import sieve_layers
+from kvsieve.networks.shipped import resolve_checkpoint
 from kvsieve.policies import get
+from kvsieve.policies.program import ProgramPolicy, program_spec
 from kvsieve.policies.registry import parse
 from kvsieve.policies.tova import TOVA
 from kvsieve.selection import Selection
@@ -77,9 +79,6 @@ def test_adakv_and_pyramidkv_are_snapkv_under_another_selection(name, spec):
 
 def test_a_program_spec_builds_the_program_over_the_surrogate_it_names(tmp_path):
     """What `kvsieve evolve` and `kvsieve pick` print to evaluate a program is a spec the registry builds."""
-    from kvsieve.networks.shipped import resolve_checkpoint
-    from kvsieve.policies.program import ProgramPolicy, program_spec
-
     program = tmp_path / "best.py"
     program.write_text('SELECTION = {"allocation": "global", "normalization": "none"}\n\n\n'
                        "def score(f):\n    return f.surrogate\n")
