@@ -39,10 +39,10 @@ from pathlib import Path
 
 import numpy as np
 
+from kvsieve.bootstrap import bootstrap_interval
 from kvsieve.evolve.database import ProgramRecord, rank_key
 from kvsieve.evolve.pick import load_rule
 from kvsieve.evolve.study import ARMS, run_study, study_runs
-from kvsieve.harness.headline import bootstrap_interval
 
 # what the dev cells and the starting point depend on: equal in a run and its control, or their cells do not pair
 DEV_KEYS = ("model", "tasks", "length", "ratios", "dev_samples", "dev_seed", "window", "dev_max_new_tokens", "dtype",

@@ -24,7 +24,7 @@ from collections import defaultdict
 import torch
 
 import kvsieve
-from kvsieve.harness.headline import bootstrap_interval
+from kvsieve.bootstrap import bootstrap_interval
 from kvsieve.learn.reward import kl_per_position
 from kvsieve.learn.rollout import continuation_logits, teacher_for
 from kvsieve.learn.train_config import episodes_from_samples

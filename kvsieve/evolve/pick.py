@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvsieve.bootstrap import two_level_interval
 from kvsieve.bundled import canonical_name
 from kvsieve.config import read_config_file
 from kvsieve.evolve.database import ProgramDatabase, ProgramRecord
-from kvsieve.evolve.intervals import two_level_interval
 from kvsieve.policies.kvzap import KVzap
 from kvsieve.policies.label import Label
 from kvsieve.policies.learned import LearnedPolicy

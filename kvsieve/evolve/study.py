@@ -19,7 +19,7 @@ equal budgets (up to one round), and a rerun resumes every run from its database
 Each run's program is picked by the fixed rule (``configs/selection.toml``'s ``order``, :func:`pick.pick_among`)
 among its first N evaluated candidates (seeds included; duplicates and unusable proposals cost nothing), for every
 N of the curve; the picks are then scored on held-out requests (:class:`HeldoutScores`, cached by code hash).
-Comparisons pool the seeds: :func:`~kvsieve.evolve.intervals.two_level_interval` resamples seeds and requests.
+Comparisons pool the seeds: :func:`~kvsieve.bootstrap.two_level_interval` resamples seeds and requests.
 """
 
 from __future__ import annotations

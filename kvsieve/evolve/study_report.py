@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
+from kvsieve.bootstrap import spearman_interval, two_level_interval
 from kvsieve.evolve.cascade import DevSet
 from kvsieve.evolve.database import ProgramRecord
 from kvsieve.evolve.evolve_config import EvolveConfig, dev_samples
-from kvsieve.evolve.intervals import two_level_interval
 from kvsieve.evolve.sandbox import SandboxLimits
 from kvsieve.evolve.study import (
     SKIPPED,
@@ -23,7 +23,7 @@ from kvsieve.evolve.study import (
     picks_at,
 )
 
-__all__ = ["study_report", "spearman", "spread_programs", "proposals"]
+__all__ = ["study_report", "spread_programs", "proposals"]
 
 PAIRS = (("evolve_random", "random"), ("evolve_random", "evolve"), ("evolve_llm", "best_of_n_llm"),
          ("evolve_llm", "random"), ("best_of_n_llm", "random"), ("evolve_mixed", "best_of_n_mixed"),
@@ -32,25 +32,6 @@ PAIRS = (("evolve_random", "random"), ("evolve_random", "evolve"), ("evolve_llm"
 # evolution - its control, seed by seed
 PER_SEED = (("evolve_random", "random"), ("evolve_llm", "best_of_n_llm"), ("evolve_mixed", "best_of_n_mixed"),
             ("evolve", "best_of_n"))
-
-
-def spearman(x, y) -> float:
-    """Spearman's rank correlation (average ranks for ties): Pearson's correlation of the ranks."""
-    from scipy.stats import rankdata
-
-    rx, ry = rankdata(x), rankdata(y)
-    if rx.std() == 0 or ry.std() == 0:
-        return float("nan")
-    return float(np.corrcoef(rx, ry)[0, 1])
-
-
-def spearman_interval(x, y, resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
-    """Spearman's rho and its 95% percentile-bootstrap interval over the programs (pairs resampled)."""
-    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    rng = np.random.default_rng(seed)
-    draws = [spearman(x[i], y[i]) for i in rng.integers(0, len(x), (resamples, len(x)))]
-    low, high = np.nanquantile(draws, [0.025, 0.975])
-    return spearman(x, y), float(low), float(high)
 
 
 def spread_programs(records: list[ProgramRecord], count: int) -> list[ProgramRecord]:

@@ -2,7 +2,7 @@
 differences at every ratio both sides have, as Markdown.
 
 The statistics are :mod:`kvsieve.harness.headline_tables` (grouping and the full-cache reference:
-:mod:`kvsieve.harness.pairing`; intervals: :mod:`kvsieve.harness.bootstrap`), the rendering
+:mod:`kvsieve.harness.pairing`; intervals: :mod:`kvsieve.bootstrap`), the rendering
 :mod:`kvsieve.harness.headline_format`.
 """
 
@@ -12,15 +12,14 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvsieve.bootstrap import DEFAULT_RESAMPLES, DEFAULT_SEED
 from kvsieve.bundled import canonical_name
-from kvsieve.harness.bootstrap import DEFAULT_RESAMPLES, DEFAULT_SEED, bootstrap_interval
 from kvsieve.harness.headline_format import format_comparisons, format_headline
 from kvsieve.harness.headline_tables import compare, headline
 from kvsieve.harness.pairing import group_cells, layout_of, pair_ratios, resolve_label
 from kvsieve.harness.store import ResultsStore
 
-# bootstrap_interval: benchmarks import it from here
-__all__ = ["bootstrap_interval", "headline_report"]
+__all__ = ["headline_report"]
 
 
 def headline_report(store_path: str | Path, model: str | None = None,

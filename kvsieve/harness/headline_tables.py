@@ -3,7 +3,7 @@
 Per model and context length, per policy and compression ratio:
 
 - **mean** score over requests, where a *request* is one ``(task, length, sample_id)``;
-- a **95% percentile-bootstrap interval** of that mean over requests (:mod:`kvsieve.harness.bootstrap`, seeded
+- a **95% percentile-bootstrap interval** of that mean over requests (:mod:`kvsieve.bootstrap`, seeded
   alike for every cell, so cells with the same requests draw the same resamples);
 - **% of full**: the policy's mean over the full cache's mean on the *same* requests, with a paired bootstrap
   interval (:func:`bootstrap_ratio_interval`: the targets of the field are stated in % of full);
@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvsieve.bootstrap import DEFAULT_RESAMPLES, DEFAULT_SEED, bootstrap_interval, bootstrap_ratio_interval
 from kvsieve.bundled import canonical_name
-from kvsieve.harness.bootstrap import DEFAULT_RESAMPLES, DEFAULT_SEED, bootstrap_interval, bootstrap_ratio_interval
 from kvsieve.harness.pairing import (
     Cells,
     Request,
