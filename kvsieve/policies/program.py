@@ -67,10 +67,11 @@ def _parsed(source: str, label: str) -> tuple[ScoreProgram, Program]:
 
 
 def program_spec(path: str | Path, surrogate: str | None = None) -> str:
-    """The policy spec that evaluates the program file ``path``, over the kvzap checkpoint it was scored over if any."""
+    """The policy spec that evaluates the program file ``path``, over the kvzap checkpoint it was scored over if any
+    (the values as Python literals: a path holding a quote still reads back)."""
     if surrogate is None:
         return f"program:{path}"
-    return f"program(path='{path}', surrogate='{surrogate}')"
+    return f"program(path={str(path)!r}, surrogate={str(surrogate)!r})"
 
 
 def _read(path: str) -> str:

@@ -90,6 +90,10 @@ def test_a_program_spec_builds_the_program_over_the_surrogate_it_names(tmp_path)
     assert named.digest == hashlib.sha256((sha256(program) + sha256(checkpoint)).encode()).hexdigest()
     plain = parse(program_spec(program)).build()
     assert isinstance(plain, ProgramPolicy) and plain.path == str(program) and plain.surrogate is None
+    quoted = tmp_path / "it's" / "best.py"
+    quoted.parent.mkdir()
+    quoted.write_bytes(program.read_bytes())
+    assert parse(program_spec(quoted, "smollm2-135m-instruct")).params["path"] == str(quoted)
 
 
 def sha256(path) -> str:
