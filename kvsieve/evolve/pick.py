@@ -4,6 +4,7 @@ program databases, never by a score on the test requests.
 The rule lives in a config file (``configs/selection.toml``)::
 
     order = ["dev_score", "proxy_gap", "heldout_score"]
+    keep_seed_within_noise = false   # optional
     [models."qwen2.5-coder-0.5b-instruct"]
     databases = ["results/evolve/qwen-v2.sqlite", "results/evolve/qwen-v2-bestofn.sqlite"]
 
@@ -17,7 +18,9 @@ window, decoding cap, helpers version and dtype): a dev score is comparable only
 ``kvsieve pick --config configs/selection.toml`` prints each model's pick with its dev, gap and held-out
 scores beside the seed program's (the rule applied to the seed programs, generation 0, alone), and the pick's dev
 margin over it with a paired 95% interval over the dev cells both scored: a lead whose interval holds 0 is
-not shown to be more than the dev set's noise; ``--out DIR`` writes ``DIR/MODEL-picked.py``; ``--store S`` adds how many
+not shown to be more than the dev set's noise. With ``keep_seed_within_noise = true`` the rule acts on that: the
+pick is the seed program unless the dev leader's lower bound is above 0 (a rule for runs declared after it; the
+printout names the leader it passed over). ``--out DIR`` writes ``DIR/MODEL-picked.py``; ``--store S`` adds how many
 policies were scored on the requests of a results store (the exploratory count).
 """
 
@@ -53,6 +56,7 @@ class SelectionRule:
     order: tuple[str, ...]
     databases: dict[str, tuple[str, ...]]  # canonical model name -> program databases, in tie-break order
     path: str = ""
+    keep_seed_within_noise: bool = False  # leave the seed program only for a dev lead whose interval excludes 0
 
 
 @dataclass(frozen=True)
@@ -71,14 +75,21 @@ class Pick:
     # when the pick is that seed or they share no cell
     margin: tuple[float, float, float] | None = None
     margin_cells: int = 0
+    # keep_seed_within_noise kept the seed: the dev leader it passed over (``margin`` is the leader's), else None
+    passed_over: ProgramRecord | None = None
+    passed_over_database: str = ""
 
 
 def load_rule(path: str | Path) -> SelectionRule:
     """The rule in ``path``; ``ValueError`` naming the file for an unknown criterion or key, or no databases."""
     data = read_config_file(path)
-    unknown = sorted(set(data) - {"order", "models"})
+    unknown = sorted(set(data) - {"order", "models", "keep_seed_within_noise"})
     if unknown:
-        raise ValueError(f"selection rule {path}: unknown key(s) {unknown}; allowed: order, models")
+        raise ValueError(f"selection rule {path}: unknown key(s) {unknown}; allowed: order, models, "
+                         "keep_seed_within_noise")
+    keep_seed = data.get("keep_seed_within_noise", False)
+    if not isinstance(keep_seed, bool):
+        raise ValueError(f"selection rule {path}: keep_seed_within_noise must be true or false, got {keep_seed!r}")
     order = tuple(data.get("order", CRITERIA))
     bad = [c for c in order if c not in CRITERIA] + (["dev_score first"] if order[:1] != ("dev_score",) else [])
     if bad or len(set(order)) != len(order):
@@ -93,7 +104,7 @@ def load_rule(path: str | Path) -> SelectionRule:
         databases[canonical_name(model)] = tuple(dbs)
     if not databases:
         raise ValueError(f"selection rule {path}: no [models.NAME] table")
-    return SelectionRule(order, databases, str(path))
+    return SelectionRule(order, databases, str(path), keep_seed)
 
 
 def _dev_set(db: ProgramDatabase) -> dict[str, Any]:
@@ -158,6 +169,9 @@ def pick(rule: SelectionRule, model: str) -> Pick:
     tied = sum(1 for _, _, r, _ in pooled if r.score == best.score)
     _, seed_path, seed, seed_held = next((item for item in pooled if item[2].generation == 0), (None, "", None, None))
     margin, cells = _margin(best, seed)
+    if rule.keep_seed_within_noise and margin is not None and margin[1] <= 0:
+        return Pick(model, seed_path, seed, seed_held, seed, seed_held, len(pooled), tied, reference["surrogate"],
+                    seed_path, margin, cells, passed_over=best, passed_over_database=path)
     return Pick(model, path, best, held, seed, seed_held, len(pooled), tied, reference["surrogate"], seed_path,
                 margin, cells)
 
@@ -204,6 +218,12 @@ def format_pick(p: Pick) -> str:
              ]
     if p.surrogate is not None:
         lines.append(f"  scored over the kvzap surrogate {p.surrogate} (evaluate with program(..., surrogate=...))")
+    if p.passed_over is not None:
+        mean, low, high = p.margin
+        lines.append(f"  the seed program, kept by keep_seed_within_noise over the dev leader #{p.passed_over.id} of "
+                     f"{p.passed_over_database} (dev score {_num(p.passed_over.score)}): its lead {mean:+.2f} "
+                     f"[{low:+.2f}, {high:+.2f}] (paired 95% interval over {p.margin_cells} dev cells) is not above 0")
+        return "\n".join(lines)
     if p.seed is not None:
         lines.append(f"  the rule's pick among the seed programs: #{p.seed.id} of {p.seed_database}, dev score "
                      f"{_num(p.seed.score)}, held-out score {_num(p.seed_heldout)}")
@@ -236,4 +256,6 @@ def summary(p: Pick) -> dict[str, Any]:
             "tied_on_dev": p.tied_on_dev, "seed_program": p.seed.id if p.seed else None,
             "seed_dev_score": p.seed.score if p.seed else None, "seed_heldout_score": p.seed_heldout,
             "surrogate": p.surrogate, "seed_database": p.seed_database,
-            "margin_over_seed": list(p.margin) if p.margin else None, "margin_cells": p.margin_cells}
+            "margin_over_seed": list(p.margin) if p.margin else None, "margin_cells": p.margin_cells,
+            "passed_over": p.passed_over.id if p.passed_over else None,
+            "passed_over_database": p.passed_over_database or None}

@@ -10,7 +10,7 @@ import pytest
 
 from kvsieve.cli import main
 from kvsieve.evolve.database import ProgramDatabase
-from kvsieve.evolve.pick import exploratory, format_pick, load_rule, pick, write_pick
+from kvsieve.evolve.pick import exploratory, format_pick, load_rule, pick, summary, write_pick
 from kvsieve.harness.store import CellKey, CellResult, ResultsStore
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,10 +33,11 @@ def database(path: Path, programs: list[tuple[float | None, float | None]], held
     return path
 
 
-def rule_file(tmp_path: Path, dbs: list[Path], order: str = '["dev_score", "proxy_gap", "heldout_score"]') -> Path:
+def rule_file(tmp_path: Path, dbs: list[Path], order: str = '["dev_score", "proxy_gap", "heldout_score"]',
+              extra: str = "") -> Path:
     listed = ", ".join(f'"{d}"' for d in dbs)
     path = tmp_path / "selection.toml"
-    path.write_text(f'order = {order}\n[models."smollm2-135m"]\ndatabases = [{listed}]\n')
+    path.write_text(f'order = {order}\n{extra}\n[models."smollm2-135m"]\ndatabases = [{listed}]\n')
     return path
 
 
@@ -86,6 +87,40 @@ def test_the_pick_is_compared_with_the_seeds_own_pick_on_the_dev_cells_both_scor
     only = pick(load_rule(rule_file(tmp_path, [database(tmp_path / "c.sqlite", [(90.0, 0.1), (80.0, 0.1)])])),
                 "smollm2-135m")
     assert only.program.id == only.seed.id == 1 and only.margin is None and "pick - seed" not in format_pick(only)
+
+
+def seed_and_child(path: Path, child_cells: dict[str, float]) -> Path:
+    """A database of a seed (dev cells 40, 60, 50, 70) and one child with ``child_cells``, scored as their means."""
+    seed_cells = {"0/0.75": 40.0, "1/0.75": 60.0, "2/0.75": 50.0, "3/0.75": 70.0}
+    db = ProgramDatabase(path)
+    db.set_meta("config", DEV)
+    db.set_meta("dtype", "float32")
+    for i, cells in enumerate([seed_cells, child_cells]):
+        db.add(dict(generation=i, island=0, slot=0, mutator="seed" if i == 0 else "m", status="ok", stage=3,
+                    score=float(np.mean(list(cells.values()))), proxy=0.1, cells=cells,
+                    source=f"def score(f):\n    return f.attn  # {i}", code_hash=str(i)))
+    db.close()
+    return path
+
+
+def test_keep_seed_within_noise_leaves_the_seed_only_for_a_lead_above_the_noise(tmp_path):
+    """With the option, a dev leader whose paired lead over the seed holds 0 (differences 5, -2, 30, 1) is passed
+    over for the seed; one ahead on every cell (differences 5, 6, 4, 5: every resample's mean > 0) is kept; without
+    the option the leader is the pick either way."""
+    noisy = seed_and_child(tmp_path / "noisy.sqlite", {"0/0.75": 45.0, "1/0.75": 58.0, "2/0.75": 80.0, "3/0.75": 71.0})
+    clear = seed_and_child(tmp_path / "clear.sqlite", {"0/0.75": 45.0, "1/0.75": 66.0, "2/0.75": 54.0, "3/0.75": 75.0})
+    keep = "keep_seed_within_noise = true"
+    kept = pick(load_rule(rule_file(tmp_path, [noisy], extra=keep)), "smollm2-135m")
+    assert (kept.program.id, kept.passed_over.id, kept.passed_over_database) == (1, 2, str(noisy))
+    assert kept.program is kept.seed and kept.margin[1] < 0 < kept.margin[2]
+    text = format_pick(kept)
+    assert text.startswith("smollm2-135m-instruct: program #1") and "over the dev leader #2" in text
+    assert summary(kept)["program"] == 1 and summary(kept)["passed_over"] == 2
+    ahead = pick(load_rule(rule_file(tmp_path, [clear], extra=keep)), "smollm2-135m")
+    assert ahead.program.id == 2 and ahead.passed_over is None and ahead.margin[1] > 0
+    assert pick(load_rule(rule_file(tmp_path, [noisy])), "smollm2-135m").program.id == 2
+    with pytest.raises(ValueError, match="keep_seed_within_noise must be true or false, got 'yes'"):
+        load_rule(rule_file(tmp_path, [noisy], extra='keep_seed_within_noise = "yes"'))
 
 
 def test_databases_pool_only_on_one_dev_set(tmp_path):
