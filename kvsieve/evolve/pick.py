@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import sqlite3
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -169,11 +169,12 @@ def pick(rule: SelectionRule, model: str) -> Pick:
     tied = sum(1 for _, _, r, _ in pooled if r.score == best.score)
     _, seed_path, seed, seed_held = next((item for item in pooled if item[2].generation == 0), (None, "", None, None))
     margin, cells = _margin(best, seed)
+    leader = Pick(model, path, best, held, seed, seed_held, len(pooled), tied, reference["surrogate"], seed_path,
+                  margin, cells)
     if rule.keep_seed_within_noise and margin is not None and margin[1] <= 0:
-        return Pick(model, seed_path, seed, seed_held, seed, seed_held, len(pooled), tied, reference["surrogate"],
-                    seed_path, margin, cells, passed_over=best, passed_over_database=path)
-    return Pick(model, path, best, held, seed, seed_held, len(pooled), tied, reference["surrogate"], seed_path,
-                margin, cells)
+        return replace(leader, database=seed_path, program=seed, heldout=seed_held, passed_over=best,
+                       passed_over_database=path)
+    return leader
 
 
 def _margin(program: ProgramRecord, seed: ProgramRecord | None) -> tuple[tuple[float, float, float] | None, int]:
@@ -219,21 +220,24 @@ def format_pick(p: Pick) -> str:
     if p.surrogate is not None:
         lines.append(f"  scored over the kvzap surrogate {p.surrogate} (evaluate with program(..., surrogate=...))")
     if p.passed_over is not None:
-        mean, low, high = p.margin
         lines.append(f"  the seed program, kept by keep_seed_within_noise over the dev leader #{p.passed_over.id} of "
-                     f"{p.passed_over_database} (dev score {_num(p.passed_over.score)}): its lead {mean:+.2f} "
-                     f"[{low:+.2f}, {high:+.2f}] (paired 95% interval over {p.margin_cells} dev cells) is not above 0")
+                     f"{p.passed_over_database} (dev score {_num(p.passed_over.score)}): its lead {_margin_text(p)} "
+                     "is not above 0")
         return "\n".join(lines)
     if p.seed is not None:
         lines.append(f"  the rule's pick among the seed programs: #{p.seed.id} of {p.seed_database}, dev score "
                      f"{_num(p.seed.score)}, held-out score {_num(p.seed_heldout)}")
     if p.margin is not None:
-        mean, low, high = p.margin
+        _, low, high = p.margin
         verdict = ("not distinguishable: the lead over the seed may be the dev set's noise" if low <= 0 <= high
                    else "ahead" if low > 0 else "behind")
-        lines.append(f"  pick - seed on dev: {mean:+.2f} [{low:+.2f}, {high:+.2f}] (paired 95% interval over "
-                     f"{p.margin_cells} dev cells), {verdict}")
+        lines.append(f"  pick - seed on dev: {_margin_text(p)}, {verdict}")
     return "\n".join(lines)
+
+
+def _margin_text(p: Pick) -> str:
+    mean, low, high = p.margin
+    return f"{mean:+.2f} [{low:+.2f}, {high:+.2f}] (paired 95% interval over {p.margin_cells} dev cells)"
 
 
 def write_pick(p: Pick, folder: str | Path, rule: str | Path) -> Path:

@@ -35,6 +35,7 @@ TERMINALS: dict[str, tuple[str, str]] = {
     "EXPONENT": (r"/-?[1-4]/", r'"-"? [1-4]'),
     "CHUNK": (r"/(?:6[0-4]|[1-5][0-9]|[1-9])/", r'"6" [0-4] | [1-5] [0-9] | [1-9]'),
     "SINK": (r"/(?:6[0-4]|[1-5][0-9]|[0-9])/", r'"6" [0-4] | [1-5] [0-9] | [0-9]'),
+    "FLOOR": (r"/(?:50|[1-4][0-9]|[0-9])/", r'"50" | [1-4] [0-9] | [0-9]'),
 }
 
 _TYPES = {"e1": ops.N, "e3": ops.BHN, "e4": ops.BHGN}
@@ -77,6 +78,9 @@ def typed_rules(depth: int | None = None) -> dict[str, list[list[str]]]:
         ['"SELECTION = {\\"chunk_size\\": 1, \\"sink\\": "', "SINK", '", \\"allocation\\": "', "ALLOCATION",
          '", \\"normalization\\": "', "NORMALIZATION", '"}\\n"'],
         ['"SELECTION = {\\"chunk_size\\": "', "CHUNK", '", \\"sink\\": "', "SINK", '"}\\n"'],
+        # a floor only where budgets move between heads (the selection refuses it under "uniform")
+        ['"SELECTION = {\\"chunk_size\\": 1, \\"sink\\": "', "SINK", '", \\"allocation\\": "', "MOVING",
+         '", \\"normalization\\": "', "NORMALIZATION", '", \\"floor\\": "', "FLOOR", '"}\\n"'],
     ]
     top = "e3" if depth is None else f"e3_{depth}"
     rules: dict[str, list[list[str]]] = {
@@ -84,6 +88,7 @@ def typed_rules(depth: int | None = None) -> dict[str, list[list[str]]]:
                            '"\\ndef score(f):\\n    return "', top, '"\\n"']],
         "selection": selection_alternatives,
         "ALLOCATION": [[_q(_q(choice))] for choice in SELECTION_CHOICES["allocation"]],
+        "MOVING": [[_q(_q(choice))] for choice in SELECTION_CHOICES["allocation"] if choice != "uniform"],
         "NORMALIZATION": [[_q(_q(choice))] for choice in SELECTION_CHOICES["normalization"]],
         "scalar": [["NUMBER"], *([_q(f"f.{name}")] for name in _SCALAR_FIELDS)],
         "NEG_NUMBER": [["NUMBER"], ['"-"', "NUMBER"]],
@@ -199,6 +204,8 @@ def _terminal(name: str, rng: random.Random) -> str:
         return str(rng.randint(*SELECTION_RANGES["chunk_size"]))
     if name == "SINK":
         return str(rng.randint(*SELECTION_RANGES["sink"]))
+    if name == "FLOOR":
+        return str(rng.randint(*SELECTION_RANGES["floor"]))
     raise KeyError(name)
 
 

@@ -22,10 +22,14 @@ from functools import cached_property
 
 from kvsieve.selection import Selection
 
-__all__ = ["Program", "ProgramError", "SELECTION_RANGES", "SELECTION_CHOICES", "parse_selection", "fields_read"]
+__all__ = ["Program", "ProgramError", "SELECTION_RANGES", "SELECTION_DEFAULTS", "SELECTION_CHOICES",
+           "parse_selection", "fields_read"]
 
-# name -> (smallest, largest) allowed int
-SELECTION_RANGES = {"chunk_size": (1, 64), "sink": (0, 64)}
+# name -> (smallest, largest) allowed int. "floor": the percent of its per-head budget every head keeps when
+# budgets move between heads (AdaKV's safeguard, 20 by default; KVzip keeps one entry a head, i.e. 0).
+SELECTION_RANGES = {"chunk_size": (1, 64), "sink": (0, 64), "floor": (0, 50)}
+# a default other than the range's smallest
+SELECTION_DEFAULTS = {"floor": 20}
 # name -> allowed literal strings, the first the default. "allocation" moves the budget across the
 # heads of a layer ("layer") or the whole model ("global"); a program's scores are then standardised
 # per head first ("normalization": "zscore", the default), since nothing makes them comparable otherwise,
@@ -34,7 +38,7 @@ SELECTION_CHOICES = {"allocation": ("uniform", "layer", "global"), "normalizatio
 
 
 def _defaults() -> dict[str, int | str]:
-    return {**{name: lo for name, (lo, _) in SELECTION_RANGES.items()},
+    return {**{name: SELECTION_DEFAULTS.get(name, lo) for name, (lo, _) in SELECTION_RANGES.items()},
             **{name: choices[0] for name, choices in SELECTION_CHOICES.items()}}
 
 
@@ -77,6 +81,10 @@ def parse_selection(source: str) -> dict[str, int | str]:
         raise ProgramError(f"SELECTION allocation {out['allocation']!r} moves budgets between heads, which whole "
                            f"chunks (chunk_size = {out['chunk_size']}) cannot: use chunk_size 1 or allocation "
                            "'uniform'")
+    if out["allocation"] == "uniform" and out["floor"] != SELECTION_DEFAULTS["floor"]:
+        # every head keeps the same number under "uniform": a floor would change nothing, so it is refused
+        raise ProgramError(f"SELECTION floor = {out['floor']} applies only when budgets move between heads: use "
+                           "allocation 'layer' or 'global', or leave floor out")
     return out
 
 
@@ -98,7 +106,8 @@ class Program:
         params = self.selection_params
         allocation = params["allocation"]
         return Selection(sink=params["sink"], recent=window, chunk_size=params["chunk_size"], allocation=allocation,
-                         normalization="none" if allocation == "uniform" else params["normalization"])
+                         normalization="none" if allocation == "uniform" else params["normalization"],
+                         adaptive_floor=params["floor"] / 100)
 
     @cached_property
     def code_hash(self) -> str:

@@ -112,7 +112,7 @@ def test_crossover_keeps_both_parents_signals():
 
 
 def test_selection_parameters_are_checked():
-    assert parse_selection(SEEDS["frc"]) == {"chunk_size": 4, "sink": 0, "allocation": "uniform",
+    assert parse_selection(SEEDS["frc"]) == {"chunk_size": 4, "sink": 0, "floor": 20, "allocation": "uniform",
                                              "normalization": "zscore"}
     with pytest.raises(ProgramError, match="outside the allowed"):
         parse_selection('SELECTION = {"chunk_size": 0}\n')
@@ -579,6 +579,43 @@ def test_allocation_is_a_gene_of_selection_and_holds_the_budget_in_bytes():
         params = [k.selection_params for k in kids if k is not None]
         assert len(params) > 40
         assert all(p["allocation"] == "uniform" or p["chunk_size"] == 1 for p in params)
+
+
+def test_floor_is_a_gene_of_selection_and_sets_what_a_starved_head_keeps():
+    # a program may drop AdaKV's 20% safeguard (KVzip keeps one entry a head) or raise it
+    import random
+
+    import torch
+
+    import kvsieve
+    from kvsieve.engine.cache import sieve_layers
+    from kvsieve.evolve.mutators.structural import StructuralMutator
+    from kvsieve.policies.program import ProgramPolicy
+
+    with pytest.raises(ProgramError, match=r"floor = 0 applies only when budgets move between heads"):
+        parse_selection('SELECTION = {"floor": 0}\n')
+    with pytest.raises(ProgramError, match=r"'floor'\] = 51 is outside the allowed ints \[0, 50\]"):
+        parse_selection('SELECTION = {"allocation": "global", "floor": 51}\n')
+    n, kept, window = 200, 100, 4
+    shortest = {}
+    for floor in (0, 20, 35):
+        # layer 0 scores below every entry of layer 1 (key norms of a tiny model are far below 1000), so under a
+        # global budget its heads keep their floor and nothing more
+        source = (f'SELECTION = {{"chunk_size": 1, "sink": 0, "allocation": "global", "normalization": "none", '
+                  f'"floor": {floor}}}\n\n\ndef score(f):\n    return 0.001 * f.key_norm + f.layer\n')
+        policy = ProgramPolicy(source=source, window=window)
+        torch.manual_seed(0)
+        model = tiny_model("llama")
+        with kvsieve.attach(model, policy, ratio=0.5):
+            cache = model(input_ids=torch.randint(0, 128, (1, n)), use_cache=True).past_key_values
+        lengths = [layer.head_lengths for _, layer in sieve_layers(cache)]
+        assert sum(map(sum, lengths)) == kept * sum(map(len, lengths))  # the budget, exactly
+        shortest[floor] = min(lengths[0])
+    # a head's floor: the largest of its protected entries (the window), floor% of the per-head budget and one entry
+    assert shortest == {0: window, 20: 20, 35: 35}
+    only_selection = StructuralMutator(operations=("selection",))
+    kids = [only_selection.propose(Program(SEEDS["surrogate"]), [], random.Random(s)) for s in range(80)]
+    assert {k.selection_params["floor"] for k in kids if k is not None} > {20}  # the mutator moves the gene
 
 
 def test_normalization_is_a_gene_so_scores_on_one_scale_keep_their_ranking_across_heads():

@@ -3,8 +3,8 @@
 Each proposal is a fresh program drawn from the same vocabulary the structural mutator edits with: one to three
 terms, each a signal of ``structural.TERMS`` (its pooling kernel redrawn from ``structural.KERNELS``) put on a unit
 scale by one of the scale helpers and weighted by one of ``WEIGHTS``, summed; and a ``SELECTION`` drawn from the
-same options as the structural mutator's ``selection`` edit (chunks of 1 when the allocation is not uniform, which
-the language requires), drawn again until the language's static check accepts it. Every draw comes from the ``rng``
+same options as the structural mutator's ``selection`` edit (chunks of 1 when the allocation is not uniform and the
+default floor when it is, as the language requires), drawn again until the language's static check accepts it. Every draw comes from the ``rng``
 the loop passes, so a run is reproducible; the parent and the inspirations are ignored.
 """
 
@@ -14,16 +14,14 @@ import random
 import re
 
 from kvsieve.evolve.mutators.base import CHEAP_REPEAT_EDITS
-from kvsieve.evolve.mutators.structural import KERNELS, TERMS
-from kvsieve.language.program_source import SELECTION_CHOICES, Program, ProgramError
+from kvsieve.evolve.mutators.structural import KERNELS, SELECTION_OPTIONS, TERMS
+from kvsieve.language.program_source import SELECTION_DEFAULTS, Program, ProgramError
 from kvsieve.language.static_check import StaticCheckError, check_source
 
-__all__ = ["RandomProgramMutator", "random_term", "random_expression", "random_source", "SCALES", "WEIGHTS",
-           "SELECTION_OPTIONS"]
+__all__ = ["RandomProgramMutator", "random_term", "random_expression", "random_source", "SCALES", "WEIGHTS"]
 
 SCALES = ("unit_mean", "normalize", "rank")
 WEIGHTS = (0.1, 0.2, 0.3, 0.5, 1.0)
-SELECTION_OPTIONS = {"chunk_size": (1, 2, 4, 8, 16), "sink": (0, 4, 8, 16), **SELECTION_CHOICES}
 _KERNEL = re.compile(r", (\d+)\)")
 TRIES = 50
 
@@ -45,6 +43,8 @@ def random_source(rng: random.Random) -> str:
     selection = {key: rng.choice(options) for key, options in SELECTION_OPTIONS.items()}
     if selection["allocation"] != "uniform":  # budgets moved between heads cannot move whole chunks
         selection["chunk_size"] = 1
+    else:  # and a floor means nothing where they do not move
+        selection["floor"] = SELECTION_DEFAULTS["floor"]
     return (f'"""Random program."""\nSELECTION = {selection!r}\n\n\ndef score(f):\n'
             f"    return {expression}\n")
 

@@ -15,7 +15,7 @@ import random
 from kvsieve.evolve.mutators.base import CHEAP_REPEAT_EDITS
 from kvsieve.language.program_source import SELECTION_CHOICES, Program, ProgramError
 
-__all__ = ["StructuralMutator", "OPERATIONS"]
+__all__ = ["StructuralMutator", "OPERATIONS", "SELECTION_OPTIONS"]
 
 
 # Signals a term can add, each (b, h, n) or broadcastable to it.
@@ -25,6 +25,9 @@ TERMS = (
     "f.value_norm", "1.0 / f.key_norm", "f.position", "rank(group_mean(f.attn))", "f.surrogate",
     "rank(f.surrogate)",
 )
+# the values a SELECTION edit (or a random program) draws from, per key
+SELECTION_OPTIONS = {"chunk_size": (1, 2, 4, 8, 16), "sink": (0, 4, 8, 16), "floor": (0, 10, 20, 30),
+                     **SELECTION_CHOICES}
 SWAPS = {  # interchangeable names: same argument and result shapes
     "attn": ("last_attn",), "last_attn": ("attn",), "key_norm": ("value_norm",), "value_norm": ("key_norm",),
     "group_mean": ("group_max",), "group_max": ("group_mean",), "pool": ("max_pool",), "max_pool": ("pool",),
@@ -179,7 +182,7 @@ class StructuralMutator:
     def _selection(self, tree, rng, other) -> bool:
         params = dict(Program(ast.unparse(tree)).selection_params)
         key = rng.choice(sorted(params))
-        options = {"chunk_size": (1, 2, 4, 8, 16), "sink": (0, 4, 8, 16), **SELECTION_CHOICES}[key]
+        options = SELECTION_OPTIONS[key]
         params[key] = rng.choice([v for v in options if v != params[key]])
         assign = ast.parse(f"SELECTION = {params!r}").body[0]
         for i, node in enumerate(tree.body):
