@@ -4,8 +4,9 @@ Each proposal is a fresh program drawn from the same vocabulary the structural m
 terms, each a signal of ``structural.TERMS`` (its pooling kernel redrawn from ``structural.KERNELS``) put on a unit
 scale by one of the scale helpers and weighted by one of ``WEIGHTS``, summed; and a ``SELECTION`` drawn from the
 same options as the structural mutator's ``selection`` edit (chunks of 1 when the allocation is not uniform and the
-default floor when it is, as the language requires), drawn again until the language's static check accepts it. Every draw comes from the ``rng``
-the loop passes, so a run is reproducible; the parent and the inspirations are ignored.
+default floor when it is, as the language requires), drawn again until the language's static check accepts it.
+Every draw comes from the ``rng`` the loop passes, so a run is reproducible; the parent and the inspirations are
+ignored.
 """
 
 from __future__ import annotations
