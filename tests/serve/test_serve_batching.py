@@ -135,20 +135,23 @@ def test_a_disconnect_frees_its_bytes(model):
 
 
 def test_a_decoding_request_is_charged_its_entries_plus_its_reserve(model):
-    def slow(_m, _a, kwargs):
+    state = make_state(model)
+    during_decode: list[int] = []
+
+    def record(_m, _a, kwargs):  # read inside a decode step, when the request is surely running, whatever the load
         ids = kwargs.get("input_ids")
         if ids is not None and ids.shape[1] == 1:
-            time.sleep(0.01)
+            during_decode.append(state.scheduler.charged)
 
-    state = make_state(model)
     body = {"model": NAME, "max_tokens": 100, "stream": True,
             "messages": [{"role": "user", "content": _doc(2, 150) + "\nq"}]}
-    with hook(model, slow), running(state) as url:
+    with hook(model, record), running(state) as url:
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as reply:
-            next(reply.iter_lines())
-            charged = state.scheduler.charged
             kept = int(reply.headers["x-kvsieve-bytes-kept"])
+            reply.read()
         _wait(lambda: state.scheduler.charged == 0)
+    assert during_decode and len(set(during_decode)) == 1  # charged once, at admission, for the whole answer
+    charged = during_decode[0]
     question = len("q\x04\x05A:")  # read after the query-agnostic compression: one entry a token in every head
     assert kept == BYTES_PER_TOKEN * round((len("\x02user\x03") + 151) * 0.5)
     assert charged == kept + BYTES_PER_TOKEN * question + BYTES_PER_TOKEN * 100
