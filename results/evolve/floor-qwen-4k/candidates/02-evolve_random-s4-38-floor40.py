@@ -1,0 +1,5 @@
+"""Evolved: wrap of a parent program."""
+SELECTION = {'chunk_size': 1, 'sink': 0, 'floor': 40, 'allocation': 'global', 'normalization': 'none'}
+
+def score(f):
+    return pool(0.3 * normalize(group_max(f.attn)) + 0.125 * normalize(f.surrogate), 3)
