@@ -26,7 +26,7 @@ TERMS = (
     "rank(f.surrogate)",
 )
 # the values a SELECTION edit (or a random program) draws from, per key
-SELECTION_OPTIONS = {"chunk_size": (1, 2, 4, 8, 16), "sink": (0, 4, 8, 16), "floor": (0, 10, 20, 30),
+SELECTION_OPTIONS = {"chunk_size": (1, 2, 4, 8, 16), "sink": (0, 4, 8, 16), "floor": (0, 10, 20, 30, 40, 50),
                      **SELECTION_CHOICES}
 SWAPS = {  # interchangeable names: same argument and result shapes
     "attn": ("last_attn",), "last_attn": ("attn",), "key_norm": ("value_norm",), "value_norm": ("key_norm",),
