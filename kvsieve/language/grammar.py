@@ -38,6 +38,8 @@ TERMINALS: dict[str, tuple[str, str]] = {
     "FLOOR": (r"/(?:50|[1-4][0-9]|[0-9])/", r'"50" | [1-4] [0-9] | [0-9]'),
 }
 
+# the terminals that spell a SELECTION int, and its key in SELECTION_RANGES
+_SELECTION_TERMINALS = {"CHUNK": "chunk_size", "SINK": "sink", "FLOOR": "floor"}
 _TYPES = {"e1": ops.N, "e3": ops.BHN, "e4": ops.BHGN}
 _OF_SHAPE = {shape: name for name, shape in _TYPES.items()}
 # what may be combined with a value of each type and keep it: itself, smaller tensor families, numbers
@@ -74,13 +76,15 @@ def typed_rules(depth: int | None = None) -> dict[str, list[list[str]]]:
     rule name). A binary operation joins a value of the rule's type with a partner on either side. ``depth``
     bounds the nesting (rules ``e3_0`` .. ``e3_D``, level 0 only features), so every derivation ends: what a
     small or random model decodes under, whatever it prefers."""
+    def allocated(allocation: str, *tail: str) -> list[str]:  # chunks of 1, sinks, an allocation, a normalisation
+        return ['"SELECTION = {\\"chunk_size\\": 1, \\"sink\\": "', "SINK", '", \\"allocation\\": "', allocation,
+                '", \\"normalization\\": "', "NORMALIZATION", *tail, '"}\\n"']
+
     selection_alternatives = [
-        ['"SELECTION = {\\"chunk_size\\": 1, \\"sink\\": "', "SINK", '", \\"allocation\\": "', "ALLOCATION",
-         '", \\"normalization\\": "', "NORMALIZATION", '"}\\n"'],
+        allocated("ALLOCATION"),
         ['"SELECTION = {\\"chunk_size\\": "', "CHUNK", '", \\"sink\\": "', "SINK", '"}\\n"'],
         # a floor only where budgets move between heads (the selection refuses it under "uniform")
-        ['"SELECTION = {\\"chunk_size\\": 1, \\"sink\\": "', "SINK", '", \\"allocation\\": "', "MOVING",
-         '", \\"normalization\\": "', "NORMALIZATION", '", \\"floor\\": "', "FLOOR", '"}\\n"'],
+        allocated("MOVING", '", \\"floor\\": "', "FLOOR"),
     ]
     top = "e3" if depth is None else f"e3_{depth}"
     rules: dict[str, list[list[str]]] = {
@@ -200,12 +204,8 @@ def _terminal(name: str, rng: random.Random) -> str:
         return str(rng.randint(*ops.KERNEL_RANGE))
     if name == "EXPONENT":
         return str(rng.choice([-1, 1]) * rng.randint(1, ops.POW_RANGE[1]))
-    if name == "CHUNK":
-        return str(rng.randint(*SELECTION_RANGES["chunk_size"]))
-    if name == "SINK":
-        return str(rng.randint(*SELECTION_RANGES["sink"]))
-    if name == "FLOOR":
-        return str(rng.randint(*SELECTION_RANGES["floor"]))
+    if name in _SELECTION_TERMINALS:
+        return str(rng.randint(*SELECTION_RANGES[_SELECTION_TERMINALS[name]]))
     raise KeyError(name)
 
 
