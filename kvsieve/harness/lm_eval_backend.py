@@ -184,10 +184,13 @@ def _export(argv: list[str]) -> None:
     parser.add_argument("--tasks", required=True, help="comma-separated lm-eval tasks, e.g. niah_single_1,ruler_vt")
     parser.add_argument("--lengths", required=True, help="comma-separated RULER lengths in tokens")
     parser.add_argument("--limit", type=int, required=True, help="requests per task and length")
+    parser.add_argument("--skip", type=int, default=0,
+                        help="requests per task left out first (a fresh slice beyond an earlier export's --limit)")
     parser.add_argument("--out", required=True, help="JSONL file for kvsieve eval --data")
     args = parser.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",") if x]
-    count = export_samples(args.model, [t for t in args.tasks.split(",") if t], lengths, args.limit, args.out)
+    count = export_samples(args.model, [t for t in args.tasks.split(",") if t], lengths, args.limit, args.out,
+                           skip=args.skip)
     print(f"wrote {count} samples to {args.out}")
 
 

@@ -59,10 +59,12 @@ def sample_for(prompt: str, gen_kwargs: dict, doc: dict, task: str, doc_id: int 
 
 
 def export_samples(model: str, tasks: Sequence[str], lengths: Sequence[int], limit: int, out: str | Path,
-                   include_path: str | None = None) -> int:
+                   include_path: str | None = None, skip: int = 0) -> int:
     """Write lm-eval's first ``limit`` requests of each task (RULER built at ``lengths`` with ``model``'s tokenizer)
-    as kvsieve samples to ``out`` (JSONL), request-major (document 0 of every task, then 1, ...), so an interrupted
-    ``kvsieve eval --data`` leaves every task with about as many requests. Returns the number written.
+    after its first ``skip`` as kvsieve samples to ``out`` (JSONL), request-major (the first request of every task,
+    then the second, ...), so an interrupted ``kvsieve eval --data`` leaves every task with about as many requests.
+    Returns the number written. ``skip`` draws requests no earlier export of the first ``skip`` has shown: a fresh
+    test set after a rule was fixed on (or its rows read from) the first ones.
 
     Only prompts the rule splits query-agnostically, with reference answers, are written: ``kvsieve eval`` runs a
     file's samples in one mode, and scores them against their answers. Others raise ``ValueError``.
@@ -72,6 +74,8 @@ def export_samples(model: str, tasks: Sequence[str], lengths: Sequence[int], lim
     and importing them draws too: they are imported first, then each task is built after seeding both as
     lm-eval's defaults do (``random`` 0, numpy 1234). A task's samples are then the same whatever other tasks
     are listed, and a larger ``limit`` extends a smaller one's file."""
+    if limit < 1 or skip < 0:
+        raise ValueError(f"limit must be >= 1 and skip >= 0 requests a task; got limit={limit}, skip={skip}")
     for module in RULER_GENERATORS:
         importlib.import_module(module)
     manager = TaskManager(include_path=include_path, metadata=ruler_metadata(model, lengths))
@@ -80,16 +84,16 @@ def export_samples(model: str, tasks: Sequence[str], lengths: Sequence[int], lim
         random.seed(LM_EVAL_RANDOM_SEED)
         np.random.seed(LM_EVAL_NUMPY_SEED)
         for name, task in manager.load([requested])["tasks"].items():
-            per_task.append(_task_samples(name, task, limit))
+            per_task.append(_task_samples(name, task, limit, skip))
     ordered = [s for i in range(max(map(len, per_task), default=0)) for samples in per_task
                if i < len(samples) for s in [samples[i]]]
     return write_jsonl(ordered, out)
 
 
-def _task_samples(name: str, task: Any, limit: int) -> list[Sample]:
-    task.build_all_requests(limit=limit)
+def _task_samples(name: str, task: Any, limit: int, skip: int) -> list[Sample]:
+    task.build_all_requests(limit=skip + limit)  # the same generator draws as a plain export of skip + limit
     samples = []
-    for instance in task.instances:
+    for instance in task.instances[skip:]:
         prompt, gen_kwargs = instance.args
         sample, split = sample_for(prompt, dict(gen_kwargs), instance.doc, name, instance.doc_id)
         if split.question_aware or reference_answers(instance.doc) is None:

@@ -148,6 +148,16 @@ def test_exported_samples_carry_the_backends_row_keys(tiny_setup, tmp_path):
         export_samples(str(model_dir), ["kvs_tiny"], [128], 4, tmp_path / "all.jsonl", include_path=str(tasks))
 
 
+def test_an_export_after_skip_is_the_rest_of_a_longer_export(tiny_setup, tmp_path):
+    model_dir, tasks, _ = tiny_setup
+    longer, fresh = tmp_path / "longer.jsonl", tmp_path / "fresh.jsonl"
+    export_samples(str(model_dir), ["kvs_tiny"], [128], 3, longer, include_path=str(tasks))
+    assert export_samples(str(model_dir), ["kvs_tiny"], [128], 2, fresh, include_path=str(tasks), skip=1) == 2
+    assert [s.id for s in read_jsonl(fresh)] == [s.id for s in read_jsonl(longer)][1:]
+    with pytest.raises(ValueError, match="skip=-1"):
+        export_samples(str(model_dir), ["kvs_tiny"], [128], 2, fresh, include_path=str(tasks), skip=-1)
+
+
 def test_a_rerun_reuses_the_stored_rows(tiny_setup, tmp_path, monkeypatch):
     store = tmp_path / "lmeval.sqlite"
     first = run(tiny_setup, "knorm", 0.5, store)
