@@ -86,10 +86,13 @@ def evolve(config: EvolveConfig, executor: Executor, mutator: Mutator, db: Progr
             return True
         return config.time_budget_s is not None and time.monotonic() - start > config.time_budget_s
 
-    # generation 0: the seed programs, evaluated once, present in every island
+    # generation 0: the seed programs, evaluated once, present in every island; a budget below their count
+    # stops among them (a larger budget resumes with the next seed)
     seeds = [Program(s) for s in _seed_sources(config)]
     for slot, program in enumerate(seeds):
         if not db.has_slot(0, 0, slot):
+            if db.evaluated_count() >= config.candidates:
+                break
             evaluation = executor.evaluate([program])[0]
             db.add(_row(evaluation, program, 0, 0, slot, None, [], "seed", config.seed_programs[slot]))
             bar.update(1)

@@ -362,6 +362,20 @@ def test_resume_is_exact_across_migrations(tmp_path):
         assert _whole_rows(path) == expected, f"resumed after {stop} rows"
 
 
+def test_a_budget_below_the_seed_count_stops_among_the_seeds_and_a_larger_one_resumes(tmp_path):
+    from kvsieve.evolve.search import evolve
+
+    config = tiny_run_config(tmp_path, 2, islands=2, seed_programs=["snapkv", "tova", "frc", "surrogate"])
+    db = ProgramDatabase(config.db)
+    evolve(config, _FakeExecutor(), StructuralMutator(), db, progress=False)
+    assert db.evaluated_count() == 2 and [r.operation for r in db.records("island = 0")] == ["snapkv", "tova"]
+    evolve(replace(config, candidates=4), _FakeExecutor(), StructuralMutator(), db, progress=False)
+    seeds = db.records("generation = 0")
+    db.close()
+    assert [r.operation for r in seeds if r.island == 0] == ["snapkv", "tova", "frc", "surrogate"]
+    assert len(seeds) == 8  # each island holds every seed once all are evaluated
+
+
 def test_random_generations_draw_the_random_arms_programs_then_evolve_them(tmp_path):
     """With ``random_generations`` N, generations 1..N are exactly the programs the random arm (best-of-N over
     fresh random programs) draws with the same seed; later children are structural edits whose parents come from
