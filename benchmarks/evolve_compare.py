@@ -192,8 +192,7 @@ def study_main(verb: str, argv: list[str]) -> None:
     runs = study_runs(base, arms, seeds)
     if verb == "run":
         model, tokenizer = load(base.model, dtype=base.dtype)
-        run_study(runs, args.candidates or base.candidates, args.step, model, tokenizer, dtype_name(model),
-                  threads_note=f"{args.threads} torch thread(s)")
+        run_study(runs, args.candidates or base.candidates, args.step, model, tokenizer, dtype_name(model))
         return
     from kvsieve.evolve.study_report import study_report
 

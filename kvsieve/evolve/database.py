@@ -128,16 +128,25 @@ class ProgramDatabase:
             diff = ", ".join(f"{k}: {stored.get(k)!r} -> {config.get(k)!r}" for k in changed)
             raise ValueError(f"{self.path} holds a run with another configuration ({diff}); use a new database")
 
-    def check_dtype(self, dtype: str) -> None:
-        """Record the dtype the run's model computes in (``"float32"``, ``"bfloat16"``) on first use; refuse to
-        resume under another (``dtype="auto"`` picks per machine, and fitness in two dtypes does not compare).
-        A database from before the dtype was recorded takes this run's."""
+    def check_numerics(self, dtype: str, threads: int) -> None:
+        """Record the dtype the run's model computes in (``"float32"``, ``"bfloat16"``) and the torch thread count
+        of the process that builds its dev set (and, unless Ray's one-thread workers do, scores its candidates) on
+        first use; refuse to resume under others: ``dtype="auto"`` picks per machine, and the thread count sets the
+        order of float sums, so the last bits of every score (a resumed run's rows then differ from an
+        uninterrupted run's). A database from before either was recorded takes this run's."""
         recorded = self.meta("dtype")
         if recorded is not None and recorded != dtype:
             raise ValueError(f"the evolution database {self.path} was evaluated in {recorded}, and this run's model "
                              f"computes in {dtype}: set dtype = \"{recorded}\" in the config to resume it, or start "
                              "another db")
+        recorded_threads = self.meta("torch_threads")
+        if recorded_threads is not None and recorded_threads != threads:
+            raise ValueError(f"the evolution database {self.path} was evaluated with {recorded_threads} torch "
+                             f"thread(s), and this run computes with {threads}: run kvsieve --threads "
+                             f"{recorded_threads} to resume it (the thread count orders float sums, so it changes "
+                             "scores), or start another db")
         self.set_meta("dtype", dtype)
+        self.set_meta("torch_threads", threads)
 
     def meta(self, key: str) -> object:
         """A JSON value stored under ``key`` in the meta table (``None`` if absent)."""

@@ -10,6 +10,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from kvsieve.evolve.candidate_executor import LocalExecutor
 from kvsieve.evolve.cascade import DevSet, evaluate_program
 from kvsieve.evolve.database import ProgramDatabase, ProgramRecord, rank_key
@@ -73,7 +75,7 @@ def _run(config: EvolveConfig, progress: bool, model, tokenizer) -> EvolveResult
         db.set_meta("isolation", isolation)
         if model is None:
             model, tokenizer = load(config.model, dtype=config.dtype)
-        db.check_dtype(dtype_name(model))  # before the dev cache, which holds its answers
+        db.check_numerics(dtype_name(model), torch.get_num_threads())  # before the dev cache, which holds its answers
         dev = DevSet(model, tokenizer, dev_samples(config, tokenizer, config.dev_seed, config.dev_samples),
                      config.ratios, config.window, config.dev_cache_folder, progress=progress,
                      surrogate=config.surrogate)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from kvsieve.evolve.candidate_executor import LocalExecutor
 from kvsieve.evolve.cascade import DevSet, Evaluation, KnownKept, evaluate_program
@@ -127,7 +128,7 @@ class SharedExecutor:
         self.inner.close()
 
 
-def run_study(runs: list[StudyRun], candidates: int, step: int, model, tokenizer, dtype: str, threads_note: str = "",
+def run_study(runs: list[StudyRun], candidates: int, step: int, model, tokenizer, dtype: str,
               log: Callable[[str], None] = functools.partial(print, flush=True)) -> None:
     """Grow every run to ``candidates`` evaluated programs in rounds of ``step`` (each round: every run in turn).
     Rerun to resume: each run continues from its database. Log lines are flushed: a study runs for hours under nohup."""
@@ -153,9 +154,7 @@ def run_study(runs: list[StudyRun], candidates: int, step: int, model, tokenizer
             try:
                 db.check_config(config.identity())
                 db.set_meta("isolation", isolation)
-                db.check_dtype(dtype)
-                if threads_note:
-                    db.set_meta("threads", threads_note)
+                db.check_numerics(dtype, torch.get_num_threads())
                 if db.evaluated_count() >= budget:
                     continue
                 start = time.perf_counter()

@@ -55,10 +55,12 @@ def tiny_model_and_tokenizer(tokenizer=None):
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval(), tokenizer
 
 
-def run_tiny(tmp: str, candidates: int) -> None:
-    """Entry point of the subprocess the kill test starts (no fixtures there: it loads SmolLM2's tokenizer)."""
+def run_tiny(tmp: str, candidates: int, threads: int) -> None:
+    """Entry point of the subprocess the kill test starts (no fixtures there: it loads SmolLM2's tokenizer), with the
+    parent's torch thread count (an earlier test may have set it; another count is refused on resume)."""
     from kvsieve.evolve.evolution import run_evolution
 
+    torch.set_num_threads(threads)
     model, tokenizer = tiny_model_and_tokenizer()
     run_evolution(tiny_run_config(Path(tmp), candidates), progress=False, model=model, tokenizer=tokenizer)
 
@@ -69,11 +71,29 @@ def rows(db_path) -> list[tuple]:
 
     conn = sqlite3.connect(str(db_path))
     try:
-        names = [r[1] for r in conn.execute("PRAGMA table_info(programs)")]
-        keep = ", ".join(n for n in names if n not in ("seconds", "sandbox_seconds"))
-        return conn.execute(f"SELECT {keep} FROM programs ORDER BY id").fetchall()
+        return conn.execute(f"SELECT {', '.join(_compared_columns(conn))} FROM programs ORDER BY id").fetchall()
     finally:
         conn.close()
+
+
+def _compared_columns(conn) -> list[str]:
+    return [r[1] for r in conn.execute("PRAGMA table_info(programs)") if r[1] not in ("seconds", "sandbox_seconds")]
+
+
+def first_difference(got: list[tuple], expected: list[tuple], db_path) -> str:
+    """Where two runs' rows first differ, by column name (what a failing resume must say)."""
+    import sqlite3
+
+    conn = sqlite3.connect(str(db_path))
+    try:
+        names = _compared_columns(conn)
+    finally:
+        conn.close()
+    for i, (a, b) in enumerate(zip(got, expected)):
+        for name, x, y in zip(names, a, b):
+            if x != y:
+                return f"row {i + 1} ({b[6]} {b[7]}), column {name}: {x!r} != {y!r}"
+    return f"{len(got)} rows != {len(expected)} rows"
 
 
 # --- structural mutator ------------------------------------------------------------------------------
@@ -176,8 +196,10 @@ def test_evolution_runs_end_to_end_and_resumes_after_kill(smollm2, tmp_path):
     killed = tmp_path / "killed"
     killed.mkdir()
     paths = [HERE, os.path.dirname(HERE)]  # test_evolve's folder, and the tests' root for conftest
-    code = f"import sys; sys.path[:0] = {paths!r}; from test_evolve import run_tiny; run_tiny(sys.argv[1], 8)"
-    proc = subprocess.Popen([sys.executable, "-c", code, str(killed)], stderr=subprocess.PIPE)
+    code = (f"import sys; sys.path[:0] = {paths!r}; from test_evolve import run_tiny; "
+            "run_tiny(sys.argv[1], 8, int(sys.argv[2]))")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(killed), str(torch.get_num_threads())],
+                            stderr=subprocess.PIPE)
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
         time.sleep(0.3)
@@ -189,7 +211,8 @@ def test_evolution_runs_end_to_end_and_resumes_after_kill(smollm2, tmp_path):
     partial = rows(killed / "run.sqlite")
     assert 0 < len(partial) < len(expected)
     run_evolution(tiny_run_config(killed, 8), progress=False, model=model, tokenizer=tokenizer)
-    assert rows(killed / "run.sqlite") == expected
+    resumed = rows(killed / "run.sqlite")
+    assert resumed == expected, first_difference(resumed, expected, killed / "run.sqlite")
     # resumed on a machine where dtype "auto" picks bfloat16: refused before any candidate is scored
     with pytest.raises(ValueError, match=r"evaluated in float32, and this run's model computes in bfloat16"):
         run_evolution(tiny_run_config(killed, 10), progress=False, model=model.to(torch.bfloat16), tokenizer=tokenizer)
@@ -203,10 +226,12 @@ def test_a_database_refuses_another_run(tmp_path):
     db.check_config(tiny_run_config(tmp_path, 9).identity())  # more candidates: the same run, resumed
     with pytest.raises(ValueError, match="seed: 0 -> 1"):
         db.check_config(tiny_run_config(tmp_path, 5, seed=1).identity())
-    db.check_dtype("float32")  # a database from before the dtype was recorded takes this run's
-    db.check_dtype("float32")
+    db.check_numerics("float32", 1)  # a database from before either was recorded takes this run's
+    db.check_numerics("float32", 1)
     with pytest.raises(ValueError, match=r"evaluated in float32.*computes in bfloat16.*dtype = \"float32\""):
-        db.check_dtype("bfloat16")
+        db.check_numerics("bfloat16", 1)
+    with pytest.raises(ValueError, match=r"evaluated with 1 torch thread.*computes with 2.*--threads 1"):
+        db.check_numerics("float32", 2)
     db.close()
 
 
