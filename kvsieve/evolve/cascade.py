@@ -194,11 +194,13 @@ class DevSet:
         save_features(self.features_path, features)
 
     def _identity(self) -> dict:
-        """What a saved prefill depends on besides its tokens: the model's weights, dtype and code, the window, the
-        surrogate (the features' ``surrogate``) and the save format."""
+        """What a saved prefill depends on besides its tokens: the model's weights, dtype and code, torch's thread
+        count (it orders float sums, as the evolution database's check records), the window, the surrogate (the
+        features' ``surrogate``) and the save format."""
         surrogate = None if self.surrogate is None else [self.surrogate.variant, weights_digest(self.surrogate.net)]
         return {"weights": weights_digest(self.model), "dtype": str(self.model.dtype), "torch": torch.__version__,
-                "transformers": transformers.__version__, "window": self.window, "surrogate": surrogate,
+                "torch_threads": torch.get_num_threads(), "transformers": transformers.__version__,
+                "window": self.window, "surrogate": surrogate,
                 "hidden_states": self.capture.needs_hidden_states, "format": CACHE_FORMAT}
 
     def _prefill(self, sample: Sample, prompt: Prompt, answer: torch.Tensor) -> tuple[DevSample, dict[str, Features]]:

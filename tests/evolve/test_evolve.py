@@ -972,7 +972,7 @@ def test_kept_hashes_come_from_earlier_generations_and_old_databases_gain_the_co
 
 def test_a_dev_set_reads_its_saved_prefills_back_and_a_candidate_scores_the_same_on_them(tmp_path):
     """A resumed run does not prefill its dev set again: what it reads back is what it would compute; another
-    model (same config, other weights) does not read them."""
+    model (same config, other weights) or another torch thread count does not read them."""
     import dataclasses
 
     from kvsieve.engine.cache import sieve_layers
@@ -1016,6 +1016,13 @@ def test_a_dev_set_reads_its_saved_prefills_back_and_a_candidate_scores_the_same
     other, other_calls = build(tiny_model("llama", seed=1))
     assert other_calls > 0 and len(list(tmp_path.glob("prefill-*.safetensors"))) == 6
     assert other.items[0].full_logprob != first.items[0].full_logprob
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        _, other_threads_calls = build(model)
+    finally:
+        torch.set_num_threads(threads)
+    assert other_threads_calls > 0 and len(list(tmp_path.glob("prefill-*.safetensors"))) == 8
 
 
 def test_a_second_evolution_on_the_same_database_is_refused_while_the_first_runs(tmp_path):
