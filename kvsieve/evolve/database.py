@@ -130,10 +130,10 @@ class ProgramDatabase:
 
     def check_numerics(self, dtype: str, threads: int) -> None:
         """Record the dtype the run's model computes in (``"float32"``, ``"bfloat16"``) and the torch thread count
-        of the process that builds its dev set (and, unless Ray's one-thread workers do, scores its candidates) on
-        first use; refuse to resume under others: ``dtype="auto"`` picks per machine, and the thread count sets the
-        order of float sums, so the last bits of every score (a resumed run's rows then differ from an
-        uninterrupted run's). A database from before either was recorded takes this run's."""
+        its dev set is built and its candidates scored with (``--threads``; one on Ray's executor) on first use;
+        refuse to resume under others: ``dtype="auto"`` picks per machine, and the thread count sets the order of
+        float sums, so the last bits of every score (a resumed run's rows then differ from an uninterrupted run's).
+        A database from before either was recorded takes this run's."""
         recorded = self.meta("dtype")
         if recorded is not None and recorded != dtype:
             raise ValueError(f"the evolution database {self.path} was evaluated in {recorded}, and this run's model "
@@ -143,8 +143,8 @@ class ProgramDatabase:
         if recorded_threads is not None and recorded_threads != threads:
             raise ValueError(f"the evolution database {self.path} was evaluated with {recorded_threads} torch "
                              f"thread(s), and this run computes with {threads}: run kvsieve --threads "
-                             f"{recorded_threads} to resume it (the thread count orders float sums, so it changes "
-                             "scores), or start another db")
+                             f"{recorded_threads} (the local executor; Ray's computes with 1) to resume it (the "
+                             "count orders float sums, so it changes scores), or start another db")
         self.set_meta("dtype", dtype)
         self.set_meta("torch_threads", threads)
 

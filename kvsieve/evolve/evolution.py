@@ -40,8 +40,22 @@ def run_evolution(config: EvolveConfig, progress: bool = True, model=None, token
 
     The sandbox's isolation is checked first (``config.sandbox == "strict"`` refuses anything below
     full isolation; the default warns), printed, and stored in the database and the report."""
-    with _only_run_on(Path(config.db)):
-        return _run(config, progress, model, tokenizer)
+    # Ray's actors compute with one torch thread each (one CPU apiece); the driver's dev set and held-out scores then
+    # use that count too, so the actors read its saved prefills and the database records the count of every row
+    threads = 1 if config.executor == "ray" else torch.get_num_threads()
+    with _only_run_on(Path(config.db)), _torch_threads(threads):
+        return _run(config, progress, model, tokenizer, threads)
+
+
+@contextmanager
+def _torch_threads(count: int) -> Iterator[None]:
+    """torch computes with ``count`` threads inside, and with the count it had before after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @contextmanager
@@ -65,7 +79,7 @@ def _only_run_on(db_path: Path) -> Iterator[None]:
         yield
 
 
-def _run(config: EvolveConfig, progress: bool, model, tokenizer) -> EvolveResult:
+def _run(config: EvolveConfig, progress: bool, model, tokenizer, threads: int) -> EvolveResult:
     isolation = require_isolation(config.sandbox)
     print(f"kvsieve evolve: sandbox isolation {isolation['level']}"
           f"{' + seccomp' if isolation['seccomp'] else ' (no seccomp filter)'}, worker uid {isolation['worker_uid']}")
@@ -75,13 +89,14 @@ def _run(config: EvolveConfig, progress: bool, model, tokenizer) -> EvolveResult
         db.set_meta("isolation", isolation)
         if model is None:
             model, tokenizer = load(config.model, dtype=config.dtype)
-        db.check_numerics(dtype_name(model), torch.get_num_threads())  # before the dev cache, which holds its answers
+        db.check_numerics(dtype_name(model), threads)  # before the dev cache, which holds its answers
         dev = DevSet(model, tokenizer, dev_samples(config, tokenizer, config.dev_seed, config.dev_samples),
                      config.ratios, config.window, config.dev_cache_folder, progress=progress,
                      surrogate=config.surrogate)
         limits = SandboxLimits(timeout_s=config.sandbox_timeout_s, memory_mb=config.sandbox_memory_mb)
         if config.executor == "ray":  # actors build their own model and dev set; the database stays here
-            executor = RayExecutor(config, limits, address=config.ray_address, workers=config.workers)
+            executor = RayExecutor(config, limits, address=config.ray_address, workers=config.workers,
+                                   cpus_per_worker=threads)
         else:
             executor = LocalExecutor(dev, limits, config.fitness, config.dev_cells == "alternate")
         mutator = make_mutator(config, model, tokenizer)

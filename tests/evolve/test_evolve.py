@@ -219,6 +219,56 @@ def test_evolution_runs_end_to_end_and_resumes_after_kill(smollm2, tmp_path):
     assert rows(killed / "run.sqlite") == expected
 
 
+def test_a_ray_run_computes_at_its_actors_thread_count_and_they_read_the_drivers_prefills(smollm2, tmp_path,
+                                                                                         monkeypatch):
+    """--executor ray: the actors compute with one thread each, so the driver builds its dev set, scores held-out
+    programs and records that count too: an actor reads the driver's saved prefills (no forward of its own), and the
+    process's own count is back after the run. The actor's body runs here, in place of Ray."""
+    from kvsieve.evolve import evolution
+    from kvsieve.evolve.ray_candidate_executor import EvolveWorker
+
+    model, tokenizer = tiny_model_and_tokenizer(smollm2[1])
+    built, forwards = [], []
+
+    class InProcessActor:
+        """RayExecutor's interface over one EvolveWorker (the body of its actors) in this process."""
+
+        def __init__(self, config, limits, address=None, workers=None, cpus_per_worker=1):
+            before = len(forwards)
+            self.worker, self.limits = EvolveWorker(lambda: (model, tokenizer), config, cpus_per_worker), limits
+            built.append((cpus_per_worker, len(forwards) - before))
+
+        def evaluate(self, programs, max_gap=None, on_result=None, known=None):
+            out = []
+            for i, program in enumerate(programs):
+                out.append(self.worker.evaluate(program.source, max_gap, self.limits, known))
+                if on_result is not None:
+                    on_result(i, out[-1])
+            return out
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(evolution, "RayExecutor", InProcessActor)
+    hook = model.register_forward_hook(lambda *args: forwards.append(torch.get_num_threads()))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        config = tiny_run_config(tmp_path, 2, executor="ray")
+        evolution.run_evolution(config, progress=False, model=model, tokenizer=tokenizer)
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(threads)
+        hook.remove()
+    assert built == [(1, 0)]  # one thread, and the dev set read from the driver's saved prefills
+    assert forwards and set(forwards) == {1}
+    db = ProgramDatabase(config.db)
+    try:
+        assert db.meta("torch_threads") == 1 and len(db.records("status = 'ok'")) == 2
+    finally:
+        db.close()
+    assert after == 2
+
 def test_a_database_refuses_another_run(tmp_path):
     db = ProgramDatabase(tmp_path / "x.sqlite")
     db.check_config(tiny_run_config(tmp_path, 5).identity())
