@@ -60,8 +60,10 @@ def main() -> None:
             said = pattern.findall(r.prediction)[0]
             same = sum(a == b for a, b in zip(said, r.answers[0]))
             shared[(r.key.policy, r.key.ratio)].append(f"{same}/{len(r.answers[0])}")
+    distinct = [len(set(pattern.findall(context))) for context in contexts.values()]
     print(f"{args.task}: {len(full_right)} requests the full cache answers right (of "
-          f"{len({(r.key.length, r.key.sample_id) for r in rows if r.key.policy == 'full'})})\n")
+          f"{len({(r.key.length, r.key.sample_id) for r in rows if r.key.policy == 'full'})}); "
+          f"{min(distinct)}-{max(distinct)} distinct identifiers a context\n")
     print("| policy | kept | " + " | ".join(KINDS) + " | characters shared (not in the context) |")
     print("|---|---:|" + "---:|" * len(KINDS) + "---|")
     for (policy, ratio), counter in sorted(counts.items()):

@@ -35,6 +35,6 @@ def test_answers_are_sorted_by_kind_on_the_requests_the_full_cache_gets_right(tm
     out = subprocess.run([sys.executable, str(SCRIPT), "--store", str(tmp_path / "s.sqlite"), "--data",
                           str(tmp_path / "data.jsonl"), "--task", "niah_multikey_3"], capture_output=True,
                          text=True, check=True).stdout
-    assert "4 requests the full cache answers right (of 5)" in out
+    assert "4 requests the full cache answers right (of 5); 2-2 distinct identifiers a context" in out
     line = next(line for line in out.splitlines() if line.startswith("| p |"))
     assert [cell.strip() for cell in line.split("|")[2:-1]] == ["50.0%", "1", "1", "1", "1", "32/36"]
