@@ -32,7 +32,8 @@ def _flags(parser: argparse.ArgumentParser) -> list[str]:
         names = ", ".join(f"`{o}`" for o in action.option_strings)
         if action.choices:
             names += " " + "/".join(map(str, action.choices))
-        default = "" if action.default in (None, False, [], argparse.SUPPRESS) else f"`{action.default}`"
+        value = " ".join(map(str, action.default)) if isinstance(action.default, list) else action.default
+        default = "" if value in (None, False, "", argparse.SUPPRESS) else f"`{value}`"
         required = " (required)" if action.required else ""
         rows.append(f"| {names} | {default} | {_cell((action.help or '') % vars(action) if action.help else '')}"
                     f"{required} |")

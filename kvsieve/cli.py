@@ -83,20 +83,21 @@ def _run_grid(config, args):
 
 def cmd_eval(args) -> int:
     config = _grid(args)
-    store = _run_grid(config, args)
+    _run_grid(config, args).close()
     # the run is done: its tables show a store extended on another machine, naming both, rather than fail
-    _print_tables(store, config.model, mixed_machines=True)
+    _print_tables([config.store], config.model, mixed_machines=True)
     return 0
 
 
-def _print_tables(store, model: str | None, out: str | None = None, markdown: bool = False,
+def _print_tables(stores: list[str], model: str | None, out: str | None = None, markdown: bool = False,
                   tasks: list[str] | None = None, mixed_machines: bool = False) -> None:
     from kvsieve.bundled import canonical_name
     from kvsieve.harness.report import report_text
     from kvsieve.harness.report_plots import write_plots
+    from kvsieve.harness.store import read_stores
 
     filters = {k: v for k, v in (("model", model and canonical_name(model)), ("task", tasks)) if v}
-    results, failures = store.rows(**filters), store.failed(**filters)
+    results, failures = read_stores(stores, **filters)
     if not results and not failures:
         print("the store holds no results" + (f" for model {model}" if model else ""))
         return
@@ -117,22 +118,16 @@ def _compare_pairs(texts: list[str]) -> list[tuple[str, str]]:
 
 
 def cmd_report(args) -> int:
-    from kvsieve.harness.store import ResultsStore
-
-    if not Path(args.store).is_file():
-        raise ValueError(f"results store {args.store} does not exist")
     if args.compare and not args.headline:
         raise ValueError("--compare needs --headline")
+    tasks = _csv(args.tasks) if args.tasks else None
     if args.headline:
         from kvsieve.harness.headline import headline_report
 
-        print(headline_report(args.store, args.model, _compare_pairs(args.compare),
-                              _csv(args.tasks) if args.tasks else None, resamples=args.resamples,
-                              allow_mixed_machines=args.mixed_machines))
+        print(headline_report(args.store, args.model, _compare_pairs(args.compare), tasks,
+                              resamples=args.resamples, allow_mixed_machines=args.mixed_machines))
         return 0
-    with ResultsStore(args.store) as store:
-        _print_tables(store, args.model, args.out, args.markdown, _csv(args.tasks) if args.tasks else None,
-                      args.mixed_machines)
+    _print_tables(args.store, args.model, args.out, args.markdown, tasks, args.mixed_machines)
     return 0
 
 
@@ -309,7 +304,7 @@ def cmd_demo(args) -> int:
 
     config = GridConfig(**DEMO)
     run_grid(config).close()
-    print(headline_report(config.store, config.model, [(DEMO_PICK, "kvzip"), (DEMO_PICK, "tova")], resamples=2000))
+    print(headline_report([config.store], config.model, [(DEMO_PICK, "kvzip"), (DEMO_PICK, "tova")], resamples=2000))
     contract = Path(config.store).parent / "contract.json"
     certify = argparse.Namespace(
         store=config.store, model=config.model, policies=",".join([DEMO_KVZAP, DEMO_PICK, "kvzip"]),

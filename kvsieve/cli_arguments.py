@@ -56,7 +56,8 @@ def _eval(parser: argparse.ArgumentParser) -> None:
 
 def _report(parser: argparse.ArgumentParser) -> None:
     flag = parser.add_argument
-    flag("--store", default="results/results.sqlite")
+    flag("--store", nargs="+", default=["results/results.sqlite"],
+         help="results store; several are pooled (replicate test sets), each cell counted once")
     flag("--model", help="only this model")
     flag("--tasks", help="only these comma-separated tasks")
     flag("--out", help="folder for PNG plots")

@@ -164,6 +164,20 @@ def test_a_file_that_is_not_sqlite_is_a_clear_error(capsys, tmp_path):
     assert code == 2 and "Traceback" not in err and str(path) in err or "not a kvsieve SQLite file" in err
 
 
+def test_report_pools_several_stores_and_names_a_missing_one(capsys, tmp_path):
+    paths = []
+    for name, sample, score in (("a", "s0", 100.0), ("b", "s1", 0.0)):
+        with ResultsStore(tmp_path / f"{name}.sqlite") as store:
+            store.add_many([CellResult(CellKey("m", "vt", 512, sample, "full", 0.0, False), "x", score, ["y"], 1, 2,
+                                       2, 1.0, 0.0, {})])
+        paths.append(str(tmp_path / f"{name}.sqlite"))
+    assert cli.main(["report", "--headline", "--store", *paths]) == 0
+    out = capsys.readouterr().out
+    assert "### m at 512 tokens: 2 requests" in out and "| full | 0 | 50.0 |" in out  # (100 + 0) / 2
+    code, err = _run(capsys, "report", "--headline", "--store", paths[0], str(tmp_path / "missing.sqlite"))
+    assert code == 2 and "missing.sqlite does not exist" in err
+
+
 def _row(policy: str, digest: str | None) -> CellResult:
     key = CellKey("m", "vt", 512, "s0", policy, 0.5, False)
     return CellResult(key, "x", 0.0, ["y"], 1, 1, 2, 0.0, 0.0, {"policy_digest": digest} if digest else {})

@@ -17,31 +17,28 @@ from kvsieve.bundled import canonical_name
 from kvsieve.harness.headline_format import format_comparisons, format_headline
 from kvsieve.harness.headline_tables import compare, headline
 from kvsieve.harness.pairing import group_cells, layout_of, pair_ratios, resolve_label
-from kvsieve.harness.store import ResultsStore
+from kvsieve.harness.store import read_stores
 
 __all__ = ["headline_report"]
 
 
-def headline_report(store_path: str | Path, model: str | None = None,
+def headline_report(stores: Sequence[str | Path], model: str | None = None,
                     compare_pairs: Sequence[tuple[str, str]] = (), tasks: Sequence[str] | None = None,
                     resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED,
                     allow_mixed_machines: bool = False) -> str:
-    """The headline tables of a store (every model, or ``model``), each followed by ``A - B`` at every ratio
-    both policies of a pair have (a full-cache side is taken at ratio 0). What ``kvsieve report --headline``
-    prints."""
-    path = Path(store_path)
-    if not path.is_file():
-        raise ValueError(f"results store {path} does not exist")
-    with ResultsStore(path) as store:
-        filters: dict = {"model": canonical_name(model)} if model else {}
-        if tasks:
-            filters["task"] = list(tasks)
-        rows = store.rows(**filters)
-        if not rows:
-            held = sorted({k.model for k in store.keys()})
-            raise ValueError(f"results store {path} holds no rows" + (f" for model {model}" if model else "")
-                             + (f" and tasks {', '.join(tasks)}" if tasks else "")
-                             + f"; models held: {', '.join(held) or 'none'}")
+    """The headline tables of one store, or of several pooled (every model, or ``model``), each followed by
+    ``A - B`` at every ratio both policies of a pair have (a full-cache side is taken at ratio 0). What
+    ``kvsieve report --headline`` prints."""
+    filters: dict = {"model": canonical_name(model)} if model else {}
+    if tasks:
+        filters["task"] = list(tasks)
+    rows, _ = read_stores(stores, **filters)
+    if not rows:
+        held = sorted({r.key.model for r in read_stores(stores)[0]})
+        raise ValueError(f"results store {', '.join(map(str, stores))} holds no rows"
+                         + (f" for model {model}" if model else "")
+                         + (f" and tasks {', '.join(tasks)}" if tasks else "")
+                         + f"; models held: {', '.join(held) or 'none'}")
     parts = [f"Means over requests (task, length, sample) with 95% percentile-bootstrap intervals "
              f"({resamples} resamples, seed {seed}); every policy paired with the full cache on the same requests."]
     compared: set[tuple[str, str]] = set()
@@ -73,5 +70,5 @@ def headline_report(store_path: str | Path, model: str | None = None,
                          + "".join(f"\n{note}\n" for note in notes))
     never = [f"{a} vs {b} ({'; '.join(problems[(a, b)])})" for a, b in compare_pairs if (a, b) not in compared]
     if never:
-        raise ValueError(f"cannot compare in {path}: {', '.join(never)}")
+        raise ValueError(f"cannot compare in {', '.join(map(str, stores))}: {', '.join(never)}")
     return "\n\n".join(parts)

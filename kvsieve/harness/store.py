@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ from typing import Any
 from kvsieve.harness.provenance import current as current_provenance
 
 __all__ = ["SCHEMA_VERSION", "TIMING_CONFIG_KEYS", "CellKey", "CellResult", "FailedCell", "ResultsStore",
-           "SchemaVersionError"]
+           "SchemaVersionError", "read_stores"]
 
 SCHEMA_VERSION = 1
 RATIO_DECIMALS = 6
@@ -405,3 +405,27 @@ class ResultsStore:
         """Number of stored cells (optionally filtered like :meth:`rows`)."""
         where, params = self._where(filters)
         return self.conn.execute(f"SELECT COUNT(*) FROM cells{where}", params).fetchone()[0]
+
+
+def read_stores(paths: Sequence[str | Path], **filters: Any) -> tuple[list[CellResult], list[FailedCell]]:
+    """The rows and failed cells of several existing stores pooled, filtered like :meth:`ResultsStore.rows`:
+    replicate test sets scored into stores of their own are reported as one. A cell stored in two of them
+    is refused (it would count twice), naming the cell and both stores."""
+    if not paths:
+        raise ValueError("no results store given")
+    rows: list[CellResult] = []
+    failures: list[FailedCell] = []
+    seen: dict[CellKey, Path] = {}
+    for path in map(Path, paths):
+        if not path.is_file():
+            raise ValueError(f"results store {path} does not exist")
+        with ResultsStore(path) as store:
+            these, failed = store.rows(**filters), store.failed(**filters)
+        for row in these:
+            if row.key in seen:
+                raise ValueError(f"cell {row.key} is in both {seen[row.key]} and {path}; pooled stores must hold "
+                                 "disjoint cells (one request scored once)")
+            seen[row.key] = path
+        rows += these
+        failures += failed
+    return rows, [f for f in failures if f.key not in seen]  # failed in one store, scored in another

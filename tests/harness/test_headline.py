@@ -93,7 +93,7 @@ def test_each_prompt_layout_gets_its_own_table_and_comparisons(tmp_path, rows):
     assert compare(alt, "tova", "full", 0.5).diff == pytest.approx(-75.0)
     with ResultsStore(tmp_path / "s.sqlite") as store:
         store.add_many(rows + alt)
-    text = headline_report(tmp_path / "s.sqlite", compare_pairs=[("tova", "full")])
+    text = headline_report([tmp_path / "s.sqlite"], compare_pairs=[("tova", "full")])
     assert text.count("| tova | full | 0.5 |") == 2 and "| tova | full | 0.5 | 2 | -75.0 |" in text
 
 
@@ -208,18 +208,39 @@ def test_headline_report_from_a_store(tmp_path, rows):
     path = tmp_path / "r.sqlite"
     with ResultsStore(path) as store:
         store.add_many(rows + [cell("full", 0.0, "s0", 0, model="m2")])
-    text = headline_report(path, compare_pairs=[("kvzip", "tova"), ("tova", "full")])
+    text = headline_report([path], compare_pairs=[("kvzip", "tova"), ("tova", "full")])
     assert "### m at 1024 tokens: 4 requests" in text and "### m2 at 1024 tokens: 1 requests" in text
     assert "| kvzip | tova | 0.5 | 3 | +66.7 |" in text
     assert "| tova | full | 0.5 | 4 | -25.0 |" in text
     # m2 holds only the full cache: its table notes the pairs it lacks in one short line each
     assert "kvzip vs tova: not in this table (policy 'kvzip' has no rows for model m2)\n" in text
-    only = headline_report(path, model="m2")
+    only = headline_report([path], model="m2")
     assert "### m2" in only and "### m " not in only
     with pytest.raises(ValueError, match="no rows for model nope.*models held: m, m2"):
-        headline_report(path, model="nope")
+        headline_report([path], model="nope")
     with pytest.raises(ValueError, match="does not exist"):
-        headline_report(tmp_path / "missing.sqlite")
+        headline_report([tmp_path / "missing.sqlite"])
+
+
+def test_replicate_stores_pool_into_one_table_and_never_count_a_cell_twice(tmp_path, rows):
+    # two test sets of the same model, one store each: pooled, tova's paired requests are s0-s3 and r0-r1
+    second = [cell("full", 0.0, "r0", 100), cell("full", 0.0, "r1", 50),
+              cell("tova", 0.5, "r0", 100, 50, 100), cell("tova", 0.5, "r1", 0, 50, 100)]
+    first_path, second_path = tmp_path / "a.sqlite", tmp_path / "b.sqlite"
+    with ResultsStore(first_path) as store:
+        store.add_many(rows)
+    with ResultsStore(second_path) as store:
+        store.add_many(second)
+    text = headline_report([first_path, second_path], compare_pairs=[("tova", "full")])
+    # by hand: tova (100 + 0 + 50 + 0 + 100 + 0) / 6 = 41.7, full (100 + 100 + 50 + 0 + 100 + 50) / 6 = 66.7
+    assert "### m at 1024 tokens: 6 requests" in text
+    assert "| tova | full | 0.5 | 6 | -25.0 |" in text
+    tova_row = next(line for line in text.splitlines() if line.startswith("| tova | 0.5 |"))
+    assert "| 41.7 |" in tova_row and "| 62.5 |" in tova_row  # 41.7 / 66.7 = 62.5% of full
+    with ResultsStore(second_path) as store:  # the same request scored in both stores would count twice
+        store.add(cell("tova", 0.5, "s0", 100, 50, 100))
+    with pytest.raises(ValueError, match="in both .*a.sqlite and .*b.sqlite"):
+        headline_report([first_path, second_path])
 
 
 def test_headline_report_refuses_a_pair_no_model_has(tmp_path, rows):
@@ -227,4 +248,4 @@ def test_headline_report_refuses_a_pair_no_model_has(tmp_path, rows):
     with ResultsStore(path) as store:
         store.add_many(rows)
     with pytest.raises(ValueError, match="cannot compare.*nope vs tova.*'nope' has no rows for model m"):
-        headline_report(path, compare_pairs=[("nope", "tova")])
+        headline_report([path], compare_pairs=[("nope", "tova")])
