@@ -571,7 +571,8 @@ def test_candidate_cannot_obtain_secrets(monkeypatch, features_path):
     loader = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(loader)
     try:
-        assert float(loader.load(attack)(synthetic_features(0)).max()) == 2.0  # unsandboxed: environ and /proc
+        # unsandboxed: environ and the holder's /proc (the parent's may be unreadable: pytest orphaned under init)
+        assert float(loader.load(attack)(synthetic_features(0)).max()) % 100.0 == 2.0
         result = run_in_sandbox(attack, features_path, window=WINDOW, limits=FAST, static_check=False,
                                 layers={"raw_loader": LOADER})
     finally:
