@@ -13,6 +13,7 @@ import hashlib
 import importlib
 import random
 from collections.abc import Sequence
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,7 @@ def export_samples(model: str, tasks: Sequence[str], lengths: Sequence[int], lim
         raise ValueError(f"limit must be >= 1 and skip >= 0 requests a task; got limit={limit}, skip={skip}")
     for module in RULER_GENERATORS:
         importlib.import_module(module)
-    manager = TaskManager(include_path=include_path, metadata=ruler_metadata(model, lengths))
+    manager = _task_manager(include_path, model, tuple(int(n) for n in lengths))
     per_task = []
     for requested in tasks:
         random.seed(LM_EVAL_RANDOM_SEED)
@@ -88,6 +89,13 @@ def export_samples(model: str, tasks: Sequence[str], lengths: Sequence[int], lim
     ordered = [s for i in range(max(map(len, per_task), default=0)) for samples in per_task
                if i < len(samples) for s in [samples[i]]]
     return write_jsonl(ordered, out)
+
+
+@lru_cache(maxsize=4)
+def _task_manager(include_path: str | None, model: str, lengths: tuple[int, ...]) -> TaskManager:
+    # indexing lm-eval's ~15k task configs takes ~12 s; a process exporting again reuses the index (tasks are
+    # still built afresh by each ``load``, after the seeding above)
+    return TaskManager(include_path=include_path, metadata=ruler_metadata(model, lengths))
 
 
 def _task_samples(name: str, task: Any, limit: int, skip: int) -> list[Sample]:

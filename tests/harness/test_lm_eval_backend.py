@@ -98,14 +98,14 @@ def tiny_setup(tmp_path_factory):
     tasks.mkdir()
     (tasks / "kvs_tiny.yaml").write_text(textwrap.dedent(TASK_YAML))
     (tasks / "tiny_utils.py").write_text(TASK_UTILS)
-    return model_dir, tasks, root
+    return model_dir, tasks, TaskManager(include_path=str(tasks))  # one index of lm-eval's tasks (~12 s) for all
 
 
 def run(setup, policy: str, ratio: float, store, **extra) -> dict:
-    model_dir, tasks, _ = setup
+    model_dir, _, manager = setup
     args = {"model": str(model_dir), "policy": policy, "ratio": ratio, "store": str(store), "dtype": "float32", **extra}
-    return lm_eval.simple_evaluate(model="kvsieve", model_args=args, tasks=["kvs_tiny"],
-                                   task_manager=TaskManager(include_path=str(tasks)), log_samples=True)
+    return lm_eval.simple_evaluate(model="kvsieve", model_args=args, tasks=["kvs_tiny"], task_manager=manager,
+                                   log_samples=True)
 
 
 def test_backend_answers_lm_eval_requests_compressed_and_stores_rows(tiny_setup, tmp_path):
