@@ -37,17 +37,19 @@ from lm_eval.__main__ import cli_evaluate
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
+from transformers import AutoTokenizer
 
 from kvsieve.bundled import canonical_name
 from kvsieve.harness.content import check_dtype, check_store
 from kvsieve.harness.evaluate import evaluate_sample
 from kvsieve.harness.grid import Cell
-from kvsieve.harness.lm_eval_export import export_samples, reference_answers, ruler_metadata, sample_for
+from kvsieve.harness.lm_eval_export import export_samples, length_lines, reference_answers, ruler_metadata, sample_for
 from kvsieve.harness.prompt_split import split_prompt
 from kvsieve.harness.store import CellKey, CellResult, ResultsStore
 from kvsieve.models import dtype_name, load, local_source
 from kvsieve.policies.label import FULL_CACHE
 from kvsieve.policies.registry import parse
+from kvsieve.tasks.sample import read_jsonl
 
 __all__ = ["KvsieveLM", "evaluate", "main"]
 
@@ -192,6 +194,9 @@ def _export(argv: list[str]) -> None:
     count = export_samples(args.model, [t for t in args.tasks.split(",") if t], lengths, args.limit, args.out,
                            skip=args.skip)
     print(f"wrote {count} samples to {args.out}")
+    tokenizer = AutoTokenizer.from_pretrained(ruler_metadata(args.model, lengths)["tokenizer"])
+    for line in length_lines(read_jsonl(args.out), lambda text: len(tokenizer(text)["input_ids"])):
+        print(line)
 
 
 def main() -> None:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import hashlib
 import importlib
 import random
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,8 @@ from kvsieve.harness.prompt_split import Split, split_prompt
 from kvsieve.models import local_source
 from kvsieve.tasks.sample import Sample, write_jsonl
 
-__all__ = ["METRIC", "TASK_PREFIX", "export_samples", "reference_answers", "ruler_metadata", "sample_for"]
+__all__ = ["METRIC", "SHORT_SHARE", "TASK_PREFIX", "export_samples", "length_lines", "reference_answers",
+           "ruler_metadata", "sample_for"]
 
 RULER_GENERATORS = tuple(f"lm_eval.tasks.ruler.{name}" for name in
                          ("common_utils", "prepare_niah", "niah_utils", "vt_utils", "cwe_utils", "fwe_utils"))
@@ -110,6 +112,25 @@ def _task_samples(name: str, task: Any, limit: int, skip: int) -> list[Sample]:
                              "run this task through the backend (kvsieve-lm-eval) instead")
         samples.append(sample)
     return samples
+
+
+SHORT_SHARE = 0.75  # a request under this share of its nominal length is named at export
+
+
+def length_lines(samples: Sequence[Sample], count_tokens: Callable[[str], int]) -> list[str]:
+    """One line per task: the tokens of context + question (min-max) and how many requests fall under
+    :data:`SHORT_SHARE` of their nominal length. lm-eval's generators build some far shorter than asked
+    (multikey_3 at ~2k of 4096 now and then; cwe at ~2.6k always), which a results table would not show."""
+    by_task: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for sample in samples:
+        by_task[sample.task].append((count_tokens(sample.context + sample.question), int(sample.length)))
+    lines = []
+    for task, counts in by_task.items():
+        tokens = [n for n, _ in counts]
+        short = sum(n < SHORT_SHARE * nominal for n, nominal in counts)
+        lines.append(f"{task}: {min(tokens)}-{max(tokens)} tokens (context + question)"
+                     + (f"; {short} of {len(counts)} under {SHORT_SHARE:.0%} of their nominal length" if short else ""))
+    return lines
 
 
 def ruler_metadata(model: str, lengths: Sequence[int]) -> dict[str, Any]:

@@ -18,9 +18,9 @@ from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from kvsieve.harness.headline_tables import headline  # noqa: E402
 from kvsieve.harness.lm_eval_backend import KvsieveLM, _with_tokenizer  # noqa: E402
-from kvsieve.harness.lm_eval_export import TASK_PREFIX, export_samples  # noqa: E402
+from kvsieve.harness.lm_eval_export import TASK_PREFIX, export_samples, length_lines  # noqa: E402
 from kvsieve.harness.store import ResultsStore  # noqa: E402
-from kvsieve.tasks.sample import read_jsonl  # noqa: E402
+from kvsieve.tasks.sample import Sample, read_jsonl  # noqa: E402
 
 
 def test_cli_arguments_gain_the_bundled_models_tokenizer_folder(monkeypatch):
@@ -156,6 +156,18 @@ def test_an_export_after_skip_is_the_rest_of_a_longer_export(tiny_setup, tmp_pat
     assert [s.id for s in read_jsonl(fresh)] == [s.id for s in read_jsonl(longer)][1:]
     with pytest.raises(ValueError, match="skip=-1"):
         export_samples(str(model_dir), ["kvs_tiny"], [128], 2, fresh, include_path=str(tasks), skip=-1)
+
+
+def test_export_names_requests_far_below_their_nominal_length():
+    def sample(task: str, words: int, length: int = 100) -> Sample:
+        return Sample(f"{task}-{words}", task, "w " * (words - 1), "q", "", ["a"], 8, length, 0, "string_match_all")
+
+    # counted by words: 74 of a nominal 100 is under 75%, 75 is not; each task's range over its own requests
+    samples = [sample("a", 98), sample("b", 74), sample("a", 80), sample("b", 75), sample("b", 30, length=40)]
+    assert length_lines(samples, lambda text: len(text.split())) == [
+        "a: 80-98 tokens (context + question)",
+        "b: 30-75 tokens (context + question); 1 of 3 under 75% of their nominal length",
+    ]
 
 
 def test_a_rerun_reuses_the_stored_rows(tiny_setup, tmp_path, monkeypatch):
