@@ -1,6 +1,6 @@
 """What evolution adds over its controls at equal budgets.
 
-The replicated study (issue 50; kvsieve/evolve/study.py): evolution, best-of-N and random programs, several seeds
+The replicated study (issue 50; benchmarks/study/): evolution, best-of-N and random programs, several seeds
 each, the same number of evaluated candidates per run, each run's program picked by the fixed rule, scored on
 held-out requests:
 
@@ -38,11 +38,12 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+from study.report import study_report
+from study.runs import ARMS, run_study, study_runs
 
 from kvsieve.bootstrap import bootstrap_interval
 from kvsieve.evolve.database import ProgramRecord, rank_key
 from kvsieve.evolve.pick import load_rule
-from kvsieve.evolve.study import ARMS, run_study, study_runs
 
 # what the dev cells and the starting point depend on: equal in a run and its control, or their cells do not pair
 DEV_KEYS = ("model", "tasks", "length", "ratios", "dev_samples", "dev_seed", "window", "dev_max_new_tokens", "dtype",
@@ -194,7 +195,6 @@ def study_main(verb: str, argv: list[str]) -> None:
         model, tokenizer = load(base.model, dtype=base.dtype)
         run_study(runs, args.candidates or base.candidates, args.step, model, tokenizer, dtype_name(model))
         return
-    from kvsieve.evolve.study_report import study_report
 
     print(study_report(base, runs, load_rule(args.rule).order, args.every, args.correlation, load, args.curve,
                        args.plot, args.budget))

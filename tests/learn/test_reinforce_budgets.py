@@ -159,22 +159,3 @@ def test_trainable_bias_moves_only_the_output_biases(setup):
     assert moved == {"linear_bias"}
     with pytest.raises(ValueError, match="trainable 'bias' applies to network 'kvzap', not 'keepnet'"):
         TrainConfig(trainable="bias")
-
-
-def test_the_variance_ablation_measures_each_baseline_on_the_same_rollouts(setup):
-    from kvsieve.learn.variance import BASELINE_NAMES, gradient_estimates, noise_summary
-
-    model, path = setup
-    config = TrainConfig(init=str(path), ratios=[0.5, 0.75], rollouts=3, out="unused", **COMMON)
-    trainer = reinforce_module.Trainer(config, model, ModelShape.of(model, "tiny-llama"), [episode(0, 80, 12)])
-    out = gradient_estimates(trainer, 0, repeats=3)
-    assert set(out) == set(BASELINE_NAMES) and all(len(v) == 3 for v in out.values())
-    assert not torch.equal(out["loo"][0], out["none"][0]) and not torch.equal(out["loo"][0], out["greedy"][0])
-    # noise_summary against numpy: pairwise cosines and the mean squared deviation over the squared mean
-    g = np.random.default_rng(3).normal(size=(4, 6)) + 1.0
-    cos, nsr = noise_summary([torch.tensor(row) for row in g])
-    pairs = [(i, j) for i in range(4) for j in range(i + 1, 4)]
-    want_cos = np.mean([g[i] @ g[j] / np.linalg.norm(g[i]) / np.linalg.norm(g[j]) for i, j in pairs])
-    mean = g.mean(axis=0)
-    assert cos == pytest.approx(want_cos, rel=1e-9)
-    assert nsr == pytest.approx(((g - mean) ** 2).sum(axis=1).mean() / (mean ** 2).sum(), rel=1e-9)

@@ -111,16 +111,3 @@ def test_mean_by_step_and_the_paired_interval():
     assert mean == pytest.approx(float((a - b).mean()))
     assert low < mean < high < 0  # a shift of 0.5 with unit noise over 30 pairs is resolved
     assert paired_interval([1.0, 2.0], [0.5, 1.5])[1:] == (0.5, 0.5)  # a constant difference has no spread
-
-
-def test_the_comparison_table_pairs_each_policy_and_their_mean_with_the_first():
-    from kvsieve.learn.compare import table
-
-    kl = {"warm": [0.10, 0.20, 0.30, 0.40], "a": [0.08, 0.17, 0.28, 0.35], "b": [0.10, 0.18, 0.26, 0.37]}
-    rows = [{"episode": f"e{i}", "policy": p, "ratio": 0.75, "kl": v} for p, vs in kl.items() for i, v in enumerate(vs)]
-    text = table(rows, ["warm", "a", "b"], [0.75])
-    assert "| warm | 0.2500 |" in text and "| a | 0.2200 |" in text
-    a_minus = np.mean(np.array(kl["a"]) - np.array(kl["warm"]))  # -0.03, every request lower: interval below 0
-    assert f"| a - first | {a_minus:+.4f} [" in text and "(n.d.)" not in text.split("| a - first")[1].split("\n")[0]
-    mean_minus = np.mean((np.array(kl["a"]) + np.array(kl["b"])) / 2 - np.array(kl["warm"]))
-    assert f"| mean of the others - first | {mean_minus:+.4f} [" in text

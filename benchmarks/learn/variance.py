@@ -7,7 +7,7 @@ deterministic policy's return, one extra rollout per budget) and ``none`` (zero)
 cosine similarity between two estimates of the same request (1: every estimate points the same way; about 0: noise)
 and the noise-to-signal ratio ``E||g - mean g||^2 / ||mean g||^2`` (lower is better), averaged over requests.
 
-    python -m kvsieve.learn.variance --config configs/train-kvzap-smollm2.toml --requests 4 --repeats 6
+    python benchmarks/learn/variance.py --config configs/train-kvzap-smollm2.toml --requests 4 --repeats 6
 """
 
 from __future__ import annotations

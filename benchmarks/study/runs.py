@@ -17,8 +17,10 @@ All runs of a study share one model, one dev set and their evaluations (:class:`
 equal budgets (up to one round), and a rerun resumes every run from its database (``search.evolve``).
 
 Each run's program is picked by the fixed rule (``configs/selection.toml``'s ``order``, :func:`pick.pick_among`)
-among its first N evaluated candidates (seeds included; duplicates and unusable proposals cost nothing), for every
-N of the curve; the picks are then scored on held-out requests (:class:`HeldoutScores`, cached by code hash).
+among its first N distinct evaluated programs (seeds included; duplicates and unusable proposals cost nothing, and so
+does a second row of a program the run had already evaluated: two siblings of one generation proposing the same
+child are both evaluated by the search, but the study counts that program once, by its code digest), for every N of
+the curve; the picks are then scored on held-out requests (:class:`HeldoutScores`, cached by code hash).
 Comparisons pool the seeds: :func:`~kvsieve.bootstrap.two_level_interval` resamples seeds and requests.
 """
 
@@ -47,8 +49,8 @@ from kvsieve.files import written_whole
 from kvsieve.language.program_source import Program
 from kvsieve.models import load
 
-__all__ = ["ARMS", "SKIPPED", "SharedExecutor", "StudyRun", "study_runs", "run_study", "evaluated_records", "picks_at",
-           "per_request", "HeldoutScores"]
+__all__ = ["ARMS", "SKIPPED", "SharedExecutor", "StudyRun", "study_runs", "run_study", "evaluated_records", "distinct",
+           "picks_at", "per_request", "HeldoutScores"]
 
 ARMS = {"evolve": dict(strategy="evolve", mutator="structural"),
         "best_of_n": dict(strategy="best_of_n", mutator="structural"),
@@ -155,15 +157,20 @@ def run_study(runs: list[StudyRun], candidates: int, step: int, model, tokenizer
                 db.check_config(config.identity())
                 db.set_meta("isolation", isolation)
                 db.check_numerics(dtype, torch.get_num_threads())
-                if db.evaluated_count() >= budget:
+                before = _distinct_count(db)
+                if before >= budget:
                     continue
                 start = time.perf_counter()
-                before = db.evaluated_count()
-                evolve(config, executor, mutator, db, progress=False)
-                done = db.evaluated_count() - before
+                count = before
+                while count < budget:  # the search's budget counts a repeated program's rows: give it that many more
+                    rows = db.evaluated_count()
+                    evolve(replace(config, candidates=rows + budget - count), executor, mutator, db, progress=False)
+                    count = _distinct_count(db)
+                    if db.evaluated_count() == rows:  # the search stopped without a new program (stalled)
+                        break
                 best = db.best()
-                log(f"{time.strftime('%H:%M:%S')} {run.arm}-s{run.seed}: {db.evaluated_count()}/{budget} evaluated "
-                    f"(+{done} in {time.perf_counter() - start:.0f} s), best dev {best.score:.2f}")
+                log(f"{time.strftime('%H:%M:%S')} {run.arm}-s{run.seed}: {count}/{budget} distinct evaluated "
+                    f"(+{count - before} in {time.perf_counter() - start:.0f} s), best dev {best.score:.2f}")
             finally:
                 db.close()
 
@@ -177,23 +184,40 @@ def _mutator(config: EvolveConfig, coders: dict) -> Mutator:
     return make_mutator(config, coder=coders[config.local_model])
 
 
-def evaluated_records(path: str | Path, skipped: tuple[str, ...] = SKIPPED) -> tuple[dict, list[ProgramRecord]]:
-    """A run's configuration and its evaluated programs in (generation, island, slot) order (``skipped=()``: every
-    row, the ones that cost no evaluation included)."""
+def _distinct_count(db: ProgramDatabase) -> int:
+    return len(distinct(db.records()))
+
+
+def distinct(records: Iterable[ProgramRecord]) -> list[ProgramRecord]:
+    """The rows that count against a study's budget, in order: each evaluated program's first row (by code digest);
+    rows that cost no evaluation (``SKIPPED``) and later rows of a program evaluated already are left out."""
+    seen: set[str] = set()
+    out = []
+    for record in records:
+        if record.status not in SKIPPED and record.code_hash not in seen:
+            seen.add(record.code_hash)
+            out.append(record)
+    return out
+
+
+def evaluated_records(path: str | Path, every_row: bool = False) -> tuple[dict, list[ProgramRecord]]:
+    """A run's configuration and its distinct evaluated programs in (generation, island, slot) order (:func:`distinct`;
+    ``every_row``: every row, the ones that cost nothing included)."""
     if not Path(path).is_file():
         raise ValueError(f"no program database at {path}")
     db = ProgramDatabase(path)  # SQLite's locking lets a running study go on writing it
     try:
         config = db.meta("config") or {}
-        records = [r for r in db.records() if r.status not in skipped]
+        records = db.records()
     finally:
         db.close()
-    return config, records
+    return config, records if every_row else distinct(records)
 
 
 def picks_at(records: list[ProgramRecord], order: tuple[str, ...], budgets: Iterable[int],
              heldout: dict[int, float] | None = None) -> dict[int, ProgramRecord | None]:
-    """The rule's pick among the first N evaluated programs, for each N of ``budgets``."""
+    """The rule's pick among the first N of ``records`` (a run's distinct evaluated programs), for each N of
+    ``budgets``."""
     return {n: pick_among(order, records[:n], heldout) for n in budgets}
 
 

@@ -1,4 +1,4 @@
-"""The held-out curves of replicated runs in one figure: ``python -m kvsieve.learn.curves OUT.png RUN_DIR...``.
+"""The held-out curves of replicated runs in one figure: ``python benchmarks/learn/curves.py OUT.png RUN_DIR...``.
 
 One panel per compression ratio: each run's greedy held-out KL (``heldout.csv``, mean over its requests) divided by
 its step-0 value (the warm start), against the step; a marker on the step each run kept (its stopping rule's best).

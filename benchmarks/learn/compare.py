@@ -9,7 +9,7 @@ KL, each policy minus the first (the warm start) with a paired percentile-bootst
 ``mean of the others``: per request the mean over every policy after the first (replicated runs), minus the first.
 ``--out`` keeps the per-request values as CSV.
 
-    python -m kvsieve.learn.compare --model smollm2-135m-instruct --length 1024 --samples 3 --seed 3000 \\
+    python benchmarks/learn/compare.py --model smollm2-135m-instruct --length 1024 --samples 3 --seed 3000 \\
         --policies "kvzap(checkpoint='smollm2-135m-instruct'),kvzap(checkpoint='runs/a'),kvzap(checkpoint='runs/b')"
 """
 

@@ -14,7 +14,7 @@ from kvsieve.evolve.cascade import DevSet
 from kvsieve.evolve.database import ProgramRecord
 from kvsieve.evolve.evolve_config import EvolveConfig, dev_samples
 from kvsieve.evolve.sandbox import SandboxLimits
-from kvsieve.evolve.study import (
+from study.runs import (
     SKIPPED,
     HeldoutScores,
     StudyRun,
@@ -68,7 +68,8 @@ def study_report(base: EvolveConfig, runs: list[StudyRun], order: tuple[str, ...
     if budget is None:
         budget = shortest
     elif not 1 <= budget <= shortest:
-        raise ValueError(f"budget must be in 1..{shortest} (the shortest run's evaluated candidates), got {budget}")
+        raise ValueError(f"budget must be in 1..{shortest} (the shortest run's distinct evaluated programs), "
+                         f"got {budget}")
     found = {key: records[:budget] for key, records in found.items()}
     marks = sorted({*range(every, budget + 1, every), budget})
     picks = {key: picks_at(records, order, marks) for key, records in found.items()}
@@ -97,8 +98,9 @@ def study_report(base: EvolveConfig, runs: list[StudyRun], order: tuple[str, ...
             score(picks[key][n], (curve_measure,))
     arms = list(dict.fromkeys(arm for arm, _ in found))
     seeds = sorted({seed for _, seed in found})
-    lines = [f"Study: {len(found)} runs ({', '.join(arms)} x seeds {', '.join(map(str, seeds))}), {budget} evaluated "
-             f"candidates each (seed program included); dev fitness: {base.fitness} over {base.dev_samples} x "
+    lines = [f"Study: {len(found)} runs ({', '.join(arms)} x seeds {', '.join(map(str, seeds))}), {budget} distinct "
+             f"evaluated candidates each (seed program included); dev fitness: {base.fitness} over "
+             f"{base.dev_samples} x "
              f"{len(base.tasks)} requests ({base.dev_cells} cells); held-out: {base.heldout_samples} x "
              f"{len(base.tasks)} requests (seeds from {base.heldout_seed}) at ratios {base.ratios} ({base.dev_cells} "
              f"cells), accuracy decoded; the pick: order {list(order)}.", ""]
@@ -200,14 +202,14 @@ def study_report(base: EvolveConfig, runs: list[StudyRun], order: tuple[str, ...
 
 
 def proposals(path: str | Path, budget: int) -> list[ProgramRecord]:
-    """The rows a run's mutators proposed (not the seeds, not migrations' copies) up to its ``budget``-th evaluated
-    candidate, in (generation, island, slot) order."""
-    out, evaluated = [], 0
-    for record in evaluated_records(path, skipped=())[1]:
-        if evaluated >= budget:
+    """The rows a run's mutators proposed (not the seeds, not migrations' copies) up to its ``budget``-th distinct
+    evaluated program, in (generation, island, slot) order."""
+    out, evaluated = [], set()
+    for record in evaluated_records(path, every_row=True)[1]:
+        if len(evaluated) >= budget:
             break
         if record.status not in SKIPPED:
-            evaluated += 1
+            evaluated.add(record.code_hash)
         if record.generation > 0 and record.status != "migrated":
             out.append(record)
     return out

@@ -1,28 +1,24 @@
-"""The graded fitness, the random-program control and the matched-budget study (issue 50)."""
+"""The matched-budget study (issue 50; benchmarks/study/, on the path by pyproject's pytest ``pythonpath``): runs grow
+in equal rounds and resume, a study's budget counts distinct evaluated programs, and the report picks by the rule."""
 
 from __future__ import annotations
 
 import json
 import math
-import random
+import sys
 from dataclasses import replace
+from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
-from test_evolve import tiny_model_and_tokenizer, tiny_run_config
+from study.report import proposals, spread_programs, study_report
+from study.runs import distinct, evaluated_records, per_request, picks_at, run_study, study_runs
 
-from kvsieve.engine.cache import clone_cache
-from kvsieve.evolve.cascade import DevSet, evaluate_program, likelihood_score
+from kvsieve.evolve.cascade import DevSet
 from kvsieve.evolve.database import ProgramDatabase, ProgramRecord
 from kvsieve.evolve.evolve_config import EvolveConfig, dev_samples
-from kvsieve.evolve.mutators.random_programs import RandomProgramMutator
-from kvsieve.evolve.pick import pick_among
-from kvsieve.evolve.seeds import SEEDS
-from kvsieve.evolve.study import evaluated_records, per_request, run_study, study_runs
-from kvsieve.evolve.study_report import spread_programs, study_report
-from kvsieve.language.program_source import Program
-from kvsieve.language.static_check import check_source
+
+sys.path.append(str(Path(__file__).parents[1] / "evolve"))  # test_evolve's tiny model and run (as test_ray does)
+from test_evolve import rows, tiny_model_and_tokenizer, tiny_run_config  # noqa: E402
 
 ORDER = ("dev_score", "proxy_gap", "heldout_score")
 
@@ -34,93 +30,45 @@ def record(i: int, score: float | None, proxy: float | None = 0.5, code: str = "
                          sandbox_seconds=0.0, kept_hash="")
 
 
-def test_likelihood_score_is_the_mean_geometric_token_probability():
-    logprobs = [-0.1, -2.0, -7.5]
-    assert likelihood_score(logprobs) == pytest.approx(100 * np.mean(np.exp(logprobs)), rel=1e-12)
-    with pytest.raises(ValueError, match="no dev cells"):
-        likelihood_score([])
-
-
-def test_pick_at_a_budget_follows_the_rule_on_the_first_n():
-    """The best dev score among the first N, ties broken by the smaller gap, then the earlier slot (by hand)."""
-    records = [record(0, 10.0), record(1, 30.0, 0.9), record(2, 30.0, 0.2), record(3, 50.0), record(4, None)]
-    assert pick_among(ORDER, records[:1]).id == 0
-    assert pick_among(ORDER, records[:2]).id == 1
-    assert pick_among(ORDER, records[:3]).id == 2  # tie on 30: the smaller gap
-    assert pick_among(ORDER, records).id == 3
-    assert pick_among(ORDER, [record(4, None)]) is None
-
-
 def test_per_request_averages_the_ratios_and_programs_spread_over_the_fitness():
     assert per_request({"0/0.75": 10.0, "0/0.875": 30.0, "1/0.75": 5.0}) == {0: 20.0, 1: 5.0}
     chosen = spread_programs([record(i, float(i)) for i in range(10)], 4)
     assert [r.score for r in chosen] == [0.0, 3.0, 6.0, 9.0]
 
 
-def test_random_programs_pass_stage_0_ignore_the_parent_and_are_reproducible():
-    mutator = RandomProgramMutator()
-    sources = set()
-    for i in range(60):
-        child = mutator.propose(Program(SEEDS["snapkv"]), [], random.Random(i))
-        check_source(child.source)
-        child.selection_params  # noqa: B018 - a valid SELECTION
-        again = RandomProgramMutator().propose(Program(SEEDS["frc"]), [Program(SEEDS["tova"])], random.Random(i))
-        assert again.source == child.source  # the parent and inspirations are not read
-        sources.add(child.source)
-    assert len(sources) > 50 and mutator.failed == 0
-
-
-def test_config_checks_the_fitness_and_cells():
-    with pytest.raises(ValueError, match="fitness must be one of"):
-        EvolveConfig(fitness="kl")
-    with pytest.raises(ValueError, match="needs fitness 'likelihood'"):
-        EvolveConfig(dev_cells="alternate")
+def test_the_study_refuses_unknown_arms_and_pairs_the_mixed_mutator_with_selection_and_without():
     with pytest.raises(ValueError, match="unknown arm"):
         study_runs(EvolveConfig(), ["greedy"], [0])
+    runs = {r.arm: r.config for r in study_runs(EvolveConfig(out="x"), ["evolve_mixed", "best_of_n_mixed"], [3])}
+    assert (runs["evolve_mixed"].strategy, runs["evolve_mixed"].mutator) == ("evolve", "mixed")
+    assert (runs["best_of_n_mixed"].strategy, runs["best_of_n_mixed"].mutator) == ("best_of_n", "mixed")
+    assert runs["evolve_mixed"].seed == 3 and runs["evolve_mixed"].db.endswith("evolve_mixed-s3.sqlite")
 
 
-@pytest.mark.model
-def test_likelihood_fitness_scores_each_cell_by_its_teacher_forced_answer(smollm2, tmp_path):
-    """Each cell's value is 100 exp(mean answer log-probability), computed here independently: the question read
-    on the compressed cache, then the answer teacher-forced token by token; alternate cells: sample i at ratio
-    ratios[i % 2]; the full cache's reference is the same quantity on the uncompressed cache."""
-    model, tokenizer = tiny_model_and_tokenizer(smollm2[1])
-    config = tiny_run_config(tmp_path, 4, ratios=[0.5, 0.75], dev_samples=3)
-    dev = DevSet(model, tokenizer, dev_samples(config, tokenizer, config.dev_seed, 3), config.ratios, config.window)
-    program = Program(SEEDS["tova"])
-    evaluation = evaluate_program(program, dev, fitness="likelihood", alternate=True)
-    assert evaluation.status == "ok" and evaluation.stage == 2
-    assert sorted(evaluation.cells) == ["0/0.5", "1/0.75", "2/0.5"]
-    policy = Program(SEEDS["tova"])  # the same program as an ordinary policy, outside the sandbox
-    from kvsieve.policies.program import ProgramPolicy
-
-    logprobs, gaps = [], []
-    for key in sorted(evaluation.cells):
-        i, ratio = int(key.split("/")[0]), float(key.split("/")[1])
-        item = dev.items[i]
-        expected = []
-        for cache in (dev.compressed(i, ProgramPolicy(source=policy.source, window=dev.window), ratio),
-                      clone_cache(item.cache)):
-            with torch.no_grad():
-                ids = torch.cat([item.prompt.question_ids, item.answer_ids], dim=1)
-                from kvsieve.engine.attach import attach
-
-                with attach(model, dev.capture, ratio=0.0):
-                    logits = model(input_ids=ids, cache=cache, use_cache=True).logits[0].float()
-            q, a = item.prompt.question_ids.shape[1], item.answer_ids.shape[1]
-            lp = torch.log_softmax(logits[q - 1:q - 1 + a], dim=-1).gather(-1, item.answer_ids[0][:, None])
-            expected.append(float(lp.mean()))
-        logprobs.append(expected[0])
-        gaps.append(expected[1] - expected[0])
-        assert evaluation.cells[key] == pytest.approx(100 * math.exp(expected[0]), rel=1e-4)
-    assert evaluation.score == pytest.approx(100 * np.mean(np.exp(logprobs)), rel=1e-4)
-    assert evaluation.proxy == pytest.approx(np.mean(gaps), abs=1e-4)
-    # the decoded task score on alternate cells: those cells of the every-cell evaluation
-    every = evaluate_program(program, dev, fitness="task")
-    some = evaluate_program(program, dev, fitness="task", alternate=True)
-    assert sorted(every.cells) == ["0/0.5", "0/0.75", "1/0.5", "1/0.75", "2/0.5", "2/0.75"]
-    assert some.cells == {key: every.cells[key] for key in evaluation.cells}
-    assert some.score == pytest.approx(np.mean(list(some.cells.values())))
+def test_a_studys_budget_counts_each_evaluated_program_once(tmp_path):
+    """Two siblings of one generation proposing the same child are both evaluated by the search (a duplicate is
+    recognised only against earlier generations), so a run holds two evaluated rows of one program: the study counts
+    it once, and the pick at N candidates is among the first N distinct programs (issue 72: in the committed SmolLM2
+    study this moves evolve-s1's pick at 16). By hand: seed A, then B, B again, C (best), D; at 3 candidates the
+    programs are A, B, C and the rule picks C; counting rows it would pick B from A, B, B."""
+    path = tmp_path / "evolve-s0.sqlite"
+    db = ProgramDatabase(path)
+    db.check_config(dict(EvolveConfig(candidates=99).identity()))
+    for generation, slot, code, status, score in [(0, 0, "A", "ok", 10.0), (1, 0, "B", "ok", 20.0),
+                                                  (1, 1, "B", "ok", 20.0), (1, 2, "A", "duplicate", 10.0),
+                                                  (2, 0, "C", "ok", 30.0), (2, 1, "D", "ok", 5.0)]:
+        db.add(dict(generation=generation, island=0, slot=slot, mutator="seed" if generation == 0 else "m",
+                    status=status, stage=2, score=score, proxy=0.5, cells={"0/0.75": score}, code_hash=code,
+                    source=f"def score(f):\n    return f.key_norm * {score}\n"))
+    db.close()
+    records = evaluated_records(path)[1]
+    assert [r.code_hash for r in records] == ["A", "B", "C", "D"]
+    assert [r.code_hash for r in evaluated_records(path, every_row=True)[1]] == ["A", "B", "B", "A", "C", "D"]
+    assert distinct(evaluated_records(path, every_row=True)[1]) == records
+    picks = picks_at(records, ORDER, [2, 3, 4])
+    assert (picks[2].code_hash, picks[3].code_hash, picks[4].code_hash) == ("B", "C", "C")
+    # the mutators' proposals up to the 3rd distinct program: both B rows, the duplicate, C (not the seed, not D)
+    assert [(r.generation, r.slot) for r in proposals(path, 3)] == [(1, 0), (1, 1), (1, 2), (2, 0)]
 
 
 @pytest.mark.model
@@ -150,8 +98,6 @@ def test_study_runs_grow_in_equal_rounds_resume_and_report(smollm2, tmp_path):
         assert db.meta("config")["strategy"] == ("evolve" if run.arm.startswith("evolve") else "best_of_n")
         db.close()
     # a run alone, with its own executor and nothing shared, stores the same rows (but the timings)
-    from test_evolve import rows
-
     from kvsieve.evolve.candidate_executor import LocalExecutor
     from kvsieve.evolve.mutators import make_mutator
     from kvsieve.evolve.search import evolve
@@ -178,14 +124,14 @@ def test_study_runs_grow_in_equal_rounds_resume_and_report(smollm2, tmp_path):
         study_report(base, runs, ORDER, 2, 0, lambda name, dtype: (model, tokenizer), budget=6)
     at_four = study_report(base, runs, ORDER, 2, 0, lambda name, dtype: (model, tokenizer),
                            plot=tmp_path / "four.png", budget=4)
-    assert "4 evaluated candidates each" in at_four and "| random | random | 4 |" in at_four
+    assert "4 distinct evaluated candidates each" in at_four and "| random | random | 4 |" in at_four
     cached = json.loads((tmp_path / "study" / "heldout.json").read_text())
     assert all(set(v) >= {"task", "likelihood", "task_cells"} for v in cached.values())
 
     def refuse(*_, **__):
         raise AssertionError("held-out scores are cached")
 
-    import kvsieve.evolve.study as study
+    import study.runs as study
 
     original = study.evaluate_program
     study.evaluate_program = refuse
