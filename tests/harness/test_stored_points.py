@@ -1,6 +1,7 @@
 """Every stored form still reads as a Point (issue 52): each row of every results store in the repository (its
 policy column, ratio, question-awareness and the ``cell`` record in its config), a contract as ``kvsieve certify``
-wrote them before Point (pinned below), every contract file in the repository, and every grid config in configs/.
+wrote them before Point (pinned below), every contract file in the repository, and every grid config in configs/ and
+experiments/.
 Stores are opened read-only and immutable: no tracked file is rewritten, and no -wal or -shm file is left beside
 one."""
 
@@ -113,7 +114,8 @@ def test_every_contract_in_the_repository_reads_and_picks_its_points(path, tmp_p
 
 
 GRID_FIELDS = set(GridConfig.__dataclass_fields__)
-GRID_CONFIGS = [p for p in tracked("configs/*.toml") if set(read_config_file(p)) <= GRID_FIELDS]
+GRID_CONFIGS = [p for p in tracked("configs/*.toml") + tracked("experiments/*/*.toml")
+                if set(read_config_file(p)) <= GRID_FIELDS]
 
 
 def test_the_repository_holds_grid_configs():
