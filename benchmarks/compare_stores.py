@@ -1,5 +1,6 @@
 """What moved between two grids: mean score per policy and ratio over the requests both stores hold.
 
+The two stores left results/ after commit 4b5c172 (`git show 4b5c172:results/qwen-4k.sqlite > qwen-4k.sqlite`).
 Run: python benchmarks/compare_stores.py --before results/before-fixes/qwen-4k.sqlite --before-model qwen2.5-0.5b \
          --after results/qwen-4k.sqlite --after-model qwen2.5-coder-0.5b-instruct
 

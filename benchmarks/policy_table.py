@@ -1,5 +1,6 @@
 """Mean score per policy and ratio, and its share of the full cache's, on the requests every listed policy has.
 
+results/qwen-4k.sqlite left results/ after commit 4b5c172 (`git show 4b5c172:results/qwen-4k.sqlite`).
 Run: python benchmarks/policy_table.py --store results/qwen-4k.sqlite --model qwen2.5-coder-0.5b-instruct \
          [--policies full,frc,tova,...] [--ratios 0.75,0.875]
 

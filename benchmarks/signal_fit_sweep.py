@@ -6,7 +6,8 @@ weight lambda in the target, with or without the per-head rescale of the surroga
 the fitted policy, greedy, on the config's held-out requests (``eval_samples`` per task from ``eval_seed``: the
 stopping rule's, never a test's) at the config's ratios. Settings are chosen here, before a run is declared::
 
-    python benchmarks/signal_fit_sweep.py --config experiments/2026-12-06-signal-fit-qwen/train-kvzap-qwen-signal-fit.toml --seed 5000 \\
+    python benchmarks/signal_fit_sweep.py --seed 5000 \\
+        --config experiments/2026-12-06-signal-fit-qwen/train-kvzap-qwen-signal-fit.toml \\
         --settings 1,4,16,64,1a,4a,8a,16a,32a,64a --out results/learned/issue51/signal-fit-sweep-qwen-s5000.csv
 
 (``16a``: lambda 16 with the rescale.) Rows: ``continuation_weight, affine, ratio, episode, kl``; the table printed
