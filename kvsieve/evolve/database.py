@@ -71,7 +71,7 @@ def behaviour_cell(source: str) -> str:
     """MAP-Elites coordinates: how many of the feature tensors the program reads, and its size bucket."""
     try:
         tree = ast.parse(source)
-    except SyntaxError:
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # a candidate's text: null bytes, deep nesting
         return "invalid"
     read = fields_read(tree, TENSOR_FIELDS)
     nodes = sum(1 for _ in ast.walk(tree))

@@ -9,7 +9,9 @@ which hostile case each layer stops.
 2. The interpreter (``interpreter.py``) in the worker: the program is a typed graph, never Python; each call
    is priced from its shapes before its first operation runs.
 3. A separate process (``worker.py``) with an environment built from scratch (:func:`sandbox_env`),
-   in its own session, killed with its process group at a wall-clock deadline, with kernel limits
+   in its own session, killed with its process group at the candidate's own deadline (:func:`candidate_deadline`:
+   its predicted time, with a margin; an overrun is its failure) or, where nothing could price it, at the
+   wall-clock guard, with kernel limits
    it sets on itself before importing anything (address space, file size, CPU seconds, open files,
    locked memory, message queues, no core dumps), a seccomp filter (``seccomp.py``: no sockets,
    memfd, fallocate, pidfd, process creation, signals to others) and an audit hook whose constants
@@ -49,10 +51,13 @@ from pathlib import Path
 import torch
 
 from kvsieve.evolve import seccomp
+from kvsieve.evolve.stage1_invariants import invariant_cases
+from kvsieve.language.interpreter import ScoreProgram
 from kvsieve.language.static_check import StaticCheckError, check_source
 
 __all__ = ["SandboxLimits", "SandboxResult", "SandboxUnavailable", "run_in_sandbox", "sandbox_env",
-           "isolation_level", "isolation_report", "require_isolation", "STATUSES", "ISOLATION_LEVELS"]
+           "isolation_level", "isolation_report", "require_isolation", "STATUSES", "ISOLATION_LEVELS",
+           "Deadline", "candidate_deadline", "job_prediction_s"]
 
 STATUSES = ("ok", "rejected", "invalid", "error", "killed")
 ISOLATION_LEVELS = ("none", "network", "full")
@@ -120,6 +125,15 @@ os._exit(code)
 """
 
 
+# What the worker does for a candidate besides interpreting it, priced like the program (and with the same margin):
+# each stage-1 case makes its synthetic features twice, clones and compares them and runs the selection (measured:
+# 40-65 ns per b h g (window + 1) n element, 2-core AMD EPYC, one thread), each scored features key is copied,
+# checked and serialised, and every call has its Python overhead.
+HARNESS_NS_PER_CASE_ELEMENT = 100.0
+HARNESS_NS_PER_SCORE_ELEMENT = 20.0
+HARNESS_NS_PER_CALL = 2e6
+
+
 class SandboxUnavailable(RuntimeError):
     """The sandbox itself failed (not the candidate), after retries; or the isolation asked for is missing."""
 
@@ -133,11 +147,15 @@ class SandboxLimits:
     import, reading the features), which is not the candidate's doing. ``memory_mb`` is the worker's
     address-space limit (at least 1024: torch alone maps ~0.7 GB).
 
-    Neither time limit decides a candidate's outcome: what a candidate may do is bounded by the language's cost
-    model (memory and time predicted from its shapes before it runs, the same on any machine and load). A
-    wall-clock limit (and the CPU-seconds rlimit derived from it) is an infrastructure guard: its hit is
-    retried (``INFRA_RETRIES``) and then raises :class:`SandboxUnavailable`, so a
-    run stops (and resumes) instead of storing a result that depends on the machine's load.
+    A candidate the parent can price (its text is a program of the language) gets its own deadline
+    (:func:`candidate_deadline`): ``deadline_margin`` x the predicted time of everything the worker does for it
+    (:func:`job_prediction_s`: its calls in stage 1 and on the features, and the worker's own work around them) +
+    ``deadline_slack_s``, at most ``timeout_s``. A run past it is the candidate's failure ("killed", with the
+    predicted and measured times in the reason), never retried: the cost model promised the time, and a program
+    that takes ten times its price found a slow path the model does not know. Only a run nothing could price (stage
+    0 skipped and the text outside the language: the tests' raw loader) keeps ``timeout_s`` as a pure
+    infrastructure guard: its hit (and the CPU-seconds rlimit's) is retried (``INFRA_RETRIES``) and then raises
+    :class:`SandboxUnavailable`.
     """
 
     timeout_s: float = 120.0
@@ -145,16 +163,22 @@ class SandboxLimits:
     threads: int = 1
     file_mb: int = 256
     startup_s: float = 60.0
+    deadline_margin: float = 10.0
+    deadline_slack_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not (self.timeout_s > 0 and self.startup_s > 0):
             raise ValueError(f"timeout_s and startup_s must be > 0, got {self.timeout_s}, {self.startup_s}")
+        if not (self.deadline_margin > 0 and self.deadline_slack_s >= 0):
+            raise ValueError(f"deadline_margin must be > 0 and deadline_slack_s >= 0, got {self.deadline_margin}, "
+                             f"{self.deadline_slack_s}")
         if self.memory_mb < MIN_MEMORY_MB:
             raise ValueError(f"memory_mb={self.memory_mb} is below {MIN_MEMORY_MB}: torch cannot even be imported")
         if self.threads < 1 or self.file_mb < 1:
             raise ValueError(f"threads and file_mb must be >= 1, got {self.threads}, {self.file_mb}")
 
     def rlimits(self) -> dict[str, tuple[int, int]]:
+        # CPU seconds past the wall clock's kill: the deadline (at most timeout_s) always comes first
         cpu = math.ceil((self.startup_s + self.timeout_s) * self.threads) + 1
         return {"RLIMIT_AS": (self.memory_mb << 20,) * 2, "RLIMIT_FSIZE": (self.file_mb << 20,) * 2,
                 "RLIMIT_CPU": (cpu, cpu + 1), "RLIMIT_CORE": (0, 0), "RLIMIT_NOFILE": (64, 64),
@@ -174,6 +198,52 @@ class SandboxResult:
     invariants: dict[str, bool] = field(default_factory=dict)
     isolation: str = ""
     work_growth: str = ""  # stage 1's measure of the program's work at n and 2n (interpreter.work_growth)
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """A candidate's own deadline: ``seconds`` after its start, from ``predicted_s`` (:func:`job_prediction_s`)
+    x ``margin`` + ``slack_s``, at most the sandbox's ``timeout_s`` (``capped``)."""
+
+    seconds: float
+    predicted_s: float
+    margin: float
+    slack_s: float
+    capped: bool = False
+
+    def reason(self, measured_s: float) -> str:
+        rule = f"{self.margin:g} x predicted + {self.slack_s:g} s"
+        if self.capped:
+            rule += ", capped at the sandbox's timeout"
+        return (f"ran past its deadline: killed after {measured_s:.2f} s, against {self.predicted_s:.3f} s predicted "
+                f"for its stage 1 and scoring (deadline {self.seconds:.2f} s = {rule}): an operation took far longer "
+                "than its price")
+
+
+def job_prediction_s(program: ScoreProgram, window: int, seeds, feature_dims: dict[str, tuple[int, int, int, int]]
+                     ) -> float:
+    """The predicted seconds the worker spends on ``program`` after its start: stage 1's cases
+    (``stage1_invariants.invariant_cases``, each scored twice, at the synthetic shapes and at the features' own
+    (b, h, g, n)) and each features key scored once, priced by the cost model, plus the worker's own work around
+    them (``HARNESS_*``)."""
+    shapes = list(feature_dims.values())
+    total = 0.0
+    for case in invariant_cases(int(window), list(seeds), shapes):
+        b, h, g, n = case["batch"], case["kv_heads"], case["group"], case["n"]
+        total += 2 * (program.predict(b, h, g, n).total_ns + HARNESS_NS_PER_CALL)
+        total += HARNESS_NS_PER_CASE_ELEMENT * b * h * g * (int(window) + 1) * n
+    for b, h, g, n in shapes:
+        total += program.predict(b, h, g, n).total_ns + HARNESS_NS_PER_CALL + HARNESS_NS_PER_SCORE_ELEMENT * b * h * n
+    return total / 1e9
+
+
+def candidate_deadline(program: ScoreProgram, window: int, seeds, feature_dims: dict[str, tuple[int, int, int, int]],
+                       limits: SandboxLimits) -> Deadline:
+    """The seconds a priced candidate may run in the worker before it is killed as its own failure."""
+    predicted = job_prediction_s(program, window, seeds, feature_dims)
+    seconds = limits.deadline_margin * predicted + limits.deadline_slack_s
+    return Deadline(min(seconds, limits.timeout_s), predicted, limits.deadline_margin, limits.deadline_slack_s,
+                    capped=seconds > limits.timeout_s)
 
 
 def sandbox_env(job_dir: str | os.PathLike, threads: int) -> dict[str, str]:
@@ -306,9 +376,11 @@ def run_in_sandbox(source: str, features_path: str | os.PathLike | None = None, 
     """Stage 0 here, then stage 1 and the scoring of ``features_path`` (if given) in a sandboxed worker.
 
     Scores (float32, the features' keys, each of shape (b, h, n)) come back only with status "ok".
-    Never raises because of the candidate; a sandbox that fails to start is retried
-    (``INFRA_RETRIES``) and then raises :class:`SandboxUnavailable`, so that an infrastructure failure is
-    never recorded as the candidate's. A missing or malformed features file is the caller's error.
+    Never raises because of the candidate: whatever stage 0 raises on its text is a rejection, and a run past the
+    candidate's own deadline (:func:`candidate_deadline`) is "killed" with the predicted and measured times; a
+    sandbox that fails to start (or an unpriced run past the wall-clock guard) is retried (``INFRA_RETRIES``) and
+    then raises :class:`SandboxUnavailable`, so that an infrastructure failure is never recorded as the candidate's.
+    A missing or malformed features file is the caller's error.
     ``layers`` (tests only) turns parts of the process layer off: ``{"seccomp": False, "audit_hook":
     False, "raw_loader": PATH}``, the last running the program as Python through a trusted loader file
     instead of the interpreter, so that the process layer can be shown to hold alone.
@@ -319,23 +391,32 @@ def run_in_sandbox(source: str, features_path: str | os.PathLike | None = None, 
         return SandboxResult(status, reason[:MAX_REASON], time.perf_counter() - start, scores or {}, invariants or {},
                              isolation)
 
-    if static_check:
-        try:
-            check_source(source)
-        except StaticCheckError as err:
+    program: ScoreProgram | None = None
+    try:
+        program = check_source(source)
+    except StaticCheckError as err:
+        if static_check:
             return done("rejected", str(err))
-    expected = _expected_shapes(features_path) if features_path is not None else {}
+    except Exception as err:  # noqa: BLE001 - stage 0 reads the candidate's text: whatever it raises is a refusal
+        if static_check:
+            return done("rejected", f"program: stage 0 cannot read it: {type(err).__name__}")
+    dims = _feature_dims(features_path) if features_path is not None else {}
+    expected = {key: (b, h, n) for key, (b, h, g, n) in dims.items()}
+    # a program of the language has a price, and so a deadline of its own (static_check=False still prices it)
+    deadline = candidate_deadline(program, window, synthetic_seeds, dims, limits) if program is not None else None
     _sweep_orphans()
     problem = ""
     for _ in range(1 + INFRA_RETRIES):
-        outcome = _attempt(source, features_path, window, limits, synthetic_seeds, layers or {}, expected, done)
+        outcome = _attempt(source, features_path, window, limits, synthetic_seeds, layers or {}, expected, done,
+                           deadline)
         if isinstance(outcome, SandboxResult):
             return outcome
         problem = outcome
     raise SandboxUnavailable(f"the sandbox failed {1 + INFRA_RETRIES} times, not because of the candidate: {problem}")
 
 
-def _attempt(source, features_path, window, limits, seeds, layers, expected, done) -> SandboxResult | str:
+def _attempt(source, features_path, window, limits, seeds, layers, expected, done,
+             deadline: Deadline | None = None) -> SandboxResult | str:
     """One sandboxed run: its result, or why the sandbox itself failed (a str)."""
     level = isolation_level()
     job = Path(tempfile.mkdtemp(prefix=f"{_JOB_PREFIX}{os.getpid()}-")).resolve()
@@ -347,8 +428,8 @@ def _attempt(source, features_path, window, limits, seeds, layers, expected, don
         except UnicodeEncodeError:
             return done("error", "the source is not encodable as UTF-8")
         (job / "in" / "program.py").write_bytes(data)
-        # the interpreter runs without a wall-clock deadline: the cost model decides (load never does); the
-        # process's wall-clock and CPU limits below stay as guards, retried by the caller
+        # the interpreter runs without a wall-clock deadline of its own: the parent kills the worker at the
+        # candidate's deadline (its price with a margin), or at the wall-clock guard where nothing priced it
         spec = {"window": int(window), "synthetic_seeds": [int(s) for s in seeds],
                 "limits": {"deadline_s": None}, "seccomp": layers.get("seccomp", True),
                 "audit_hook": layers.get("audit_hook", True)}
@@ -365,7 +446,7 @@ def _attempt(source, features_path, window, limits, seeds, layers, expected, don
                   str(features_fd)]
         env = sandbox_env("/tmp" if level == "full" else job / "in", limits.threads)
         cap = MAX_RESULT_BYTES + 16 + sum(4 * math.prod(s) for s in expected.values()) + 64 * (len(expected) + 1)
-        outcome = _execute(_wrap(job, worker, level, limits.file_mb), job, env, limits, features_fd, cap)
+        outcome = _execute(_wrap(job, worker, level, limits.file_mb), job, env, limits, features_fd, cap, deadline)
         if isinstance(outcome, str):
             return outcome
         status, reason, frame = outcome
@@ -396,12 +477,13 @@ def _sweep_orphans() -> None:
             pass
 
 
-def _execute(cmd: list[str], job: Path, env: dict, limits: SandboxLimits, features_fd: int, cap: int
-             ) -> tuple[str, str, bytes] | str:
+def _execute(cmd: list[str], job: Path, env: dict, limits: SandboxLimits, features_fd: int, cap: int,
+             candidate: Deadline | None = None) -> tuple[str, str, bytes] | str:
     """Run the worker and read its stdout (capped at ``cap`` bytes, with deadlines) and stderr (its tail).
 
     Returns ``(status, reason, frame)``: status "" when the worker ran the candidate and exited, with
-    the frame it wrote after the ready line; or a str when the sandbox itself failed (retried).
+    the frame it wrote after the ready line; "killed" when it ran past ``candidate`` (its own deadline); or a str
+    when the sandbox itself failed (retried).
     """
     try:
         proc = subprocess.Popen(cmd, cwd=job, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -410,6 +492,7 @@ def _execute(cmd: list[str], job: Path, env: dict, limits: SandboxLimits, featur
     except OSError as err:
         return f"sandbox worker could not be started: {type(err).__name__}: {err}"
     out, err_tail, started, over = bytearray(), b"", False, False
+    ran_from = 0.0
     deadline = time.monotonic() + limits.startup_s
     open_fds = {proc.stdout.fileno(): "out", proc.stderr.fileno(): "err"}
     timed_out = False
@@ -433,7 +516,8 @@ def _execute(cmd: list[str], job: Path, env: dict, limits: SandboxLimits, featur
                         break
                     if not started and out.startswith(_READY):
                         started = True
-                        deadline = time.monotonic() + limits.timeout_s  # the candidate's time starts now
+                        ran_from = time.monotonic()  # the candidate's time starts now
+                        deadline = ran_from + (candidate.seconds if candidate is not None else limits.timeout_s)
             if over:
                 break
         if not timed_out and not over:
@@ -453,7 +537,9 @@ def _execute(cmd: list[str], job: Path, env: dict, limits: SandboxLimits, featur
         return f"sandbox worker exited with code {code} before the candidate started: {last}"
     if over:
         return "killed", f"the worker wrote more than {cap} bytes of results", b""
-    if timed_out:  # a guard, not the candidate's result: the caller retries (docs: SandboxLimits)
+    if timed_out and candidate is not None:  # its own deadline: the candidate's failure, never retried
+        return "killed", candidate.reason(time.monotonic() - ran_from), b""
+    if timed_out:  # nothing priced it: a guard, not the candidate's result; the caller retries (docs: SandboxLimits)
         return f"the candidate's run passed the wall-clock guard of {limits.timeout_s:g} s"
     code = proc.returncode
     level_ns = cmd and os.path.basename(cmd[0]) == "unshare" and "--kill-child" in cmd
@@ -496,13 +582,13 @@ def _last_line(data: bytes) -> str:
     return lines[-1][:300] if lines else ""
 
 
-def _expected_shapes(features_path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
-    """Keys and (b, h, n) score shapes of a features file, read from its header only."""
+def _feature_dims(features_path: str | os.PathLike) -> dict[str, tuple[int, int, int, int]]:
+    """Keys and (b, h, g, n) of a features file (its ``attn``), read from its header only."""
     from safetensors import safe_open
 
     with safe_open(os.fspath(features_path), framework="pt") as handle:
         keys = json.loads(handle.metadata()["scalars"])
-        return {key: tuple(handle.get_slice(f"{key}.key_norm").get_shape()) for key in keys}
+        return {key: tuple(int(d) for d in handle.get_slice(f"{key}.attn").get_shape()) for key in keys}
 
 
 def json_depth_ok(data: bytes, limit: int = MAX_JSON_DEPTH) -> bool:

@@ -41,9 +41,11 @@ CALIBRATION: dict[str, Calibration] = {
     "binary": Calibration(10_000.0, 0.2),
     "neg": Calibration(10_000.0, 0.2),
     "pow": Calibration(10_000.0, 0.3),
+    "pow_general": Calibration(10_000.0, 9.0),
     "cheap": Calibration(10_000.0, 0.2),
-    "exp": Calibration(10_000.0, 0.6),
-    "trig": Calibration(10_000.0, 1.2),
+    "exp": Calibration(10_000.0, 1.2),
+    "sigmoid": Calibration(10_000.0, 0.6),
+    "trig": Calibration(10_000.0, 1.6),
     "tanh": Calibration(10_000.0, 2.2),
     "group": Calibration(10_000.0, 0.15),
     "pool": Calibration(10_000.0, 1.0, 0.7),
@@ -66,10 +68,12 @@ def _elements(shape: ops.Dims, dims: dict[str, int]) -> int:
     return math.prod(dims[d] for d in shape)
 
 
-def cost_key(kind: str, name: str) -> str:
-    """The calibration entry of a node."""
+def cost_key(kind: str, name: str, literals: tuple = ()) -> str:
+    """The calibration entry of a node (``x ** k`` by its exponent: ``operations.pow_cost``)."""
     if kind == "call":
         return ops.FUNCTIONS[name].cost
+    if kind == "pow":
+        return ops.pow_cost(literals[0])
     return kind
 
 
@@ -95,7 +99,7 @@ def node_time_ns(graph: TypedGraph, index: int, dims: dict[str, int]) -> float:
     node = graph.nodes[index]
     if not node.computes:
         return 0.0
-    cal = CALIBRATION[cost_key(node.kind, node.name)]
+    cal = CALIBRATION[cost_key(node.kind, node.name, node.literals)]
     out = _elements(node.shape, dims) if node.is_tensor else 1
     touched = out
     if node.kind == "call" and ops.FUNCTIONS[node.name].touches == "input":

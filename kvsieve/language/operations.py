@@ -14,6 +14,17 @@ Cost. An operation's output has the elements of its shape; its time is ``overhea
 elements touched`` (x ``log2 n`` for the sort in ``rank``, x the kernel for the pools), its scratch the
 temporaries torch allocates inside it. The constants come from ``benchmarks/language_cost.py`` (see
 ``cost.CALIBRATION``).
+
+Values. A price per element holds only where an operation's time does not depend on the values, and the math
+library's does: ``exp`` of an argument whose result leaves float32's normal range, ``log`` and ``sqrt`` of zero,
+a negative, a subnormal, an infinity or NaN, ``sin`` and ``cos`` beyond 1e4 in magnitude or of an infinity take
+slow paths 6 to 36 times the normal time (measured: ``benchmarks/language_cost.py --values``). So those six
+operations read their argument inside the range where they are fast (:data:`GUARDED_RANGES`): NaN is read as 0
+and anything beyond the range as its nearer end (an infinity included), which makes them total functions with
+finite results (``log(0)`` is -87.3, ``sqrt(-1)`` 1.1e-19, ``exp(1000)`` 6.1e37). ``x ** k`` is one cheap pass
+for k in :data:`FAST_POWERS` and torch's general ``pow`` otherwise, priced on its own. Number literals are 0 or
+of magnitude in [:data:`LITERAL_MIN`, :data:`LITERAL_BOUND`] (a subnormal float32 cannot be written), and
+numbers folded from them 0 or in [:data:`LITERAL_MIN`, :data:`FOLDED_BOUND`].
 """
 
 from __future__ import annotations
@@ -26,9 +37,11 @@ from dataclasses import dataclass
 import torch
 
 from kvsieve.language import program_features as feats
+from kvsieve.language.program_source import value_text
 
 __all__ = ["Dims", "SCALAR", "N", "BHN", "BHGN", "FEATURE_TYPES", "Operation", "BINARY_OPERATORS", "FUNCTIONS",
-           "broadcast", "describe", "shape_text", "LITERAL_BOUND", "KERNEL_RANGE", "POW_RANGE", "TypeRefusal"]
+           "broadcast", "describe", "shape_text", "LITERAL_BOUND", "LITERAL_MIN", "FOLDED_BOUND", "KERNEL_RANGE",
+           "POW_RANGE", "FAST_POWERS", "GUARDED_RANGES", "TypeRefusal", "check_number", "pow_cost"]
 
 Dims = tuple[str, ...]
 SCALAR: Dims = ()
@@ -38,8 +51,28 @@ BHGN: Dims = ("b", "h", "g", "n")
 
 # the largest magnitude of a numeric literal; kernel sizes and exponents have their own, smaller ranges
 LITERAL_BOUND = 1e6
+# the smallest magnitude of a nonzero number, written or folded (float32's subnormals start below 1.2e-38), and the
+# largest of a number folded from literals (``1e6 * 1e6``)
+LITERAL_MIN = 1e-30
+FOLDED_BOUND = 1e30
 KERNEL_RANGE = (1, 257)
 POW_RANGE = (-4, 4)
+# the exponents torch computes with one multiply pass (x * x * x, 1 / (x * x), ...); any other k runs its general pow
+FAST_POWERS = (-2, -1, 0, 1, 2, 3)
+# an integer literal wider than this is refused before anything converts or prints it (Python refuses to turn an int
+# of more than 4300 digits into text, and a float cannot hold one of more than 1024 bits)
+MAX_INT_BITS = 64
+
+FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal number
+FLOAT32_MAX = 3.4028234663852886e38
+# the argument each guarded operation reads: NaN as 0, anything beyond the range as its nearer end. Inside these,
+# torch's vectorised exp, log, log1p, sqrt, sin and cos run at one speed (AMD EPYC, torch 2.13: exp(-87.5) and
+# exp(87.5) 11-36x slower, log / sqrt of 0, negatives, subnormals or infinities 6-36x, sin / cos past ~1.2e4 5x,
+# of an infinity 12x; benchmarks/language_cost.py --values prints the table)
+GUARDED_RANGES: dict[str, tuple[float, float]] = {
+    "exp": (-87.0, 87.0), "log": (FLOAT32_TINY, FLOAT32_MAX), "log1p": (-1.0 + 2.0 ** -24, FLOAT32_MAX),
+    "sqrt": (FLOAT32_TINY, FLOAT32_MAX), "sin": (-1e4, 1e4), "cos": (-1e4, 1e4),
+}
 
 FEATURE_TYPES: dict[str, Dims] = {"attn": BHGN, "last_attn": BHGN, "key_norm": BHN, "value_norm": BHN,
                                   "position": N, "surrogate": BHN,
@@ -116,10 +149,28 @@ def _clamp(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
     return torch.clamp(x, min=lo, max=hi)
 
 
-# name -> (doc, calibration class): a memory-bound pass ("cheap"), a transcendental ("exp"), trigonometry, tanh
+Unary = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _guarded(fn: Unary, lo: float, hi: float) -> Unary:
+    """``fn`` reading its argument inside [lo, hi] (NaN as 0): the values never reach the math library's slow paths."""
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return fn(torch.nan_to_num(x, nan=0.0, posinf=hi, neginf=lo).clamp_(lo, hi))
+
+    run.__name__ = getattr(fn, "__name__", "guarded")
+    return run
+
+
+def _elementwise(name: str) -> Unary:
+    fn = getattr(torch, name)
+    return _guarded(fn, *GUARDED_RANGES[name]) if name in GUARDED_RANGES else fn
+
+
+# name -> (doc, calibration class): a memory-bound pass ("cheap"), a transcendental read through its guard ("exp",
+# GUARDED_RANGES: the guard's two passes are in the price), the logistic sigmoid, trigonometry (guarded), tanh
 _ELEMENTWISE = {
     "abs": ("absolute value", "cheap"), "exp": ("exponential", "exp"), "log": ("natural logarithm", "exp"),
-    "log1p": ("log(1 + x)", "exp"), "sqrt": ("square root", "exp"), "sigmoid": ("logistic sigmoid", "exp"),
+    "log1p": ("log(1 + x)", "exp"), "sqrt": ("square root", "exp"), "sigmoid": ("logistic sigmoid", "sigmoid"),
     "tanh": ("hyperbolic tangent", "tanh"), "relu": ("max(x, 0)", "cheap"), "sign": ("-1, 0 or 1", "cheap"),
     "square": ("x * x", "cheap"), "sin": ("sine", "trig"), "cos": ("cosine", "trig"),
 }
@@ -141,7 +192,8 @@ FUNCTIONS: dict[str, Operation] = {
     "group_max": Operation("group_max", "(b, h, g, n) -> (b, h, n): max over the query heads", 1, (), _group,
                            feats.group_max, "group", touches="input"),
     # torch functions (called as torch.NAME)
-    **{f"torch.{name}": Operation(f"torch.{name}", doc, 1, (), _same, getattr(torch, name), cost)
+    **{f"torch.{name}": Operation(f"torch.{name}", doc, 1, (), _same, _elementwise(name), cost,
+                                  scratch=1.0 if name in GUARDED_RANGES else 0.0)
        for name, (doc, cost) in _ELEMENTWISE.items()},
     "torch.maximum": Operation("torch.maximum", "elementwise larger of two tensors", 2, (), _pair, torch.maximum,
                                "binary"),
@@ -160,21 +212,41 @@ def pow_literal(value: object) -> int:
     """The exponent of ``x ** k``: an int literal in POW_RANGE."""
     lo, hi = POW_RANGE
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise TypeRefusal(f"the exponent of ** must be an int literal in [{lo}, {hi}], got {value!r}")
+        raise TypeRefusal(f"the exponent of ** must be an int literal in [{lo}, {hi}], got {value_text(value)}")
     return value
 
 
+def pow_cost(k: int) -> str:
+    """The calibration class of ``x ** k``: one multiply pass for the exponents of FAST_POWERS, else torch's pow."""
+    return "pow" if k in FAST_POWERS else "pow_general"
+
+
+def check_number(value: float | int, what: str = "numbers") -> None:
+    """Refuse a number outside {0} and [LITERAL_MIN, FOLDED_BOUND] in magnitude (ints compared as ints)."""
+    if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
+        raise TypeRefusal(f"{what} are bounded by {FOLDED_BOUND:g} in magnitude, got {value_text(value)}")
+    if not math.isfinite(value):
+        raise TypeRefusal(f"{what} must be finite, got {value_text(value)}")
+    if value != 0 and not LITERAL_MIN <= abs(value) <= FOLDED_BOUND:
+        raise TypeRefusal(f"{what} are 0 or of magnitude in [{LITERAL_MIN:g}, {FOLDED_BOUND:g}], got "
+                          f"{value_text(value)}")
+
+
 def check_literal(kind: str, value: object) -> float | int:
-    """A literal argument of ``kind`` ("kernel" or "number") checked against its range."""
+    """A literal argument of ``kind`` ("kernel" or "number") checked against its range, its size before anything
+    converts it (an int of thousands of digits can be neither a float nor printed)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeRefusal(f"expects a number literal, got {type(value).__name__}")
     if kind == "kernel":
         lo, hi = KERNEL_RANGE
         if not isinstance(value, int) or not lo <= value <= hi:
-            raise TypeRefusal(f"kernel size must be an int literal in [{lo}, {hi}], got {value!r}")
+            raise TypeRefusal(f"kernel size must be an int literal in [{lo}, {hi}], got {value_text(value)}")
         return value
-    if not math.isfinite(value) or abs(value) > LITERAL_BOUND:
-        raise TypeRefusal(f"numbers are bounded by {LITERAL_BOUND:g} in magnitude, got {value!r}")
+    too_wide = isinstance(value, int) and value.bit_length() > MAX_INT_BITS
+    if too_wide or not math.isfinite(value) or abs(value) > LITERAL_BOUND:
+        raise TypeRefusal(f"numbers are bounded by {LITERAL_BOUND:g} in magnitude, got {value_text(value)}")
+    if value != 0 and abs(value) < LITERAL_MIN:
+        raise TypeRefusal(f"a nonzero number is at least {LITERAL_MIN:g} in magnitude, got {value_text(value)}")
     return value
 
 
@@ -186,7 +258,7 @@ def warm_up(x: torch.Tensor) -> None:
         op.run(*([x] * op.tensors), *literals)
     for fn in BINARY_OPERATORS.values():
         fn(fn(x, x), 2.0)
-    _ = -x ** 2
+    _ = -x ** 2 + x ** 4  # a fast power and torch's general pow
 
 
 def _signature(op: Operation) -> str:

@@ -23,7 +23,7 @@ from functools import cached_property
 from kvsieve.selection import Selection
 
 __all__ = ["Program", "ProgramError", "SELECTION_RANGES", "SELECTION_DEFAULTS", "SELECTION_CHOICES",
-           "parse_selection", "fields_read"]
+           "parse_selection", "fields_read", "value_text"]
 
 # name -> (smallest, largest) allowed int. "floor": the percent of its per-head budget every head keeps when
 # budgets move between heads (AdaKV's safeguard, 20 by default; KVzip keeps one entry a head, i.e. 0).
@@ -46,35 +46,51 @@ class ProgramError(ValueError):
     """A candidate that is not a well-formed program (the reason says what and where)."""
 
 
+def value_text(value: object, limit: int = 60) -> str:
+    """``repr(value)`` for a message, cut to ``limit`` characters, without converting a wide int to decimal (Python
+    refuses one of more than 4300 digits) and whatever a literal holds (a tuple of such ints, deep nesting)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError, MemoryError):
+        return f"a {type(value).__name__} that cannot be shown"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def parse_selection(source: str) -> dict[str, int | str]:
     """The ``SELECTION`` literal of a program, checked against ``SELECTION_RANGES`` and ``SELECTION_CHOICES``."""
     try:
         tree = ast.parse(source)
     except SyntaxError as err:
-        raise ProgramError(f"syntax error at line {err.lineno}: {err.msg}") from err
+        raise ProgramError(f"syntax error at line {err.lineno}: {err.msg}") from None
+    except (ValueError, RecursionError, MemoryError) as err:  # null bytes, deep nesting
+        raise ProgramError(f"the source cannot be parsed: {type(err).__name__}") from None
     found = [node for node in tree.body if isinstance(node, ast.Assign)
              and any(isinstance(t, ast.Name) and t.id == "SELECTION" for t in node.targets)]
     if not found:
         return _defaults()
     try:
         params = ast.literal_eval(found[-1].value)
-    except ValueError as err:
-        raise ProgramError(f"SELECTION must be a literal dict: {err}") from err
+    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError) as err:  # {[]: 1} is a TypeError
+        raise ProgramError(f"SELECTION must be a literal dict of names to ints or strings ({type(err).__name__})"
+                           ) from None
     if not isinstance(params, dict):
         raise ProgramError(f"SELECTION must be a dict, got {type(params).__name__}")
     out = _defaults()
     for key, value in params.items():
         if key in SELECTION_CHOICES:
-            if value not in SELECTION_CHOICES[key]:
-                raise ProgramError(f"SELECTION[{key!r}] = {value!r} is not one of {list(SELECTION_CHOICES[key])}")
+            if not isinstance(value, str) or value not in SELECTION_CHOICES[key]:
+                raise ProgramError(f"SELECTION[{key!r}] = {value_text(value)} is not one of "
+                                   f"{list(SELECTION_CHOICES[key])}")
             out[key] = value
             continue
         if key not in SELECTION_RANGES:
             allowed = ", ".join([*SELECTION_RANGES, *SELECTION_CHOICES])
-            raise ProgramError(f"unknown SELECTION key {key!r}; allowed: {allowed}")
+            raise ProgramError(f"unknown SELECTION key {value_text(key)}; allowed: {allowed}")
         lo, hi = SELECTION_RANGES[key]
         if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-            raise ProgramError(f"SELECTION[{key!r}] = {value!r} is outside the allowed ints [{lo}, {hi}]")
+            raise ProgramError(f"SELECTION[{key!r}] = {value_text(value)} is outside the allowed ints [{lo}, {hi}]")
         out[key] = value
     if out["allocation"] != "uniform" and out["chunk_size"] > 1:
         # the Selection refuses it too, but only once the program is evaluated: fail at the static check
@@ -122,4 +138,8 @@ class Program:
             if len(body) > 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
                     and isinstance(body[0].value.value, str):
                 owner.body = body[1:]
-        return hashlib.sha256(ast.dump(tree).encode()).hexdigest()[:16]
+        try:
+            dumped = ast.dump(tree)
+        except (ValueError, RecursionError, MemoryError):  # an int Python will not print, a chain `not not ... x`
+            return hashlib.sha256(self.source.encode("utf-8", "replace")).hexdigest()[:16]
+        return hashlib.sha256(dumped.encode()).hexdigest()[:16]

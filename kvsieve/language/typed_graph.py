@@ -26,7 +26,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from kvsieve.language import operations as ops
-from kvsieve.language.program_source import ProgramError, parse_selection
+from kvsieve.language.program_source import ProgramError, parse_selection, value_text
 
 __all__ = ["Node", "TypedGraph", "ProgramRefused", "build_graph", "MAX_SOURCE_CHARS", "MAX_OPERATIONS",
            "MAX_DEPTH", "MAX_BINDINGS"]
@@ -104,18 +104,36 @@ def build_graph(source: str, filename: str = "<program>") -> TypedGraph:
             warnings.simplefilter("ignore")
             tree = ast.parse(source)
     except SyntaxError as err:
-        raise ProgramRefused(f"{filename} line {err.lineno}: syntax error: {err.msg}") from None
+        line = err.lineno if err.lineno is not None else _unparsable_line(source)
+        raise ProgramRefused(f"{filename} line {line}: syntax error: {err.msg}") from None
     except (ValueError, RecursionError, MemoryError) as err:  # null bytes, deep nesting
-        raise ProgramRefused(f"{filename}: source cannot be parsed: {type(err).__name__}") from None
+        raise ProgramRefused(f"{filename} line {_unparsable_line(source)}: source cannot be parsed: "
+                             f"{type(err).__name__}") from None
     try:
         return _Builder(filename).module(tree, source)
+    except ProgramRefused:
+        raise
     except RecursionError:
         raise ProgramRefused(f"{filename}: the program nests too deeply") from None
+    except Exception as err:  # noqa: BLE001 - whatever the text makes the reader raise, it is the text's refusal
+        raise ProgramRefused(f"{filename}: the program cannot be read: {type(err).__name__}") from None
+
+
+def _unparsable_line(source: str) -> int:
+    """The line Python's parser gave up on when it names none: the first null byte's, else the longest line (where
+    a nesting too deep to parse is)."""
+    if "\0" in source:
+        return source.count("\n", 0, source.index("\0")) + 1
+    lines = source.split("\n")
+    return max(range(len(lines)), key=lambda i: len(lines[i])) + 1
 
 
 def _short(node: ast.AST, limit: int = 60) -> str:
     """The source of ``node``, cut to ``limit`` characters (an error never echoes a whole hostile line)."""
-    text = ast.unparse(node)
+    try:
+        text = ast.unparse(node)
+    except (ValueError, RecursionError, MemoryError):  # an int of more than 4300 digits, deep nesting
+        return f"a {_describe(node)}"
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
@@ -147,25 +165,26 @@ class _Builder:
         body = list(tree.body)
         if body and _is_docstring(body[0]):
             body.pop(0)
-        scores, selections = [], 0
+        scores, selections = [], []
         for node in body:
             if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["SELECTION"]:
                 if not isinstance(node.value, ast.Dict):
                     raise self.refuse(node, "SELECTION must be a literal dict")
-                selections += 1
+                selections.append(node)
             elif isinstance(node, ast.FunctionDef) and node.name == "score":
                 scores.append(node)
             else:
                 raise self.refuse(node, f"{_describe(node)} is not allowed at the top level (only a docstring, "
                                         "SELECTION = {...} and def score(f))")
-        if selections > 1:
-            raise self.refuse(None, "SELECTION is assigned more than once")
+        if len(selections) > 1:
+            raise self.refuse(selections[1], "SELECTION is assigned more than once")
         if len(scores) != 1:
-            raise self.refuse(None, f"the program must define score(f) exactly once, found {len(scores)}")
+            raise self.refuse(scores[1] if scores else None,
+                              f"the program must define score(f) exactly once, found {len(scores)}")
         try:
             parse_selection(source)
         except ProgramError as err:
-            raise self.refuse(None, f"SELECTION: {err}") from None
+            raise self.refuse(selections[0] if selections else None, f"SELECTION: {err}") from None
         self.function(scores[0])
         return self.graph
 
@@ -217,8 +236,10 @@ class _Builder:
         return len(self.graph.nodes) - 1
 
     def literal(self, node: ast.AST, value: float) -> int:
-        if not math.isfinite(value):
-            raise self.refuse(node, f"the number {value!r} is not finite")
+        try:
+            ops.check_number(value)
+        except ops.TypeRefusal as err:
+            raise self.refuse(node, str(err)) from None
         return self.add(Node("literal", "", (), ops.SCALAR, getattr(node, "lineno", 0), value=value))
 
     def expr(self, node: ast.expr, depth: int) -> int:
@@ -299,7 +320,7 @@ class _Builder:
         except (ZeroDivisionError, OverflowError) as err:
             raise self.refuse(node, f"the numbers cannot be combined: {err}") from None
         if isinstance(value, complex) or not math.isfinite(value):
-            raise self.refuse(node, f"the numbers combine to {value!r}, not a finite number")
+            raise self.refuse(node, f"the numbers combine to {value_text(value)}, not a finite number")
         return value
 
     def call(self, node: ast.Call, depth: int) -> int:
