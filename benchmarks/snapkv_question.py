@@ -20,9 +20,9 @@ from kvsieve.engine.attach import attach
 from kvsieve.engine.cache import clone_cache, sieve_layers, stack_caches
 from kvsieve.engine.compress import compress_cache
 from kvsieve.engine.generate import greedy_decode
+from kvsieve.engine.reader import Capture
 from kvsieve.models import load
 from kvsieve.policies import from_spec, split_specs
-from kvsieve.policy import FullCache
 from kvsieve.prompt import build_prompt
 from kvsieve.selection import Budget
 from kvsieve.tasks.load import SampleSpec, load_samples
@@ -62,9 +62,7 @@ def main() -> None:
         protected = prompt.question_ids.shape[1]
         print(f"{args.model} {args.task} seed {seed}: {prompt.context_ids.shape[1]} context + {protected} question "
               f"tokens, {model.dtype}; answer {sample.answers}, needle span {len(span)} tokens; ratio {args.ratio}")
-        capture = FullCache(window=max(p.window for p in policies.values()))
-        capture.needs_accumulated_attention = any(p.needs_accumulated_attention for p in policies.values())
-        with attach(model, capture, ratio=0.0):
+        with attach(model, Capture.of(policies.values()).policy()):
             context = model(input_ids=prompt.context_ids, use_cache=True, logits_to_keep=1).cache
             full = clone_cache(context)
             first = model(input_ids=prompt.question_ids, cache=full, use_cache=True, logits_to_keep=1).logits[:, -1]

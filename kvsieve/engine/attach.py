@@ -30,8 +30,8 @@ from kvsieve.engine.cache import attached, cache_bytes, install, sieve_layers
 from kvsieve.engine.compress import CompressionReport, compress_cache, layer_occupancy
 from kvsieve.engine.hidden_states import hidden_states_hooks
 from kvsieve.engine.modules import attention_modules
+from kvsieve.engine.prune import prune_prompt
 from kvsieve.engine.query_hooks import query_stats_hooks
-from kvsieve.engine.reconstruct import compress_with_reconstruction
 from kvsieve.policy import Policy
 from kvsieve.selection import Budget
 
@@ -122,7 +122,11 @@ def attach(
     modules = attention_modules(model)
     configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in modules)] if c is not None}
     saved_impl = {key: c._attn_implementation for key, c in configs.items()}
-    original_forward = model.forward
+    # an attach inside another (a read under a decode) wraps the model's own forward, not the outer wrapper, and
+    # gives the outer one back its forward and sessions on exit
+    outer_forward = model.__dict__.get("forward")
+    original_forward = getattr(outer_forward, "kvsieve_unwrapped", model.forward)
+    outer_sessions = [module.__dict__.get("_kvsieve_session") for module in modules]
     try:
         for config in configs.values():
             config._attn_implementation = ATTENTION_NAME
@@ -134,8 +138,12 @@ def attach(
             yield session
     finally:
         model.__dict__.pop("forward", None)
-        for module in modules:
+        if outer_forward is not None:
+            model.forward = outer_forward
+        for module, outer in zip(modules, outer_sessions):
             module.__dict__.pop("_kvsieve_session", None)
+            if outer is not None:
+                module._kvsieve_session = outer
         for key, config in configs.items():
             config._attn_implementation = saved_impl[key]
 
@@ -187,10 +195,9 @@ def _compressing_forward(model, forward, session: Session):
                 )
             output = forward(*args, **kwargs)
             session.peak_cache_bytes = max(session.peak_cache_bytes, cache_bytes(cache))
-            if fresh and session.policy.evicts and session.policy.needs_reconstruction:
-                _compress_with_reconstruction(model, cache, input_ids, session)  # KVzip: one more forward
-            elif fresh and session.policy.evicts:
-                compress_cache(cache, session.policy, session.budget, session.protected_tail, session.report)
+            if fresh and session.policy.evicts:  # KVzip: one more forward, repeating input_ids
+                prune_prompt(model, cache, input_ids, session.policy, session.budget, session.protected_tail,
+                             session.report)
             return output
         if fresh:
             # a kept count may exceed the prompt: nothing is evicted until the cache grows past it
@@ -202,14 +209,8 @@ def _compressing_forward(model, forward, session: Session):
             session.layer_budgets = selection.layer_budgets_for(session.budget_tokens, None, len(cache.layers), floor)
         return _forward_in_chunks(forward, args, kwargs, input_ids is not None, q_len, session, layers)
 
+    wrapped.kvsieve_unwrapped = forward
     return wrapped
-
-
-def _compress_with_reconstruction(model, cache, input_ids, session: Session) -> None:
-    if input_ids is None:
-        raise ValueError(f"policy {session.policy.name!r} repeats the prompt's tokens: give input_ids, not embeddings")
-    compress_with_reconstruction(model, cache, input_ids, session.policy, session.budget, session.protected_tail,
-                                 session.report)
 
 
 def _forward_in_chunks(forward, args, kwargs, by_ids: bool, q_len: int, session: Session, layers) -> object:

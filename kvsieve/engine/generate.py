@@ -9,13 +9,14 @@ from dataclasses import dataclass
 import torch
 
 from kvsieve.engine.attach import DEFAULT_EVICT_EVERY, attach
-from kvsieve.engine.cache import cache_bytes, full_cache_bytes
+from kvsieve.engine.cache import cache_bytes, full_cache_bytes, sieve_layers
 from kvsieve.engine.compress import CompressionReport
+from kvsieve.engine.reader import Capture, first_part, read_prompt
 from kvsieve.policy import FullCache, Policy
-from kvsieve.prompt import Prompt, build_prompt
+from kvsieve.prompt import build_prompt
+from kvsieve.selection import Budget
 
-__all__ = ["Generation", "eos_ids", "greedy_decode", "prefill_prompt", "generate", "check_context_length",
-           "model_context_length"]
+__all__ = ["Generation", "eos_ids", "greedy_decode", "generate", "check_context_length", "model_context_length"]
 
 
 def eos_ids(model, tokenizer) -> set[int]:
@@ -104,13 +105,6 @@ class Generation:
     peak_cache_bytes: int = 0  # largest cache held during any forward (decode mode: before its eviction)
 
 
-def prefill_prompt(model, prompt: Prompt, question_aware: bool):
-    """The prompt's first forward: the context alone (query-agnostic), or context + question together
-    (question-aware: the question is the observation window). Returns the model's output (``.cache``)."""
-    ids = torch.cat([prompt.context_ids, prompt.question_ids], dim=1) if question_aware else prompt.context_ids
-    return model(input_ids=ids, use_cache=True, logits_to_keep=1)
-
-
 @torch.no_grad()
 def generate(
     model,
@@ -146,21 +140,30 @@ def generate(
     n_ctx = prompt.context_ids.shape[1]
     check_context_length(model, n_ctx + prompt.question_ids.shape[1], max_new_tokens)
     start = time.perf_counter()
-    protected = prompt.question_ids.shape[1] if question_aware and mode == "prefill" else 0
-    options = dict(ratio=ratio, kept=kept, mode=mode, chunk_size=chunk_size, protected_tail=protected,
-                   evict_every=evict_every)
-    with attach(model, policy, **options) as session:
-        out = prefill_prompt(model, prompt, question_aware)
-        cache = out.cache
-        kept_tokens = session.kept_tokens
-        bytes_kept = cache_bytes(cache)
-        bytes_full = full_cache_bytes(cache)
+    read = None
+    if mode == "decode":  # eviction while the prompt is read: nothing is read whole
+        held = attach(model, policy, ratio=ratio, kept=kept, mode=mode, chunk_size=chunk_size, evict_every=evict_every)
+    else:
+        capture = Capture.of([policy])
+        read = read_prompt(model, first_part(prompt, question_aware), capture,
+                           protected_tail=prompt.question_ids.shape[1] if question_aware else 0)
+        held = attach(model, capture.policy())
+    with held as session:
+        if read is None:
+            out = model(input_ids=first_part(prompt, question_aware), use_cache=True, logits_to_keep=1)
+            cache, logits, report, read_bytes = out.cache, out.logits[:, -1], session.report, 0
+        else:
+            cache, report = read.pruned(policy, Budget(ratio=ratio, kept=kept) if policy.evicts else None)
+            logits, read_bytes = read.logits, cache_bytes(read.cache)
+            read = None  # the full cache goes: only the pruned copy is kept
+        kept_tokens = [layer.physical_length for _, layer in sieve_layers(cache)]
+        bytes_kept, bytes_full = cache_bytes(cache), full_cache_bytes(cache)
         if not question_aware:
-            out = model(input_ids=prompt.question_ids, cache=cache, use_cache=True, logits_to_keep=1)
+            logits = model(input_ids=prompt.question_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         prefill_seconds = time.perf_counter() - start
         start = time.perf_counter()
-        tokens = greedy_decode(model, tokenizer, cache, out.logits[:, -1], max_new_tokens, stop)[0]
-        decode_seconds = time.perf_counter() - start
+        tokens = greedy_decode(model, tokenizer, cache, logits, max_new_tokens, stop)[0]
+    decode_seconds = time.perf_counter() - start
     return Generation(
         text=tokenizer.decode(tokens, skip_special_tokens=True),
         token_ids=tokens,
@@ -170,6 +173,6 @@ def generate(
         cache_bytes_kept=bytes_kept,
         prefill_seconds=prefill_seconds,
         decode_seconds=decode_seconds,
-        report=session.report,
-        peak_cache_bytes=session.peak_cache_bytes,
+        report=report if report is not None else CompressionReport(),
+        peak_cache_bytes=max(read_bytes, session.peak_cache_bytes),
     )

@@ -50,9 +50,10 @@ def _record(attention, args, kwargs) -> None:
 @contextlib.contextmanager
 def hidden_states_hooks(model, session) -> Iterator[None]:
     """Keep each layer's input hidden states while ``session.policy.needs_hidden_states``; a no-op otherwise."""
-    if not getattr(session.policy, "needs_hidden_states", False):
-        yield
+    if not getattr(session.policy, "needs_hidden_states", False) or model.__dict__.get("_kvsieve_hidden_hooks"):
+        yield  # nothing asked, or an outer attach's hooks already record (twice would double-count)
         return
+    model.__dict__["_kvsieve_hidden_hooks"] = True
     attentions = attention_modules(model)
     handles = []
     try:
@@ -60,5 +61,6 @@ def hidden_states_hooks(model, session) -> Iterator[None]:
             handles.append(attention.register_forward_pre_hook(_record, with_kwargs=True))
         yield
     finally:
+        model.__dict__.pop("_kvsieve_hidden_hooks", None)
         for handle in handles:
             handle.remove()

@@ -89,9 +89,10 @@ def query_stats_hooks(model, session) -> Iterator[None]:
 
     The hooks are removed when the block exits, also on error.
     """
-    if not getattr(session.policy, "needs_query_stats", False):
-        yield
+    if not getattr(session.policy, "needs_query_stats", False) or model.__dict__.get("_kvsieve_query_hooks"):
+        yield  # nothing asked, or an outer attach's hooks already record (twice would double-count)
         return
+    model.__dict__["_kvsieve_query_hooks"] = True
     rotary = _rotary_module(model)
     attentions = attention_modules(model)
     handles = []
@@ -102,6 +103,7 @@ def query_stats_hooks(model, session) -> Iterator[None]:
             handles.append(attention.register_forward_hook(_unbind))
         yield
     finally:
+        model.__dict__.pop("_kvsieve_query_hooks", None)
         for handle in handles:
             handle.remove()
         for attention in attentions:

@@ -51,7 +51,7 @@ from kvsieve.selection import Budget
 __all__ = [
     "ATTENTION_NAME", "FIRST_PROMPT", "NEXT_PROMPT", "OVERLAP", "QUERY_BLOCK", "ReconstructionPrompt",
     "ReconstructionChunk", "Reconstruction", "reconstruction_chunks", "reconstruction_scores",
-    "compress_with_reconstruction",
+    "compress_with_reconstruction", "reconstruction_prompt",
 ]
 
 ATTENTION_NAME = "kvsieve_kvzip"
@@ -252,7 +252,8 @@ def reconstruction_scores(model, cache: DynamicCache, input_ids: torch.Tensor, p
     return Reconstruction(state.scores, header, time.perf_counter() - start_time, len(chunks), tokens)
 
 
-def _prompt_for(policy, model) -> ReconstructionPrompt:
+def reconstruction_prompt(policy, model) -> ReconstructionPrompt:
+    """The reconstruction prompt of ``policy``'s tokenizer (loaded from the model's folder when the policy has none)."""
     tokenizer = getattr(policy, "tokenizer", None)
     if tokenizer is None:
         from transformers import AutoTokenizer
@@ -293,7 +294,7 @@ def compress_with_reconstruction(model, cache: DynamicCache, input_ids: torch.Te
     chosen: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     if layers and kept < context:
         if reconstruction is None:
-            prompt = _prompt_for(policy, model)
+            prompt = reconstruction_prompt(policy, model)
             reconstruction = reconstruction_scores(model, cache, input_ids, prompt, protected_tail,
                                                    policy.chunk_size, policy.normalization)
         if reconstruction.header > kept:

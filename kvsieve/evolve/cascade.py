@@ -54,12 +54,13 @@ from kvsieve.engine.cache_file import FORMAT_VERSION as CACHE_FORMAT
 from kvsieve.engine.cache_file import load_cache, save_cache
 from kvsieve.engine.compress import compress_cache, layer_signals
 from kvsieve.engine.generate import greedy_decode
+from kvsieve.engine.reader import Capture, read_prompt
 from kvsieve.evolve.sandbox import SandboxLimits, run_in_sandbox
 from kvsieve.language.program_features import Features, load_features, save_features
 from kvsieve.language.program_source import Program, ProgramError
 from kvsieve.models import weights_digest
 from kvsieve.policies.kvzap import KVzap, shipped_kvzap_for
-from kvsieve.policy import FullCache, Policy
+from kvsieve.policy import Policy
 from kvsieve.prompt import Prompt, build_prompt
 from kvsieve.selection import Budget, Selection
 from kvsieve.signals import Signals
@@ -158,7 +159,6 @@ class DevSet:
         self._tmp = None if workdir is not None else tempfile.TemporaryDirectory(prefix="kvsieve-dev-")
         self.workdir = Path(workdir if workdir is not None else self._tmp.name)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.capture = FullCache(window=window)
         # the features' ``surrogate``: the kvzap checkpoint named (a shipped name or a path), else the shipped one of
         # this model (zeros when none ships for it)
         if surrogate is None:
@@ -166,7 +166,8 @@ class DevSet:
         else:
             self.surrogate = KVzap(checkpoint=surrogate)
             self.surrogate.check_model(model)
-        self.capture.needs_hidden_states = self.surrogate is not None and self.surrogate.needs_hidden_states
+        self.capture = Capture(window=window,
+                               hidden_states=self.surrogate is not None and self.surrogate.needs_hidden_states)
         self.items: list[DevSample] = []
         features: dict[str, Features] = {}
         keep = self._tmp is None  # a kept workdir: each prefill is saved there, and a later run reads it back
@@ -201,12 +202,11 @@ class DevSet:
         return {"weights": weights_digest(self.model), "dtype": str(self.model.dtype), "torch": torch.__version__,
                 "torch_threads": torch.get_num_threads(), "transformers": transformers.__version__,
                 "window": self.window, "surrogate": surrogate,
-                "hidden_states": self.capture.needs_hidden_states, "format": CACHE_FORMAT}
+                "hidden_states": self.capture.hidden_states, "format": CACHE_FORMAT}
 
     def _prefill(self, sample: Sample, prompt: Prompt, answer: torch.Tensor) -> tuple[DevSample, dict[str, Features]]:
         """Prefill one dev sample on the full cache: its cache, features per layer, and full-cache answer scores."""
-        with attach(self.model, self.capture, ratio=0.0), torch.no_grad():
-            cache = self.model(input_ids=prompt.context_ids, use_cache=True, logits_to_keep=1).cache
+        cache = read_prompt(self.model, prompt.context_ids, self.capture).cache
         layers = list(sieve_layers(cache))
         features = {}
         for layer_idx, layer in layers:
@@ -233,7 +233,7 @@ class DevSet:
     def read_question(self, item: DevSample, cache) -> tuple[object, torch.Tensor]:
         """``cache`` (modified in place) after the question, and the (1, vocab) logits of its last token: what
         stage 2 teacher-forces the answer from and stage 3 decodes from, so the question is read once for both."""
-        with attach(self.model, self.capture, ratio=0.0):
+        with attach(self.model, self.capture.policy()):
             logits = self.model(input_ids=item.prompt.question_ids, cache=cache, use_cache=True,
                                 logits_to_keep=1).logits[:, -1]
         return cache, logits
@@ -245,7 +245,7 @@ class DevSet:
         answer = item.answer_ids[0]
         logits = first_logits.float()
         if answer.shape[0] > 1:  # the answer's other tokens, each predicted from the ones before it
-            with attach(self.model, self.capture, ratio=0.0):
+            with attach(self.model, self.capture.policy()):
                 rest = self.model(input_ids=item.answer_ids[:, :-1], cache=clone_cache(cache), use_cache=True).logits[0]
             logits = torch.cat([logits, rest.float()])
         return float(torch.log_softmax(logits, dim=-1).gather(-1, answer[:, None]).mean())
@@ -257,7 +257,7 @@ class DevSet:
         compute, in one call (the graded fitness's cost is this pass, once per dev cell)."""
         answer = item.answer_ids[0]
         ids = torch.cat([item.prompt.question_ids, item.answer_ids[:, :-1]], dim=1)
-        with attach(self.model, self.capture, ratio=0.0):
+        with attach(self.model, self.capture.policy()):
             logits = self.model(input_ids=ids, cache=cache, use_cache=True,
                                 logits_to_keep=answer.shape[0]).logits[0].float()
         return float(torch.log_softmax(logits, dim=-1).gather(-1, answer[:, None]).mean())
@@ -300,7 +300,7 @@ class DevSet:
                                   sample.answers)
 
         longest = max(it.sample.max_new_tokens for it in items)
-        with attach(self.model, self.capture, ratio=0.0):
+        with attach(self.model, self.capture.policy()):
             tokens = greedy_decode(self.model, self.tokenizer, stack_caches(caches), first_logits, longest,
                                    settled=decided, positions=positions)
         return [self.tokenizer.decode(row, skip_special_tokens=True) for row in tokens]

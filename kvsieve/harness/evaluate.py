@@ -25,15 +25,14 @@ import transformers
 
 import kvsieve
 from kvsieve.engine.attach import attach
-from kvsieve.engine.cache import cache_bytes, clone_cache, sieve_layers, stack_caches
-from kvsieve.engine.compress import compress_cache
+from kvsieve.engine.cache import cache_bytes, sieve_layers, stack_caches
 from kvsieve.engine.generate import generate, greedy_decode
-from kvsieve.engine.reconstruct import ReconstructionPrompt, compress_with_reconstruction, reconstruction_scores
+from kvsieve.engine.reader import Capture, PromptRead, read_prompt
 from kvsieve.harness.grid import Cell
 from kvsieve.harness.provenance import current as current_provenance
 from kvsieve.harness.store import TIMING_CONFIG_KEYS, CellKey, CellResult, FailedCell
 from kvsieve.models import dtype_name
-from kvsieve.policy import FullCache, Policy
+from kvsieve.policy import Policy
 from kvsieve.prompt import Prompt, build_prompt
 from kvsieve.tasks.metrics import score as metric_score
 from kvsieve.tasks.sample import Sample
@@ -58,19 +57,6 @@ def _policy_for(cell: Cell, sample: Sample, prompt: Prompt, tokenizer) -> Policy
     if policy.needs_reconstruction and policy.tokenizer is None:  # KVzip prompts the model
         policy.tokenizer = tokenizer
     return policy
-
-
-def _reconstructions(model, tokenizer, cache, ids, cells, policies, protected: int) -> dict:
-    """KVzip's reconstruction scores, once per scoring setup (not per ratio), on copies of ``cache``."""
-    out = {}
-    for cell in cells:
-        policy = policies[cell]
-        if policy.needs_reconstruction and cell.budget is not None:
-            key = policy.reconstruction_key()
-            if key not in out:
-                out[key] = reconstruction_scores(model, cache, ids, ReconstructionPrompt.from_tokenizer(tokenizer),
-                                                 protected, policy.chunk_size, policy.normalization)
-    return out
 
 
 class _SampleRun:
@@ -160,63 +146,41 @@ def _run_alone(run: _SampleRun, cells: list[Cell]) -> None:
 
 
 def _run_shared(run: _SampleRun, cells: list[Cell]) -> None:
-    """One prefill of the context for every cell; per question-awareness, each cell prunes its own copy, then the
+    """One read of the context for every cell; per question-awareness, each cell prunes its own copy, then the
     cells of one ratio decode as one batch."""
     if not cells:
         return
-    model, prompt = run.model, run.prompt
     policies = {cell: run.policy(cell) for cell in cells}
-    capture = FullCache(window=max(p.window for p in policies.values()))
-    capture.needs_accumulated_attention = any(p.needs_accumulated_attention for p in policies.values())
-    capture.needs_query_stats = any(p.needs_query_stats for p in policies.values())
-    capture.needs_hidden_states = any(p.needs_hidden_states for p in policies.values())
-    with attach(model, capture, ratio=0.0):
-        start = time.perf_counter()
-        context_cache = model(input_ids=prompt.context_ids, use_cache=True, logits_to_keep=1).cache
-        context_s = time.perf_counter() - start
+    context = read_prompt(run.model, run.prompt.context_ids, Capture.of(policies.values()))
+    with attach(run.model, context.capture.policy()):
         for question_aware in (False, True):
             group = [c for c in cells if c.question_aware == question_aware]
             if not group:
                 continue
-            full_cache, first_logits, prefill_s, protected = context_cache, None, context_s, 0
-            if question_aware:
-                # Prefilling context + question equals prefilling the context, then the question on the
-                # full cache: the question's queries join the window and the accumulated attention.
-                start = time.perf_counter()
-                full_cache = clone_cache(context_cache)
-                out = model(input_ids=prompt.question_ids, cache=full_cache, use_cache=True, logits_to_keep=1)
-                first_logits, protected = out.logits[:, -1], prompt.question_ids.shape[1]
-                prefill_s += time.perf_counter() - start
-            batches = _compress_group(run, group, policies, full_cache, protected)
+            # reading context + question equals reading the context, then the question on its full cache: the
+            # question's queries join the window and the accumulated attention
+            read = context.continued(run.prompt.question_ids) if question_aware else context
+            batches = _compress_group(run, group, policies, read)
             run.hand_over()  # the failures of this group land before its batches decode
             for items in batches.values():
-                _decode_batch(run, items, first_logits, cache_bytes(full_cache), prefill_s)
+                _decode_batch(run, items, read.logits if question_aware else None, cache_bytes(read.cache),
+                              read.seconds)
                 run.hand_over()
 
 
-def _compress_group(run: _SampleRun, group: list[Cell], policies: dict, full_cache, protected: int) -> dict:
-    """Each cell's pruned copy of ``full_cache``, grouped by ratio: {ratio: [(cell, cache, seconds, kept, bytes)]}.
-    A cell whose policy fails here is recorded as failed."""
-    prompt = run.prompt
-    ids = torch.cat([prompt.context_ids, prompt.question_ids], 1) if protected else prompt.context_ids
-    # KVzip: one reconstruction per sample serves all its ratios; each cell is charged its seconds
-    rebuilt = _reconstructions(run.model, run.tokenizer, full_cache, ids, group, policies, protected)
+def _compress_group(run: _SampleRun, group: list[Cell], policies: dict, read: PromptRead) -> dict:
+    """Each cell's pruned copy of the read, grouped by ratio: {ratio: [(cell, cache, seconds, kept, bytes)]}. A cell
+    whose policy fails here (a budget, NaN scores, a selection that does not fit) is recorded as failed."""
     batches: dict[float, list] = defaultdict(list)  # one batch per ratio: kept lengths are close
     for cell in group:
-        start, policy, rebuilt_s = time.perf_counter(), policies[cell], 0.0
-        cache = clone_cache(full_cache)
         try:
-            if cell.budget is not None and policy.needs_reconstruction:
-                rec = rebuilt[policy.reconstruction_key()]
-                compress_with_reconstruction(run.model, cache, ids, policy, cell.budget, protected, reconstruction=rec)
-                rebuilt_s = rec.seconds
-            elif cell.budget is not None:
-                compress_cache(cache, policy, cell.budget, protected)
-        except Exception as err:  # noqa: BLE001 - a budget, NaN scores, a selection that does not fit
+            cache, report = read.pruned(policies[cell], cell.budget)
+        except Exception as err:  # noqa: BLE001 - the policy's failure fails its cell, never the run
             run.failed(cell, err)
             continue
         kept = max((layer.physical_length for _, layer in sieve_layers(cache)), default=0)
-        seconds = time.perf_counter() - start + rebuilt_s
+        # KVzip: one reconstruction per sample serves all its ratios; each cell is charged its seconds
+        seconds = report.seconds if report is not None else 0.0
         batches[cell.ratio].append((cell, cache, seconds, kept, cache_bytes(cache)))
     return batches
 

@@ -34,12 +34,12 @@ import torch
 from kvsieve.engine.attach import attach
 from kvsieve.engine.cache import clone_cache
 from kvsieve.engine.compress import compress_cache
+from kvsieve.engine.reader import Capture, read_prompt
 from kvsieve.learn.reward import Teacher, kl_per_position, teacher_from_logits
 from kvsieve.learn.sampling import first_choice_entropy, gumbel_noise, log_prob_of_ordered
 from kvsieve.networks.keep_net import KeepNet
 from kvsieve.networks.model_shape import ModelShape
 from kvsieve.policies.learned import LearnedPolicy
-from kvsieve.policy import FullCache
 from kvsieve.selection import Budget, Selection
 
 __all__ = ["Episode", "Decision", "Rollout", "RolloutPolicy", "teacher_for", "rollout", "decision_terms",
@@ -138,16 +138,13 @@ class Rollout:
 @torch.no_grad()
 def context_cache_for(model, episode: Episode, window: int, hidden_states: bool = False):
     """The full cache of ``episode``'s context (``hidden_states``: its layers keep their input hidden states too)."""
-    capture = FullCache(window=window)
-    capture.needs_hidden_states = hidden_states
-    with attach(model, capture, ratio=0.0):
-        return model(input_ids=episode.context, use_cache=True, logits_to_keep=1).cache
+    return read_prompt(model, episode.context, Capture(window=window, hidden_states=hidden_states)).cache
 
 
 @torch.no_grad()
 def continuation_logits(model, cache, episode: Episode, window: int) -> torch.Tensor:
     """Logits of the continuation read on ``cache`` (which it extends), nothing evicted."""
-    with attach(model, FullCache(window=window), ratio=0.0):
+    with attach(model, Capture(window=window).policy()):
         return model(input_ids=episode.continuation, cache=cache, use_cache=True).logits[0]
 
 
@@ -172,7 +169,7 @@ def teacher_for(model, episode: Episode, mode: str, window: int, chunk_size: int
     if total <= chunk_size:
         raise ValueError(f"episode {episode.name!r} has {total} tokens, not more than one chunk ({chunk_size}): "
                          "nothing follows an eviction; use a smaller chunk_size or longer samples")
-    logits = _decode_logits(model, episode, FullCache(window=window), total, chunk_size)
+    logits = _decode_logits(model, episode, Capture(window=window).policy(), total, chunk_size)
     return teacher_from_logits(logits[chunk_size:], chunk_size, top_k)
 
 

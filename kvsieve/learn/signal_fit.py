@@ -31,13 +31,12 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
-from kvsieve.engine.attach import attach
 from kvsieve.engine.cache import sieve_layers
 from kvsieve.engine.compress import compress_cache, layer_signals
+from kvsieve.engine.reader import Capture, read_prompt
 from kvsieve.learn.kvzap_rollout import KVzapRolloutPolicy
 from kvsieve.learn.rollout import Episode, context_cache_for
 from kvsieve.networks.kvzap_net import KVzapNet
-from kvsieve.policy import FullCache
 from kvsieve.selection import Budget
 
 __all__ = ["SignalFit", "SignalRows", "continuation_attention", "collect_rows", "fit_rows", "fit_signal_map"]
@@ -63,9 +62,7 @@ def continuation_attention(model, episode: Episode) -> list[torch.Tensor]:
     """Per layer, (b, kv_heads, n) the largest attention any query head of a KV head's group pays each of the ``n``
     context entries from any continuation token, on the full cache of context + continuation."""
     n, m = episode.context.shape[1], episode.continuation.shape[1]
-    capture = FullCache(window=m)  # the captured window: the continuation's queries
-    with attach(model, capture, ratio=0.0):
-        cache = model(input_ids=episode.ids, use_cache=True, logits_to_keep=1).cache
+    cache = read_prompt(model, episode.ids, Capture(window=m)).cache  # the window: the continuation's queries
     layers = sieve_layers(cache)
     out = []
     for idx, layer in layers:

@@ -3,13 +3,12 @@
 A prefill is a small state machine the scheduler advances by at most a token budget per step (chunked prefill),
 so one long prompt never holds up the running streams for longer than one chunk:
 
-1. **read**: the first part of the prompt (the context; context + question for a question-aware point), chunk by
-   chunk, under ``kvsieve.attach`` with a :class:`Gathering` stand-in of the request's policy: the same window,
-   attention tracking, query statistics and hidden states are captured, nothing is compressed yet. Causal
-   attention makes the cache of a prompt read in chunks the cache of the prompt read at once.
-2. **compress**: at the end of that part, the request's policy prunes the cache at its ratio exactly as the
-   engine's prefill mode does at the end of its first forward (``compress_cache``; KVzip's reconstruction runs
-   here, in one piece: it repeats the whole context).
+1. **read**: the first part of the prompt (``engine/reader.first_part``: the context; context + question for a
+   question-aware point), chunk by chunk, by the engine's :class:`~kvsieve.engine.reader.PromptReader` capturing
+   what the request's policy reads; nothing is compressed yet. Causal attention makes the cache of a prompt read in
+   chunks the cache of the prompt read at once.
+2. **compress**: at the end of that part, the request's policy prunes the read at its ratio exactly as every verb
+   does (``PromptRead.pruned``; KVzip's reconstruction runs here, in one piece: it repeats the whole context).
 3. **question**: a query-agnostic point then reads the question, chunk by chunk, on the pruned cache.
 
 The room the cache's segments get is set here, never left to the store's growth rule (an eighth, at least 64
@@ -32,15 +31,12 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import DynamicCache
 
-from kvsieve.engine.attach import attach
 from kvsieve.engine.cache import cache_bytes, full_cache_bytes, reserve_room, sieve_layers
-from kvsieve.engine.compress import compress_cache
-from kvsieve.engine.reconstruct import compress_with_reconstruction
-from kvsieve.policy import FullCache, Policy
+from kvsieve.engine.reader import Capture, PromptReader, first_part
 from kvsieve.prompt import Prompt
 from kvsieve.serve.points import ChosenPoint
 
-__all__ = ["Cancelled", "CacheInfo", "Completion", "Gathering", "Prefill", "bytes_per_token"]
+__all__ = ["Cancelled", "CacheInfo", "Completion", "Prefill", "bytes_per_token"]
 
 
 class Cancelled(Exception):
@@ -82,24 +78,6 @@ def bytes_per_token(model) -> int:
     return int(config.num_hidden_layers * 2 * heads * head_dim * size)
 
 
-class Gathering(Policy):
-    """Captures what ``policy`` will read (window queries, accumulated attention, query statistics, hidden states)
-    while a prompt is read in chunks, and compresses nothing: the compression runs once the part is read."""
-
-    name = "gathering"
-    evicts = False
-    uses_window = False
-
-    def __init__(self, policy: Policy) -> None:
-        super().__init__(window=policy.window)
-        self.needs_accumulated_attention = policy.needs_accumulated_attention
-        self.needs_query_stats = policy.needs_query_stats
-        self.needs_hidden_states = policy.needs_hidden_states
-
-    def score(self, signals):  # never called: nothing is compressed under it
-        raise RuntimeError("Gathering compresses nothing")
-
-
 class Prefill:
     """One request's prefill, advanced by :meth:`advance` a bounded number of tokens at a time (module doc)."""
 
@@ -112,24 +90,32 @@ class Prefill:
     def _start(self, chosen: ChosenPoint) -> None:
         self.chosen = chosen
         self.room = chosen.room(self.max_tokens)
-        p = self.prompt
         self.question_aware = chosen.setting.protects_question
-        first = torch.cat([p.context_ids, p.question_ids], dim=1) if self.question_aware else p.context_ids
-        self.parts = [first] if self.question_aware else [first, p.question_ids]
-        self.part, self.read = 0, 0  # the part being read and the tokens of it read so far
-        self.gathering = Gathering(chosen.point.policy) if chosen.setting.compresses else FullCache()
-        self.cache: DynamicCache | None = None
+        self.capture = Capture.of([chosen.point.policy]) if chosen.setting.compresses else Capture()
+        self.reader: PromptReader | None = PromptReader(self.model, first_part(self.prompt, self.question_aware),
+                                                        self.capture)
+        self.question: PromptReader | None = None  # a query-agnostic point's question, read on the pruned cache
+        self.pruned: DynamicCache | None = None
         self.logits: torch.Tensor | None = None
         self.info: CacheInfo | None = None
 
     @property
+    def cache(self) -> DynamicCache | None:
+        """The request's cache as it stands: the part being read, or the pruned one."""
+        if self.question is not None:
+            return self.question.cache
+        return self.pruned if self.reader is None else self.reader.cache
+
+    @property
     def done(self) -> bool:
-        return self.part == len(self.parts)
+        return self.info is not None and (self.question is None or self.question.done)
 
     @property
     def remaining(self) -> int:
         """Prompt tokens still to read."""
-        return sum(part.shape[1] for part in self.parts[self.part:]) - self.read
+        first = self.reader.remaining if self.reader is not None else 0
+        question = self.prompt.question_ids.shape[1] if self.reader is not None and not self.question_aware else 0
+        return first + (self.question.remaining if self.question is not None else question)
 
     @torch.no_grad()
     def advance(self, tokens: int) -> int:
@@ -150,39 +136,29 @@ class Prefill:
     def _advance(self, tokens: int) -> int:
         used = 0
         while not self.done and used < tokens:
-            part = self.parts[self.part]
-            take = min(tokens - used, part.shape[1] - self.read)
-            ids = part[:, self.read:self.read + take]
-            with attach(self.model, self.gathering):
-                out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1)
-                self.cache = out.cache
-                self.read += take
-                used += take
-                if self.read < part.shape[1]:
-                    if self.read == take:  # after the first chunk: room for exactly the rest of this part
-                        reserve_room(self.cache, part.shape[1] - self.read)
-                    continue
-                self.logits = out.logits[0, -1]
-                self.part, self.read = self.part + 1, 0
-                if self.part == 1:
+            if self.reader is not None:
+                used += self.reader.advance(tokens - used)
+                if self.reader.done:
                     self._compress()
+            else:
+                used += self.question.advance(tokens - used)
         return used
 
     def _compress(self) -> None:
         """The end of the first part: compress at the request's point, note what it kept, give every segment room
-        for exactly the question (when still to read) and ``max_tokens``."""
-        p, chosen, cache = self.prompt, self.chosen, self.cache
+        for exactly the question (when still to read) and ``max_tokens``; then the question's read, if any."""
+        p, chosen = self.prompt, self.chosen
         n, m = p.context_ids.shape[1], p.question_ids.shape[1]
-        if chosen.setting.compresses:
-            tail = m if self.question_aware else 0
-            budget, policy = chosen.setting.budget, chosen.point.policy
-            if policy.needs_reconstruction:  # KVzip: repeats the context over a copy of the cache
-                compress_with_reconstruction(self.model, cache, self.parts[0], policy, budget, tail)
-            else:  # a row evicting while it decodes keeps an intrinsic policy's scores with the entries
-                compress_cache(cache, policy, budget, tail, remember_scores=self.evicts)
+        read = self.reader.finished(m if self.question_aware else 0)
+        budget = chosen.setting.budget if chosen.setting.compresses else None
+        # a row evicting while it decodes keeps an intrinsic policy's scores with the entries
+        cache, _ = read.pruned(chosen.point.policy, budget, remember_scores=self.evicts)
         kept = [layer.physical_length for _, layer in sieve_layers(cache)]
         self.info = CacheInfo(n, n + m, full_cache_bytes(cache), cache_bytes(cache), kept, 0.0, self.chosen)
         reserve_room(cache, (0 if self.question_aware else m) + self.room)
+        self.reader, self.pruned, self.logits = None, cache, read.logits  # the full cache goes
+        if not self.question_aware:
+            self.question = PromptReader(self.model, p.question_ids, self.capture, cache)
 
     @property
     def evicts(self) -> bool:
@@ -194,4 +170,5 @@ class Prefill:
         if not self.done:
             raise RuntimeError(f"the prefill has {self.remaining} prompt tokens left to read")
         self.info.prefill_seconds = self.seconds
-        return self.cache, self.logits, self.info
+        logits = self.question.logits if self.question is not None else self.logits
+        return self.cache, logits[0], self.info

@@ -795,7 +795,7 @@ def test_stage3_stops_a_row_once_its_score_is_settled_and_scores_it_as_a_decode_
 
     def to_the_limit(dev: DevSet, caches: list) -> list[str]:
         first = torch.cat([dev.read_question(dev.items[0], c)[1] for c in caches])
-        with torch.no_grad(), attach(model, dev.capture, ratio=0.0):
+        with torch.no_grad(), attach(model, dev.capture.policy()):
             rows = greedy_decode(model, tokenizer, stack_caches(caches), first, 16)
         return [tokenizer.decode(r, skip_special_tokens=True) for r in rows]
 
@@ -1128,7 +1128,7 @@ def test_cells_of_several_samples_decode_as_one_batch_each_row_as_it_would_alone
         def settled(row, tokens):
             return metric_settled(sample.metric, tokenizer.decode(tokens), sample.answers)
 
-        with torch.no_grad(), attach(model, dev.capture, ratio=0.0):
+        with torch.no_grad(), attach(model, dev.capture.policy()):
             row = greedy_decode(model, tokenizer, cache, logits, sample.max_new_tokens, tuple(sample.stop), settled)
         return tokenizer.decode(row[0])
 

@@ -95,7 +95,7 @@ def test_likelihood_fitness_scores_each_cell_by_its_teacher_forced_answer(smollm
                 ids = torch.cat([item.prompt.question_ids, item.answer_ids], dim=1)
                 from kvsieve.engine.attach import attach
 
-                with attach(model, dev.capture, ratio=0.0):
+                with attach(model, dev.capture.policy()):
                     logits = model(input_ids=ids, cache=cache, use_cache=True).logits[0].float()
             q, a = item.prompt.question_ids.shape[1], item.answer_ids.shape[1]
             lp = torch.log_softmax(logits[q - 1:q - 1 + a], dim=-1).gather(-1, item.answer_ids[0][:, None])

@@ -196,7 +196,7 @@ def test_cache_holds_the_budget_no_reconstruction_tokens_and_decodes(ids):
 
 @torch.no_grad()
 def test_grid_and_attach_keep_the_same_entries(monkeypatch):
-    from kvsieve.harness import evaluate as runner
+    from kvsieve.engine import prune, reader
     from kvsieve.harness.evaluate import evaluate_sample
     from kvsieve.harness.grid import Cell
     from kvsieve.tasks.sample import Sample
@@ -208,18 +208,18 @@ def test_grid_and_attach_keep_the_same_entries(monkeypatch):
     cells = [Cell("kvzip(chunk_size=40)", 0.5), Cell("kvzip(chunk_size=40, allocation='uniform')", 0.5),
              Cell("kvzip(chunk_size=40)", 0.75), Cell("kvzip(chunk_size=40)", 0.5, True), Cell("full", 0.0)]
     pruned, rebuilt = {}, []
-    compress, scores = runner.compress_with_reconstruction, runner.reconstruction_scores
+    compress, scores = prune.compress_with_reconstruction, reader.reconstruction_scores
 
-    def recording_compress(model, cache, ids, policy, budget, protected, reconstruction):
-        compress(model, cache, ids, policy, budget, protected, reconstruction=reconstruction)
+    def recording_compress(model, cache, ids, policy, budget, protected, report, reconstruction):
+        compress(model, cache, ids, policy, budget, protected, report, reconstruction=reconstruction)
         pruned[(policy.allocation, budget.ratio, protected > 0)] = {i: kept_sets(x) for i, x in sieve_layers(cache)}
 
     def counting_scores(*args, **kwargs):
         rebuilt.append(scores(*args, **kwargs))
         return rebuilt[-1]
 
-    monkeypatch.setattr(runner, "compress_with_reconstruction", recording_compress)
-    monkeypatch.setattr(runner, "reconstruction_scores", counting_scores)
+    monkeypatch.setattr(prune, "compress_with_reconstruction", recording_compress)
+    monkeypatch.setattr(reader, "reconstruction_scores", counting_scores)
     results = evaluate_sample(model, TOKENIZER, sample, cells)
     assert len(rebuilt) == 2  # one per sample and question-awareness, shared by every ratio and allocation
     for result in results[:3]:  # the reconstruction's seconds are in each kvzip cell's prefill time

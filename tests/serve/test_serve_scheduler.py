@@ -16,7 +16,8 @@ from test_serve import BYTES_PER_TOKEN, NAME, ChatTokenizer, _wait, client, hook
 
 from kvsieve.engine.attach import attach
 from kvsieve.engine.cache import cache_allocated_bytes, sieve_layers
-from kvsieve.engine.generate import generate, prefill_prompt
+from kvsieve.engine.generate import generate
+from kvsieve.engine.reader import first_part
 from kvsieve.policies import get, parse
 from kvsieve.policies.label import Point
 from kvsieve.policies.operating_point import OperatingPoint
@@ -39,7 +40,7 @@ def _engine_cache(model, prompt, policy, ratio: float, question_aware: bool):
     """The engine's own prefill (the whole first part in one forward, compressed at its end), then the question."""
     tail = prompt.question_ids.shape[1] if question_aware else 0
     with attach(model, policy, ratio=ratio, protected_tail=tail):
-        out = prefill_prompt(model, prompt, question_aware)
+        out = model(input_ids=first_part(prompt, question_aware), use_cache=True, logits_to_keep=1)
         if not question_aware:
             out = model(input_ids=prompt.question_ids, cache=out.cache, use_cache=True, logits_to_keep=1)
     return out.cache, out.logits[0, -1]
