@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import random
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +37,7 @@ from kvsieve.language.cost import BYTES_PER_ELEMENT, CALL_OVERHEAD_NS, REFERENCE
 from kvsieve.language.program_source import SELECTION_CHOICES, SELECTION_RANGES
 from kvsieve.language.typed_graph import Node, TypedGraph
 
-__all__ = ["typed_rules", "lark_text", "decoding_lark", "gbnf_text", "sample", "bounds", "GrammarBounds",
+__all__ = ["typed_rules", "lark_text", "decoding_lark", "gbnf_text", "sample", "number_text", "bounds", "GrammarBounds",
            "TERMINALS", "TYPED_DEPTH", "DECODING_DEPTH"]
 
 # terminal -> (Lark regex, GBNF expression)
@@ -346,12 +347,17 @@ def bounds(depth: int = TYPED_DEPTH, dims: dict[str, int] | None = None) -> Gram
 
 # --- random strings ------------------------------------------------------------------------------------------
 
-def _terminal(name: str, rng: random.Random) -> str:
+def number_text(rng: random.Random) -> str:
+    """A random string of the ``NUMBER`` terminal (a positive literal)."""
+    whole = rng.choice(["0", str(rng.randint(1, 9)), str(rng.randint(10, 999))])
+    if whole == "0":
+        return f"0.{rng.randint(1, 999):03d}".rstrip("0") if rng.random() < 0.5 else f"0.{rng.randint(1, 9)}"
+    return whole if rng.random() < 0.5 else f"{whole}.{rng.randint(0, 99)}"
+
+
+def _terminal(name: str, rng: random.Random, numbers: Callable[[random.Random], str] | None = None) -> str:
     if name == "NUMBER":
-        whole = rng.choice(["0", str(rng.randint(1, 9)), str(rng.randint(10, 999))])
-        if whole == "0":
-            return f"0.{rng.randint(1, 999):03d}".rstrip("0") if rng.random() < 0.5 else f"0.{rng.randint(1, 9)}"
-        return whole if rng.random() < 0.5 else f"{whole}.{rng.randint(0, 99)}"
+        return (numbers or number_text)(rng)
     if name == "KERNEL":
         return str(rng.randint(*ops.KERNEL_RANGE))
     if name == "POWER":
@@ -361,16 +367,19 @@ def _terminal(name: str, rng: random.Random) -> str:
     raise KeyError(name)
 
 
-def sample(seed: int, max_depth: int = 99, depth: int = TYPED_DEPTH) -> str:
+def sample(seed: int, max_depth: int = 99, depth: int = TYPED_DEPTH,
+           numbers: Callable[[random.Random], str] | None = None) -> str:
     """A random string of ``typed_program`` at nesting ``depth``; past ``max_depth`` symbols down the derivation
-    only the shallowest alternatives are chosen (features and numbers)."""
+    only the shallowest alternatives are chosen (features and numbers). ``numbers`` draws the text of each number
+    literal in place of the grammar's ``NUMBER`` (the value-class fuzz of ``benchmarks/language_cost.py``: the
+    strings are then not all the grammar's)."""
     rng, rules = random.Random(seed), typed_rules(depth)
 
     def expand(symbol: str, level: int) -> str:
         if symbol.startswith('"'):
             return symbol[1:-1].replace('\\"', '"').replace("\\n", "\n").replace("\\\\", "\\")
         if symbol in TERMINALS:
-            return _terminal(symbol, rng)
+            return _terminal(symbol, rng, numbers)
         alternatives = rules[symbol]
         if level >= max_depth:
             leaves = [alt for alt in alternatives if all(s.startswith('"') or s in TERMINALS for s in alt)]

@@ -21,10 +21,10 @@ a negative, a subnormal, an infinity or NaN, ``sin`` and ``cos`` beyond 1e4 in m
 slow paths 6 to 36 times the normal time (measured: ``benchmarks/language_cost.py --values``). So those six
 operations read their argument inside the range where they are fast (:data:`GUARDED_RANGES`): NaN is read as 0
 and anything beyond the range as its nearer end (an infinity included), which makes them total functions with
-finite results (``log(0)`` is -87.3, ``sqrt(-1)`` 1.1e-19, ``exp(1000)`` 6.1e37). ``x ** k`` is one cheap pass
-for k in :data:`FAST_POWERS` and torch's general ``pow`` otherwise, priced on its own. Number literals are 0 or
-of magnitude in [:data:`LITERAL_MIN`, :data:`LITERAL_BOUND`] (a subnormal float32 cannot be written), and
-numbers folded from them 0 or in [:data:`LITERAL_MIN`, :data:`FOLDED_BOUND`].
+finite results (``log(0)`` is -87.3, ``sqrt(-1)`` 1.1e-19, ``exp(1000)`` 6.1e37, ``log(inf)`` 87.5). ``x ** k`` is
+one cheap pass for k in :data:`FAST_POWERS` and torch's general ``pow`` otherwise, priced on its own. Number
+literals are 0 or of magnitude in [:data:`LITERAL_MIN`, :data:`LITERAL_BOUND`] (a subnormal float32 cannot be
+written), and numbers folded from them 0 or in [:data:`LITERAL_MIN`, :data:`FOLDED_BOUND`].
 """
 
 from __future__ import annotations
@@ -66,12 +66,13 @@ MAX_INT_BITS = 64
 FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal number
 FLOAT32_MAX = 3.4028234663852886e38
 # the argument each guarded operation reads: NaN as 0, anything beyond the range as its nearer end. Inside these,
-# torch's vectorised exp, log, log1p, sqrt, sin and cos run at one speed (AMD EPYC, torch 2.13: exp(-87.5) and
-# exp(87.5) 11-36x slower, log / sqrt of 0, negatives, subnormals or infinities 6-36x, sin / cos past ~1.2e4 5x,
-# of an infinity 12x; benchmarks/language_cost.py --values prints the table)
+# torch's vectorised exp, log, log1p, sqrt, sin and cos run within 3x of their speed on ordinary values (AMD EPYC,
+# torch 2.13: exp(-87.5) and exp(87.5) 11-36x slower, log / sqrt of 0, negatives, subnormals or infinities 6-36x,
+# sqrt of float32's largest number 28x, sin / cos past ~1.2e4 5x, of an infinity 12x; outside FLOAT32_MAX itself,
+# the largest float32 is kept out of the ranges; benchmarks/language_cost.py --values prints the table)
 GUARDED_RANGES: dict[str, tuple[float, float]] = {
-    "exp": (-87.0, 87.0), "log": (FLOAT32_TINY, FLOAT32_MAX), "log1p": (-1.0 + 2.0 ** -24, FLOAT32_MAX),
-    "sqrt": (FLOAT32_TINY, FLOAT32_MAX), "sin": (-1e4, 1e4), "cos": (-1e4, 1e4),
+    "exp": (-87.0, 87.0), "log": (FLOAT32_TINY, 1e38), "log1p": (-1.0 + 2.0 ** -24, 1e38),
+    "sqrt": (FLOAT32_TINY, 1e38), "sin": (-1e4, 1e4), "cos": (-1e4, 1e4),
 }
 
 FEATURE_TYPES: dict[str, Dims] = {"attn": BHGN, "last_attn": BHGN, "key_norm": BHN, "value_norm": BHN,
@@ -169,10 +170,13 @@ def _elementwise(name: str) -> Unary:
 # name -> (doc, calibration class): a memory-bound pass ("cheap"), a transcendental read through its guard ("exp",
 # GUARDED_RANGES: the guard's two passes are in the price), the logistic sigmoid, trigonometry (guarded), tanh
 _ELEMENTWISE = {
-    "abs": ("absolute value", "cheap"), "exp": ("exponential", "exp"), "log": ("natural logarithm", "exp"),
-    "log1p": ("log(1 + x)", "exp"), "sqrt": ("square root", "exp"), "sigmoid": ("logistic sigmoid", "sigmoid"),
+    "abs": ("absolute value", "cheap"), "exp": ("exponential (x read inside [-87, 87])", "exp"),
+    "log": ("natural logarithm (x read inside [1.2e-38, 1e38])", "exp"),
+    "log1p": ("log(1 + x) (x read inside (-1, 1e38])", "exp"),
+    "sqrt": ("square root (x read inside [1.2e-38, 1e38])", "exp"), "sigmoid": ("logistic sigmoid", "sigmoid"),
     "tanh": ("hyperbolic tangent", "tanh"), "relu": ("max(x, 0)", "cheap"), "sign": ("-1, 0 or 1", "cheap"),
-    "square": ("x * x", "cheap"), "sin": ("sine", "trig"), "cos": ("cosine", "trig"),
+    "square": ("x * x", "cheap"), "sin": ("sine (x read inside [-1e4, 1e4])", "trig"),
+    "cos": ("cosine (x read inside [-1e4, 1e4])", "trig"),
 }
 
 FUNCTIONS: dict[str, Operation] = {
@@ -274,9 +278,11 @@ def describe() -> list[str]:
     fields = ", ".join(f"f.{name} {shape_text(shape)}" for name, shape in FEATURE_TYPES.items())
     return [
         "score(f) is bindings `name = expression` and one final `return expression` of shape (b, h, n).",
-        "An expression is a feature, a number literal (|x| <= 1e6), a bound name, + - * /, unary -, x ** k "
-        f"(int literal k in [{POW_RANGE[0]}, {POW_RANGE[1]}]) or one of these calls:",
+        f"An expression is a feature, a number literal (0 or {LITERAL_MIN:g} <= |x| <= {LITERAL_BOUND:g}), a bound "
+        f"name, + - * /, unary -, x ** k (int literal k in [{POW_RANGE[0]}, {POW_RANGE[1]}]) or one of these calls:",
         *(f"- {_signature(op)}: {op.doc}" for op in FUNCTIONS.values()),
+        "A guarded operation reads a value beyond its range as the range's nearer end and NaN as 0, so its result "
+        "is finite.",
         f"Features and their shapes: {fields}.",
         "Shapes combine only where their dims agree, aligned on the right: (b, h, n) with (n) or a number, "
         "never (b, h, g, n) with (b, h, n); reduce g first with group_mean or group_max.",
