@@ -147,6 +147,11 @@ def blocked_causal_attention(query, key, value, scaling: float | None = None, va
 def sieve_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     session = getattr(module, "_kvsieve_session", None)
     layer = session.layer(module.layer_idx) if session is not None else None
+    if isinstance(layer, SieveLayer) and layer.recall is not None:  # a question recalling evicted entries
+        recall, layer.recall = layer.recall, None
+        recall(layer, query)
+        if layer.store is None:
+            key, value = layer.keys, layer.values
     if isinstance(layer, SieveLayer) and layer.store is not None:
         layer.scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
         layer.remember_queries(query)

@@ -115,6 +115,7 @@ class SieveLayer(DynamicLayer):
         self.query_stats = None  # kvsieve.engine.query_hooks fills it (pre-RoPE query statistics)
         self.rope: tuple[torch.Tensor, float] | None = None
         self.hidden_states: torch.Tensor | None = None
+        self.recall = None  # engine/recall.LayerRecall: called by the attention function, once, before attention
 
     # -- the dense view (a view or padded copy of a store; assigning makes the layer dense) -------
     def _field(self, name: str):
@@ -277,6 +278,32 @@ class SieveLayer(DynamicLayer):
         if self._valid is not None:
             valid = self._valid.gather(2, indices) if valid is None else valid & self._valid.gather(2, indices)
         self._valid = None if valid is None or bool(valid.all()) else valid
+        self._compact()
+
+    def insert_before_tail(self, tail: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                           valid: torch.Tensor) -> None:
+        """Put entries (b, h, r, ...) (``valid`` (b, h, r): which are real) before each head's last ``tail`` entries:
+        recalled entries go back at their own positions, ahead of the new tokens that recalled them (every key
+        before a query's own block stays visible to it under the bottom-right causal mask). One copy of the layer."""
+        self.densify(pad_at=0)  # padding on the left: every head's last ``tail`` entries line up at the end
+        self.hidden_states = None
+        n = self._keys.shape[2]
+        if not 0 < tail <= n:
+            raise ValueError(f"tail {tail} is not within the layer's {n} entries")
+        b, h = self._keys.shape[:2]
+        held = self._valid if self._valid is not None else torch.ones(b, h, n, dtype=torch.bool,
+                                                                     device=self._keys.device)
+
+        def spliced(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+            return torch.cat([old[:, :, :n - tail], new.to(old.device, old.dtype), old[:, :, n - tail:]], dim=2)
+
+        self._keys, self._values = spliced(self._keys, keys), spliced(self._values, values)
+        self._positions = spliced(self._positions, positions)
+        self._valid = spliced(held, valid)
+        if self._attention is not None:
+            self._attention = spliced(self._attention, torch.zeros(valid.shape))
+        if self._scores is not None:
+            self._scores = spliced(self._scores, torch.full(valid.shape, math.nan))
         self._compact()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:

@@ -1,0 +1,256 @@
+"""Recall: compress once, and when a question arrives bring back the evicted entries it looks for.
+
+A query-agnostic policy cannot know which of many alike lines a later question will name (RULER's multikey_3: the
+"capacity cliff" near 8x). Methods that survive it keep every entry somewhere and choose once the question is known:
+Quest (page digests, arXiv 2406.10774), ArkVale (pages backed up to host memory and recalled, NeurIPS 2024),
+ShadowKV (low-rank keys resident, arXiv 2410.21465), SpeCache (a low-bit copy resident, arXiv 2503.16163).
+
+Here a prompt read once (:class:`~kvsieve.engine.reader.PromptRead`) is split into two tiers by a policy
+(:meth:`TieredContext.split`): the **hot** tier is the pruned cache (what attention reads and budgets count) and the
+**cold** tier (:mod:`kvsieve.engine.cold`) holds every entry the policy evicted. A question is read on a copy of the
+hot tier armed for recall (:meth:`TieredContext.question_cache`): in each layer, before its attention, the question's
+own queries of that layer score the layer's cold entries (exactly on the cold keys, or on a small **sketch** kept hot:
+1-bit key signs with a scale, or a rank-r key projection), whole chunks of ``chunk`` consecutive positions are
+ranked by their best entry (a uuid spans 20-30 tokens; per-token top-k keeps its most-attended pieces), and the best
+``fraction`` of the context per KV head goes back into the hot copy at its original positions, ahead of the
+question's tokens. Once per question: the copy is dropped with the answer, and the compressed context (hot and cold)
+is bit for bit what it was, ready for the next question (KVzip's premise: compress once, reuse across queries).
+
+The budget holds the sketches and the recalled entries too: at a point keeping ``1 - ratio`` of the cache, the policy
+keeps ``1 - ratio - fraction`` less the sketches' share (:meth:`Recall.policy_ratio`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from kvsieve.engine.cache import SieveLayer, cache_bytes, clone_cache, sieve_layers
+from kvsieve.engine.cold import FORMATS, ColdLayer
+from kvsieve.engine.compress import CompressionReport
+from kvsieve.engine.reader import PromptRead
+from kvsieve.policy import Policy
+from kvsieve.selection import Budget
+
+__all__ = ["SKETCHES", "KeySketch", "LayerRecall", "Recall", "TieredContext"]
+
+SKETCHES = ("exact", "sign", "lowrank")
+
+
+@dataclass(frozen=True)
+class Recall:
+    """How a question recalls: ``fraction`` of the context's entries per KV head brought back, scored ``sketch``
+    (``exact`` on the cold keys, ``sign`` or ``lowrank`` on a sketch kept hot, of ``rank`` dims), ranked by chunks
+    of ``chunk`` consecutive positions, the evicted entries kept in the ``cold`` format."""
+
+    fraction: float
+    sketch: str = "exact"
+    chunk: int = 16
+    cold: str = "exact"
+    rank: int = 8
+
+    def __post_init__(self) -> None:
+        f = self.fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or not 0 <= f < 1:
+            raise ValueError(f"recall fraction {f!r} is not in [0, 1): it is the share of the context recalled")
+        if self.sketch not in SKETCHES:
+            raise ValueError(f"recall sketch {self.sketch!r} is not one of {', '.join(SKETCHES)}")
+        if self.cold not in FORMATS:
+            raise ValueError(f"cold format {self.cold!r} is not one of {', '.join(FORMATS)}")
+        for name in ("chunk", "rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"recall {name} must be a positive int, got {value!r}")
+
+    def sketch_share(self, head_dim: int, itemsize: int) -> float:
+        """Bytes a cold entry's sketch keeps hot, as a share of the entry's full key and value."""
+        full = 2 * head_dim * itemsize
+        if self.sketch == "sign":
+            return (head_dim / 8 + 2) / full  # the signs packed, one float16 scale
+        if self.sketch == "lowrank":
+            return 2 * self.rank / full  # rank float16 coefficients (the basis, per head, is not counted per entry)
+        return 0.0
+
+    def policy_ratio(self, ratio: float, head_dim: int, itemsize: int) -> float:
+        """The ratio the policy runs at so that what it keeps, the recalled entries and the sketches of the evicted
+        ones fit a point keeping ``1 - ratio``: kept = (1 - ratio - fraction - s) / (1 - s), s the sketch share."""
+        kept = 1.0 - ratio
+        if not 0 <= self.fraction < kept:
+            raise ValueError(f"recall fraction {self.fraction!r} is outside [0, {kept:g}): it must be below the share "
+                             f"the point at ratio {ratio:g} keeps")
+        s = self.sketch_share(head_dim, itemsize)
+        policy_kept = (kept - self.fraction - s) / (1 - s)
+        if policy_kept <= 0:
+            raise ValueError(f"recall fraction {self.fraction!r} with the {self.sketch} sketch ({100 * s:.1f}% of an "
+                             f"entry) leaves the policy nothing of the {100 * kept:g}% the point keeps")
+        return 1.0 - policy_kept
+
+
+@dataclass
+class KeySketch:
+    """A layer's cold keys in small: ``sign`` (signs packed 8 a byte and each entry's mean |k|, float16: the scaled
+    1-bit code with the least squared error) or ``lowrank`` (each head's top-``rank`` right singular vectors of its
+    cold keys and every entry's float16 coefficients on them)."""
+
+    kind: str
+    codes: torch.Tensor  # sign: (b, h, e, d/8) uint8; lowrank: (b, h, e, r) float16
+    scale: torch.Tensor  # sign: (b, h, e) float16; lowrank: (b, h, d, r) float16 basis
+
+    @classmethod
+    def of(cls, keys: torch.Tensor, valid: torch.Tensor, kind: str, rank: int = 8) -> KeySketch:
+        keys = keys.float().masked_fill(~valid[..., None], 0.0)
+        if kind == "sign":
+            bits = (keys > 0).to(torch.uint8).reshape(*keys.shape[:-1], -1, 8)
+            weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+            return cls(kind, (bits * weights).sum(-1).to(torch.uint8), keys.abs().mean(-1).half())
+        rank = min(rank, keys.shape[-1], max(keys.shape[2], 1))
+        _, _, vh = torch.linalg.svd(keys, full_matrices=False)  # (b, h, min(e, d), d)
+        basis = vh[..., :rank, :].transpose(-1, -2)  # (b, h, d, r)
+        return cls(kind, (keys @ basis).half(), basis.half())
+
+    def dot(self, queries: torch.Tensor) -> torch.Tensor:
+        """(b, h, e) the largest estimated q . k over ``queries`` (b, h, n, d) for every entry."""
+        q = queries.float()
+        if self.kind == "sign":
+            shifts = torch.arange(8, dtype=torch.uint8)
+            signs = ((self.codes[..., None] >> shifts) & 1).reshape(*self.codes.shape[:-1], -1).float() * 2 - 1
+            return (q @ signs.transpose(-1, -2)).amax(-2) * self.scale.float()
+        return ((q @ self.scale.float()) @ self.codes.float().transpose(-1, -2)).amax(-2)
+
+    def nbytes(self) -> int:
+        return self.codes.numel() * self.codes.element_size() + self.scale.numel() * self.scale.element_size()
+
+
+@dataclass
+class LayerRecall:
+    """Armed on one layer of a question's copy of the hot tier; the attention function calls it once, with the
+    layer's queries of the question, before its attention (``SieveLayer.recall``)."""
+
+    cold: ColdLayer
+    sketch: KeySketch | None
+    tokens: int  # entries per (row, KV head) to bring back
+    chunk: int
+    recalled: int = 0  # entries brought back (all rows and heads)
+    moved_bytes: int = 0
+
+    def scores(self, queries: torch.Tensor) -> torch.Tensor:
+        """(b, h, e): each cold entry's best q . k over the question's queries of its KV head's group."""
+        b, hq, m, d = queries.shape
+        h = self.cold.positions.shape[1]
+        grouped = queries.reshape(b, h, (hq // h) * m, d)
+        if self.sketch is not None:
+            return self.sketch.dot(grouped)
+        return (grouped.float() @ self.cold.keys().float().transpose(-1, -2)).amax(-2)
+
+    def chosen(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(b, h, k) indices into the cold entries and which are real: whole chunks by their best entry, in order."""
+        cold = self.cold
+        scores = self.scores(queries).masked_fill(~cold.valid, float("-inf"))
+        chunk_of = torch.div(cold.positions, self.chunk, rounding_mode="floor")
+        best = torch.full((*scores.shape[:2], int(chunk_of.max()) + 1), float("-inf"))
+        best = best.scatter_reduce(2, chunk_of, scores, "amax")
+        pooled = best.gather(2, chunk_of).masked_fill(~cold.valid, float("-inf"))
+        k = min(self.tokens, scores.shape[-1])
+        order = torch.sort(pooled, dim=-1, descending=True, stable=True).indices[..., :k]  # ties: earlier first
+        index = order.sort(-1).values  # back in position order
+        return index, cold.valid.gather(2, index)
+
+    def __call__(self, layer: SieveLayer, queries: torch.Tensor) -> None:
+        if self.tokens <= 0 or self.cold.positions.shape[-1] == 0:
+            return
+        index, valid = self.chosen(queries)
+        keys, values = self.cold.keys(index).to(layer.keys.dtype), self.cold.values(index).to(layer.keys.dtype)
+        layer.insert_before_tail(queries.shape[2], keys, values, self.cold.positions.gather(2, index), valid)
+        self.recalled = int(valid.sum())
+        self.moved_bytes = self.recalled * self.cold.entry_nbytes()
+
+
+@dataclass
+class TieredContext:
+    """A compressed context in two tiers: ``hot`` (the pruned cache, never modified here), ``cold`` (per cache layer,
+    the evicted entries) and the hot ``sketches``, recalled from per question by ``recall``."""
+
+    hot: DynamicCache
+    cold: dict[int, ColdLayer]
+    sketches: dict[int, KeySketch]
+    recall: Recall
+    context_length: int
+    report: CompressionReport | None = None
+    armed: list[LayerRecall] = field(default_factory=list)  # the last question's recalls
+
+    @classmethod
+    def split(cls, read: PromptRead, policy: Policy, ratio: float, recall: Recall,
+              cold_folder: str | Path | None = None) -> TieredContext:
+        """Prune ``read`` at the point ``ratio`` less the recall's share (:meth:`Recall.policy_ratio`), keeping what
+        the policy evicts in the cold tier (``cold_folder``: where a ``disk`` tier's files go)."""
+        layers = sieve_layers(read.cache)
+        first = layers[0][1]
+        head_dim, itemsize = first.keys.shape[-1], first.keys.element_size()
+        policy_ratio = recall.policy_ratio(ratio, head_dim, itemsize)
+        budget = Budget(ratio=policy_ratio) if policy.evicts and policy_ratio > 0 else None
+        hot, report = read.pruned(policy, budget)
+        cold, sketches = {}, {}
+        for (idx, full), (_, kept) in zip(layers, sieve_layers(hot), strict=True):
+            keys, values, positions, valid = _evicted(full, kept)
+            cold[idx] = ColdLayer.from_entries(keys, values, positions, valid, recall.cold, cold_folder)
+            if recall.sketch != "exact":
+                sketches[idx] = KeySketch.of(keys, valid, recall.sketch, recall.rank)
+        return cls(hot, cold, sketches, recall, read.context_length, report)
+
+    @property
+    def recall_tokens(self) -> int:
+        """Entries a question brings back per (row, KV head)."""
+        return int(round(self.recall.fraction * self.context_length))
+
+    def question_cache(self) -> DynamicCache:
+        """A copy of the hot tier armed to recall on the next forward (the question's, read under ``attach``)."""
+        cache = clone_cache(self.hot)
+        self.armed = []
+        for idx, layer in sieve_layers(cache):
+            armed = LayerRecall(self.cold[idx], self.sketches.get(idx), self.recall_tokens, self.recall.chunk)
+            layer.recall = armed
+            self.armed.append(armed)
+        return cache
+
+    # -- what it costs --------------------------------------------------------------------------------------------
+    def hot_nbytes(self) -> int:
+        """The hot tier: the pruned cache and the sketches."""
+        return cache_bytes(self.hot) + sum(s.nbytes() for s in self.sketches.values())
+
+    def cold_nbytes(self) -> int:
+        return sum(c.nbytes() for c in self.cold.values())
+
+    def cold_resident_nbytes(self) -> int:
+        return sum(c.resident_nbytes() for c in self.cold.values())
+
+    @property
+    def moved_bytes(self) -> int:
+        """Bytes the last question brought from the cold tier."""
+        return sum(a.moved_bytes for a in self.armed)
+
+    @property
+    def recalled(self) -> int:
+        return sum(a.recalled for a in self.armed)
+
+
+def _evicted(full: SieveLayer, kept: SieveLayer) -> tuple[torch.Tensor, ...]:
+    """The entries of ``full`` (a layer read whole: entry i at position i) that ``kept`` no longer holds, per
+    (row, head), sorted by position and padded: (keys, values, positions, valid)."""
+    b, h, n = full.positions.shape
+    held = torch.zeros(b, h, n, dtype=torch.long)
+    positions, valid = kept.positions, kept.valid
+    held.scatter_add_(2, positions, torch.ones_like(positions) if valid is None else valid.long())
+    evicted = held == 0
+    count = evicted.sum(-1)
+    width = int(count.max()) if count.numel() else 0
+    order = ((~evicted).long() * n + torch.arange(n)).argsort(-1)[..., :width]  # evicted first, by position
+
+    def take(t: torch.Tensor) -> torch.Tensor:
+        return t.gather(2, order[..., None].expand(-1, -1, -1, t.shape[-1]))
+
+    return take(full.keys), take(full.values), full.positions.gather(2, order), \
+        torch.arange(width)[None, None, :] < count[..., None]
