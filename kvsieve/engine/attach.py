@@ -32,7 +32,9 @@ from kvsieve.engine.hidden_states import hidden_states_hooks
 from kvsieve.engine.modules import attention_modules
 from kvsieve.engine.prune import prune_prompt
 from kvsieve.engine.query_hooks import query_stats_hooks
+from kvsieve.engine.tiers import TieredContext
 from kvsieve.policy import Policy
+from kvsieve.recall import Recall
 from kvsieve.selection import Budget
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "DEFAULT_EVICT_EVERY", "Session", "attach"]
@@ -61,6 +63,8 @@ class Session:
     evict_every: int = 1  # decode mode: generated tokens between evictions
     pending: int = 0  # decode mode: generated tokens read since the last eviction
     peak_cache_bytes: int = 0  # largest cache held at the end of a forward, before its eviction
+    recall: Recall | None = None  # prefill mode: what the prompt's policy evicts goes cold; the next forward recalls
+    tiers: TieredContext | None = None  # with recall: the prompt's two tiers, once it is read
 
     def layer(self, idx: int):
         return None if self.cache is None else self.cache.layers[idx]
@@ -88,6 +92,7 @@ def attach(
     chunk_size: int = 512,
     protected_tail: int = 0,
     evict_every: int = DEFAULT_EVICT_EVERY,
+    recall: Recall | None = None,
 ) -> Iterator[Session]:
     """Context manager under which ``model(...)`` and ``model.generate(...)`` run compressed.
 
@@ -100,6 +105,9 @@ def attach(
         evict_every: decode mode only, generated tokens between evictions (1: after every token).
         protected_tail: prefill mode, trailing prompt tokens kept on top of the budget (the
             question, in question-aware mode).
+        recall: prefill mode, a ratio's point with two tiers (``engine/tiers.py``): what the policy evicts from
+            the prompt is kept cold, and the next forward (the question) recalls into the cache, in each layer,
+            the entries its queries attend to most; ``session.tiers`` holds both tiers and what was moved.
     """
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a kvsieve Policy (see kvsieve.policies.get), got {type(policy).__name__}")
@@ -117,8 +125,11 @@ def attach(
         raise ValueError(f"evict_every must be a positive int, got {evict_every!r}")
     if isinstance(protected_tail, bool) or not isinstance(protected_tail, int) or protected_tail < 0:
         raise ValueError(f"protected_tail must be an int >= 0, got {protected_tail!r}")
+    if recall is not None and (mode != "prefill" or kept is not None or ratio is None or not policy.evicts):
+        raise ValueError("recall runs a prefill point of an evicting policy given by ratio: not with decode mode, "
+                         "kept or a policy that evicts nothing")
     budget = Budget(ratio=ratio, kept=kept) if policy.evicts else Budget(ratio=0.0)
-    session = Session(policy, budget, mode, chunk_size, protected_tail, evict_every=evict_every)
+    session = Session(policy, budget, mode, chunk_size, protected_tail, evict_every=evict_every, recall=recall)
     modules = attention_modules(model)
     configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in modules)] if c is not None}
     saved_impl = {key: c._attn_implementation for key, c in configs.items()}
@@ -195,7 +206,13 @@ def _compressing_forward(model, forward, session: Session):
                 )
             output = forward(*args, **kwargs)
             session.peak_cache_bytes = max(session.peak_cache_bytes, cache_bytes(cache))
-            if fresh and session.policy.evicts:  # KVzip: one more forward, repeating input_ids
+            if fresh and session.policy.evicts and session.recall is not None:
+                # the caller's cache becomes a copy of the hot tier, armed for the next forward's recall
+                session.tiers = TieredContext.split(model, cache, input_ids, session.policy, session.budget.ratio,
+                                                    session.recall, session.protected_tail)
+                cache.layers = session.tiers.question_cache().layers
+                session.report = session.tiers.report
+            elif fresh and session.policy.evicts:  # KVzip: one more forward, repeating input_ids
                 prune_prompt(model, cache, input_ids, session.policy, session.budget, session.protected_tail,
                              session.report)
             return output

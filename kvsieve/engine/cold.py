@@ -2,7 +2,7 @@
 
 The hot tier is the pruned cache attention reads at every step (what budgets count). When a prompt's read is pruned
 with a cold tier, every entry the policy dropped is kept here per layer and KV head, sorted by position, in one of
-:data:`FORMATS`:
+:data:`~kvsieve.recall.COLD_FORMATS`:
 
 * ``exact``: the entries as they were (on CUDA this is where pinned host memory belongs; on a CPU host and device
   memory are one, so it saves nothing and serves as the reference);
@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["FORMATS", "GROUP", "ColdLayer", "dequantize", "group_size", "quantize"]
+from kvsieve.recall import COLD_FORMATS
 
-FORMATS = ("exact", "int8", "int4", "disk")
+__all__ = ["GROUP", "ColdLayer", "dequantize", "group_size", "quantize"]
 GROUP = 32  # channels per quantization group (a head's 64 or 128 channels: 2 or 4 scales an entry)
 
 
@@ -83,8 +83,8 @@ class ColdLayer:
     def from_entries(cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
                      format: str = "exact", folder: str | Path | None = None) -> ColdLayer:
         """From (b, h, e, d) keys and values, (b, h, e) positions and validity."""
-        if format not in FORMATS:
-            raise ValueError(f"cold format {format!r} is not one of {', '.join(FORMATS)}")
+        if format not in COLD_FORMATS:
+            raise ValueError(f"cold format {format!r} is not one of {', '.join(COLD_FORMATS)}")
         layer = cls(positions.clone(), valid.clone(), format, keys.dtype, keys.shape[-1])
         if format == "exact":
             layer._keys, layer._values = keys.clone(), values.clone()

@@ -14,6 +14,7 @@ from kvsieve.engine.compress import CompressionReport
 from kvsieve.engine.reader import Capture, first_part, read_prompt
 from kvsieve.policy import FullCache, Policy
 from kvsieve.prompt import build_prompt
+from kvsieve.recall import Recall
 from kvsieve.selection import Budget
 
 __all__ = ["Generation", "eos_ids", "greedy_decode", "generate", "check_context_length", "model_context_length"]
@@ -103,6 +104,8 @@ class Generation:
     decode_seconds: float
     report: CompressionReport | None
     peak_cache_bytes: int = 0  # largest cache held during any forward (decode mode: before its eviction)
+    cold_bytes: int = 0  # with recall: the evicted entries in the cold tier
+    moved_bytes: int = 0  # with recall: what the question brought back from it
 
 
 @torch.no_grad()
@@ -121,14 +124,17 @@ def generate(
     mode: str = "prefill",
     chunk_size: int = 512,
     evict_every: int = DEFAULT_EVICT_EVERY,
+    recall: Recall | None = None,
 ) -> Generation:
     """Answer ``question`` about ``context`` with the cache compressed by ``policy``.
 
     ``policy`` is a :class:`~kvsieve.policy.Policy` (``None``: the full cache), never a name.
     Query-agnostic by default: the context is prefilled and compressed before the question is seen.
     ``question_aware=True`` prefills context and question together (the question is the observation
-    window and is always kept). A prompt plus ``max_new_tokens`` longer than the model's context
-    (``max_position_embeddings``) is refused: positions it was never trained on give garbage.
+    window and is always kept). ``recall``: what the policy evicts moves to a cold tier and the question brings the
+    entries it attends to most back (``engine/tiers.py``), the recalled share inside the point's ``ratio``. A prompt
+    plus ``max_new_tokens`` longer than the model's context (``max_position_embeddings``) is refused: positions it was
+    never trained on give garbage.
     """
     policy = FullCache() if policy is None else policy
     if not isinstance(policy, Policy):
@@ -139,8 +145,11 @@ def generate(
     prompt = build_prompt(tokenizer, context, question, answer_prefix)
     n_ctx = prompt.context_ids.shape[1]
     check_context_length(model, n_ctx + prompt.question_ids.shape[1], max_new_tokens)
+    if recall is not None and (mode == "decode" or question_aware or kept is not None or not policy.evicts):
+        raise ValueError("recall runs a query-agnostic prefill point of an evicting policy given by ratio: not with "
+                         "decode mode, question_aware or kept")
     start = time.perf_counter()
-    read = None
+    read, tiers = None, None
     if mode == "decode":  # eviction while the prompt is read: nothing is read whole
         held = attach(model, policy, ratio=ratio, kept=kept, mode=mode, chunk_size=chunk_size, evict_every=evict_every)
     else:
@@ -152,14 +161,21 @@ def generate(
         if read is None:
             out = model(input_ids=first_part(prompt, question_aware), use_cache=True, logits_to_keep=1)
             cache, logits, report, read_bytes = out.cache, out.logits[:, -1], session.report, 0
+        elif recall is not None:  # the question's read below recalls into this armed copy of the hot tier
+            tiers = read.tiered(policy, ratio, recall)
+            cache, report, logits, read_bytes = tiers.question_cache(), tiers.report, None, cache_bytes(read.cache)
+            read = None
         else:
             cache, report = read.pruned(policy, Budget(ratio=ratio, kept=kept) if policy.evicts else None)
             logits, read_bytes = read.logits, cache_bytes(read.cache)
             read = None  # the full cache goes: only the pruned copy is kept
         kept_tokens = [layer.physical_length for _, layer in sieve_layers(cache)]
-        bytes_kept, bytes_full = cache_bytes(cache), full_cache_bytes(cache)
+        bytes_kept = cache_bytes(cache)
+        bytes_full = full_cache_bytes(cache)
         if not question_aware:
             logits = model(input_ids=prompt.question_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        if tiers is not None:  # what attention read while answering: the hot tier and what the question recalled
+            bytes_kept = tiers.hot_nbytes() + tiers.moved_bytes
         prefill_seconds = time.perf_counter() - start
         start = time.perf_counter()
         tokens = greedy_decode(model, tokenizer, cache, logits, max_new_tokens, stop)[0]
@@ -175,4 +191,6 @@ def generate(
         decode_seconds=decode_seconds,
         report=report if report is not None else CompressionReport(),
         peak_cache_bytes=max(read_bytes, session.peak_cache_bytes),
+        cold_bytes=0 if tiers is None else tiers.cold_nbytes(),
+        moved_bytes=0 if tiers is None else tiers.moved_bytes,
     )

@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers.cache_utils import DynamicCache
@@ -30,8 +31,10 @@ from kvsieve.engine.cache import clone_cache, reserve_room, sieve_layers
 from kvsieve.engine.compress import CompressionReport
 from kvsieve.engine.prune import prune_prompt
 from kvsieve.engine.reconstruct import Reconstruction, reconstruction_prompt, reconstruction_scores
+from kvsieve.engine.tiers import TieredContext
 from kvsieve.policy import FullCache, Policy
 from kvsieve.prompt import Prompt
+from kvsieve.recall import Recall
 from kvsieve.selection import Budget
 
 __all__ = ["Capture", "PromptRead", "PromptReader", "first_part", "read_prompt"]
@@ -189,6 +192,17 @@ class PromptRead:
         report = prune_prompt(self.model, cache, self.ids, policy, budget, self.protected_tail,
                               reconstruction=reconstruction, remember_scores=remember_scores)
         return cache, report
+
+    def tiered(self, policy: Policy, ratio: float, recall: Recall,
+               cold_folder: str | Path | None = None) -> TieredContext:
+        """The read split in two tiers at the point ``ratio`` (``engine/tiers.py``): the policy's pruned copy hot, what
+        it evicts cold, recalled from per question."""
+        self.check(policy)
+        reconstruction = None
+        if policy.needs_reconstruction:
+            reconstruction = self.reconstruction(policy)
+        return TieredContext.split(self.model, self.cache, self.ids, policy, ratio, recall, self.protected_tail,
+                                   reconstruction, cold_folder)
 
     @property
     def kept_tokens(self) -> list[int]:

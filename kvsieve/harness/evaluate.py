@@ -140,8 +140,11 @@ def _run_alone(run: _SampleRun, cells: list[Cell]) -> None:
         except Exception as err:  # noqa: BLE001 - the policy's failure fails its cell, never the run
             run.failed(cell, err)
         else:
+            tier = None if cell.mode.recall is None else {
+                "hot_bytes": gen.cache_bytes_kept - gen.moved_bytes, "cold_bytes": gen.cold_bytes,
+                "moved_bytes": gen.moved_bytes}
             run.record(cell, gen.text, max(gen.kept_tokens), gen.cache_bytes_kept, gen.cache_bytes_full,
-                       gen.prefill_seconds, gen.decode_seconds)
+                       gen.prefill_seconds, gen.decode_seconds, tier)
         run.hand_over()
 
 
@@ -173,15 +176,29 @@ def _compress_group(run: _SampleRun, group: list[Cell], policies: dict, read: Pr
     whose policy fails here (a budget, NaN scores, a selection that does not fit) is recorded as failed."""
     batches: dict[float, list] = defaultdict(list)  # one batch per ratio: kept lengths are close
     for cell in group:
+        logits, tiers = None, None
         try:
-            cache, report = read.pruned(policies[cell], cell.budget)
+            if cell.mode.recall is not None:  # two tiers; the question recalls now, in its own forward
+                tiers = read.tiered(policies[cell], cell.ratio, cell.mode.recall)
+                cache, report = tiers.question_cache(), tiers.report
+                start = time.perf_counter()
+                logits = run.model(input_ids=run.prompt.question_ids, cache=cache, use_cache=True,
+                                   logits_to_keep=1).logits[:, -1]
+                recall_s = time.perf_counter() - start
+            else:
+                cache, report = read.pruned(policies[cell], cell.budget)
         except Exception as err:  # noqa: BLE001 - the policy's failure fails its cell, never the run
             run.failed(cell, err)
             continue
-        kept = max((layer.physical_length for _, layer in sieve_layers(cache)), default=0)
+        kept = max((layer.physical_length for _, layer in sieve_layers(tiers.hot if tiers else cache)), default=0)
         # KVzip: one reconstruction per sample serves all its ratios; each cell is charged its seconds
         seconds = report.seconds if report is not None else 0.0
-        batches[cell.ratio].append((cell, cache, seconds, kept, cache_bytes(cache)))
+        tier = {} if tiers is None else {"hot_bytes": tiers.hot_nbytes(), "cold_bytes": tiers.cold_nbytes(),
+                                         "moved_bytes": tiers.moved_bytes, "recalled_entries": tiers.recalled,
+                                         "recall_seconds": recall_s}
+        # a recalling cell holds its hot tier and, while it answers, what its question recalled
+        kept_bytes = cache_bytes(cache) if tiers is None else tiers.hot_nbytes() + tiers.moved_bytes
+        batches[cell.ratio].append((cell, cache, seconds, kept, kept_bytes, logits, tier))
     return batches
 
 
@@ -196,11 +213,13 @@ def _decode_batch(run: _SampleRun, items: list, first_logits: torch.Tensor | Non
         logits = first_logits.expand(len(items), -1)
     else:
         # Each cell reads the question alone: a batched forward of many rows takes other bf16
-        # kernels than one row does and flips near-tie first tokens (benchmarks/grid_speed.py).
-        logits = torch.cat([model(input_ids=prompt.question_ids, cache=c, use_cache=True,
-                                  logits_to_keep=1).logits[:, -1] for c in caches])
+        # kernels than one row does and flips near-tie first tokens (benchmarks/grid_speed.py). A recalling
+        # cell has read it already (its recall happened there).
+        logits = torch.cat([item[5] if item[5] is not None else model(
+            input_ids=prompt.question_ids, cache=c, use_cache=True, logits_to_keep=1).logits[:, -1]
+            for item, c in zip(items, caches)])
     tokens = greedy_decode(model, tokenizer, stack_caches(caches), logits, run.sample.max_new_tokens, run.stop)
     decode_s = (time.perf_counter() - start) / len(items)
-    for (cell, _, compress_s, kept, kept_bytes), row in zip(items, tokens):
+    for (cell, _, compress_s, kept, kept_bytes, _, tier), row in zip(items, tokens):
         run.record(cell, tokenizer.decode(row, skip_special_tokens=True), kept, kept_bytes, full_bytes,
-                   prefill_s + compress_s, decode_s, dict(zip(TIMING_CONFIG_KEYS, (prefill_s, compress_s))))
+                   prefill_s + compress_s, decode_s, dict(zip(TIMING_CONFIG_KEYS, (prefill_s, compress_s)), **tier))

@@ -12,6 +12,7 @@ from typing import Any
 from kvsieve.bundled import canonical_name
 from kvsieve.policies.label import DECODE, FULL_CACHE, Mode, Point
 from kvsieve.policies.registry import PolicySpec, parse
+from kvsieve.recall import Recall
 from kvsieve.tasks.load import SampleSpec
 
 __all__ = ["Cell", "GridConfig", "cells_for"]
@@ -42,6 +43,10 @@ class GridConfig:
     mode: str = "prefill"
     chunk_size: int = 128
     evict_every: int = 1  # decode mode: generated tokens between evictions (the engine's default is 32)
+    # prefill mode: each compressing policy at each ratio also runs with each of these recalls (kvsieve/recall.py,
+    # "recall(fraction=0.025, chunk=16)"), stored as "SPEC@recall(...)"; a recall not below a ratio's kept share
+    # is skipped at that ratio
+    recalls: list[str] = field(default_factory=list)
     # seconds that program: policies interpreted in this process may spend in all, over the whole run (each call
     # has its own cost budgets and deadline besides); once spent, further program cells fail. None: unbounded
     program_budget_s: float | None = 3600.0
@@ -55,7 +60,7 @@ class GridConfig:
         self.model = canonical_name(self.model)
         # a single value where a list belongs (``tasks = "vt"`` in a TOML file, ``ratios = 0.5``) means a
         # list of one; anything else that is not a list is named with the field it was given for
-        for name in ("tasks", "lengths", "policies", "ratios", "qa_policies"):
+        for name in ("tasks", "lengths", "policies", "ratios", "qa_policies", "recalls"):
             value = getattr(self, name)
             if isinstance(value, (str, int, float)) and not isinstance(value, bool):
                 setattr(self, name, [value])
@@ -66,12 +71,16 @@ class GridConfig:
         # the specs are parsed once, here: unknown names and parameters fail before any work
         self.policies = [spec if isinstance(spec, PolicySpec) else parse(spec) for spec in self.policies]
         self.qa_policies = [spec if isinstance(spec, PolicySpec) else parse(spec) for spec in self.qa_policies]
+        self.recalls = [r if isinstance(r, Recall) else Recall.parse(r) for r in self.recalls]
+        if self.recalls and self.mode == DECODE:
+            raise ValueError("recalls are a prefill setting: a decode-mode grid evicts while it reads the question")
 
     def as_dict(self) -> dict[str, Any]:
         """The configuration as plain JSON-ready values (specs as their text)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["policies"] = [spec.text for spec in self.policies]
         out["qa_policies"] = [spec.text for spec in self.qa_policies]
+        out["recalls"] = [recall.text for recall in self.recalls]
         return out
 
     @property
@@ -98,6 +107,8 @@ def cells_for(config: GridConfig) -> list[Cell]:
             continue
         for ratio in config.ratios:
             cells.append(point.at(float(ratio)))
+            cells.extend(Point(spec, float(ratio), False, Mode(recall=recall)) for recall in config.recalls
+                         if recall.fraction < 1 - float(ratio))
             if config.question_aware:
                 cells.append(Point(spec, float(ratio), True))
     for spec in config.qa_policies:

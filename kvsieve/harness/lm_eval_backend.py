@@ -47,8 +47,9 @@ from kvsieve.harness.lm_eval_export import export_samples, length_lines, referen
 from kvsieve.harness.prompt_split import split_prompt
 from kvsieve.harness.store import CellKey, CellResult, ResultsStore
 from kvsieve.models import dtype_name, load, local_source
-from kvsieve.policies.label import FULL_CACHE
+from kvsieve.policies.label import FULL_CACHE, Mode
 from kvsieve.policies.registry import parse
+from kvsieve.recall import Recall
 from kvsieve.tasks.sample import read_jsonl
 
 __all__ = ["KvsieveLM", "evaluate", "main"]
@@ -57,6 +58,15 @@ DEFAULT_STORE = "results/lmeval.sqlite"
 
 
 @register_model("kvsieve")
+def _recall(value: str | float) -> Recall:
+    """``recall=0.025`` (a fraction) or ``recall=recall(fraction=0.025, chunk=16)``."""
+    try:
+        fraction = float(value)
+    except (TypeError, ValueError):
+        return Recall.parse(str(value))
+    return Recall(fraction)
+
+
 class KvsieveLM(LM):
     """lm-eval's ``LM`` answering ``generate_until`` requests with a compressed cache (see the module docstring).
 
@@ -65,22 +75,26 @@ class KvsieveLM(LM):
     several parameters needs the Python API); ``ratio``: the fraction of the cache removed; ``qa``: ``auto``
     (the split rule) or ``always``; ``store``: the results store, or ``none``; ``length``: the row length of
     documents without ``max_length``; ``threads``: torch threads; ``tokenizer``: read by lm-eval's RULER
-    generators, ignored here. Of lm-eval's own options ``device`` is honoured; requests are answered one at a
+    generators, ignored here; ``recall``: a fraction (``recall=0.025``) or ``recall(fraction=..., ...)``, the
+    point's two tiers (``kvsieve/recall.py``; a request whose question cannot be split off runs question-aware,
+    without recall). Of lm-eval's own options ``device`` is honoured; requests are answered one at a
     time whatever ``batch_size`` says (each has its own compressed cache).
     """
 
     def __init__(self, model: str, policy: str = FULL_CACHE, ratio: float = 0.0, qa: str = "auto",
                  store: str | None = DEFAULT_STORE, dtype: str = "auto", length: int = 0,
-                 threads: int | None = None, tokenizer: str | None = None, **lm_eval_options: Any) -> None:
+                 threads: int | None = None, tokenizer: str | None = None, recall: str | float | None = None,
+                 **lm_eval_options: Any) -> None:
         super().__init__()
         unknown = sorted(set(lm_eval_options) - {"batch_size", "max_batch_size", "device"})
         if unknown:
             raise ValueError(f"kvsieve backend: unknown model_args {', '.join(unknown)}; it takes model, policy, "
-                             "ratio, qa, store, dtype, length, threads, tokenizer")
+                             "ratio, qa, store, dtype, length, threads, tokenizer, recall")
         if threads is not None:
             torch.set_num_threads(int(threads))
         self.model_name = canonical_name(str(model))
-        point = Cell(parse(str(policy)), float(ratio))  # the cell checks the ratio
+        mode = Mode() if recall in (None, "", "none") else Mode(recall=_recall(recall))
+        point = Cell(parse(str(policy)), float(ratio), False, mode)  # the cell checks the ratio and the recall
         self.cell = point if point.compresses else point.at(0.0)  # the full cache: once, at ratio 0
         split_prompt("x", qa=qa)  # checks qa before the model loads
         self.qa, self.length = qa, int(length)
@@ -131,7 +145,8 @@ class KvsieveLM(LM):
         sample, split = sample_for(prompt, gen_kwargs, doc, task, doc_id, self.qa, self.length)
         answers, digest = reference_answers(doc), sample.id.rpartition("-")[2]
         # the full cache is one reference for every cell, question-aware or not (Label.reference has no +qa)
-        cell = Cell(self.cell.policy_spec, self.cell.ratio, split.question_aware and self.cell.compresses)
+        aware = split.question_aware and self.cell.compresses
+        cell = Cell(self.cell.policy_spec, self.cell.ratio, aware, Mode() if aware else self.cell.mode)
         key = CellKey(self.model_name, sample.task, sample.length, sample.id, cell.stored, cell.ratio,
                       cell.question_aware)
         if self.store is not None and answers is not None:

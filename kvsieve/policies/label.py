@@ -32,6 +32,7 @@ from typing import Any
 
 from kvsieve.policies.registry import PolicySpec, family_class, parse
 from kvsieve.policy import FullCache, Policy
+from kvsieve.recall import Recall
 from kvsieve.selection import Budget
 from kvsieve.spec import parse_spec
 
@@ -44,6 +45,7 @@ QA_SUFFIX = "+qa"  # display only: the store records question-awareness in its o
 
 _DECODE_SUFFIX = re.compile(r"@decode(?P<chunk>[1-9][0-9]*)(?:e(?P<every>[1-9][0-9]*))?$")
 _ANY_DECODE_SUFFIX = re.compile(r"@decode[^()]*$")  # what a decode suffix looks like, well formed or not
+_RECALL_SUFFIX = re.compile(r"@(?P<recall>recall\([^()]*\))$")
 
 
 @lru_cache(maxsize=4096)
@@ -61,6 +63,7 @@ class Mode:
 
     chunk_size: int = 0
     evict_every: int = 1
+    recall: Recall | None = None  # prefill only: what a question brings back from the cold tier (kvsieve/recall.py)
 
     def __post_init__(self) -> None:
         for name, least in (("chunk_size", 0), ("evict_every", 1)):
@@ -69,6 +72,11 @@ class Mode:
                 raise ValueError(f"a mode's {name} is an int >= {least}, got {value!r}")
         if self.evict_every != 1 and not self.chunk_size:
             raise ValueError(f"evict_every={self.evict_every} means decode-time eviction: give its chunk_size too")
+        if self.recall is not None and not isinstance(self.recall, Recall):
+            raise ValueError(f"a mode's recall is a Recall, got {self.recall!r}")
+        if self.recall is not None and self.chunk_size:
+            raise ValueError("recall is a prefill setting: a decode-time point evicts while it reads the question, "
+                             "so there is no compressed context to recall into (drop one of them)")
 
     @property
     def is_decode(self) -> bool:
@@ -82,6 +90,8 @@ class Mode:
     @property
     def suffix(self) -> str:
         """What the stored label adds: ``""``, ``@decodeN`` or ``@decodeNeE``."""
+        if self.recall is not None:
+            return f"@{self.recall.text}"
         if not self.chunk_size:
             return ""
         return f"@decode{self.chunk_size}" + (f"e{self.evict_every}" if self.evict_every != 1 else "")
@@ -90,6 +100,8 @@ class Mode:
     def engine_options(self) -> dict[str, Any]:
         """What the engine (``attach``, ``generate``) is given for this mode: decode-time eviction with its chunk and
         eviction interval, or nothing (prefill compression, the engine's default)."""
+        if self.recall is not None:
+            return {"recall": self.recall}
         if not self.chunk_size:
             return {}
         return {"mode": DECODE, "chunk_size": self.chunk_size, "evict_every": self.evict_every}
@@ -126,6 +138,12 @@ class Point:
         if spec.endswith(QA_SUFFIX):
             raise ValueError(f"spec {spec!r} carries {QA_SUFFIX}: give question_aware=True, or read the whole label "
                              "with Point.parse")
+        recall = _RECALL_SUFFIX.search(spec)
+        if recall is not None:  # a stored label: its recall suffix is the mode
+            if self.mode != PREFILL_MODE:
+                raise ValueError(f"label {spec!r} names its recall, and mode={self.mode!r} was given too: give it once")
+            object.__setattr__(self, "mode", Mode(recall=Recall.parse(recall["recall"])))
+            spec = spec[: recall.start()].strip()
         if _ANY_DECODE_SUFFIX.search(spec):  # a stored label: its decode suffix is the mode
             match = _DECODE_SUFFIX.search(spec)
             if match is None:
@@ -152,6 +170,17 @@ class Point:
             raise ValueError(f"policy {spec!r} has question_aware {self.question_aware!r}; allowed: true, false")
         if not isinstance(self.mode, Mode):
             raise ValueError(f"a point's mode is a Mode (prefill, or decode with its chunk), got {self.mode!r}")
+        if self.mode.recall is not None:
+            recall = self.mode.recall
+            if not self.compresses or self.ratio == 0:
+                raise ValueError(f"policy {spec!r} at ratio {self.ratio:g} evicts nothing: there is nothing to "
+                                 "recall (drop the recall)")
+            if not recall.fraction < 1 - self.ratio:
+                raise ValueError(f"recall fraction {recall.fraction:g} is outside [0, {1 - self.ratio:g}): it must be "
+                                 f"below the share the point at ratio {self.ratio:g} keeps")
+            if self.question_aware:
+                raise ValueError(f"policy {spec!r} is question-aware: it compresses after the question, so there is "
+                                 "no later question to recall for (drop one of them)")
         if self.question_aware and self.mode.is_decode:
             raise ValueError(f"policy {self.stored!r} evicts at decode time, where the question is read under "
                              "eviction anyway: there is no question-aware decode-time point (drop question-awareness)")
@@ -206,8 +235,11 @@ class Point:
 
     def as_dict(self) -> dict[str, Any]:
         """A results row's ``cell`` record (its stored form: the spec and the mode's two numbers)."""
-        return {"policy": self.spec, "ratio": self.ratio, "question_aware": self.question_aware,
-                "chunk_size": self.chunk_size, "evict_every": self.evict_every}
+        out = {"policy": self.spec, "ratio": self.ratio, "question_aware": self.question_aware,
+               "chunk_size": self.chunk_size, "evict_every": self.evict_every}
+        if self.mode.recall is not None:  # rows without recall keep the form every earlier row has
+            out["recall"] = self.mode.recall.text
+        return out
 
     @property
     def chunk_size(self) -> int:
@@ -273,6 +305,8 @@ class Point:
         """What the point is, in words: the label a table and a contract show."""
         if self.mode.is_decode:
             return f"decode-time eviction every {self.chunk_size} tokens, question read under eviction"
+        if self.mode.recall is not None:
+            return f"query-agnostic prefill, {100 * self.mode.recall.fraction:g}% recalled per question"
         return "question-aware prefill" if self.question_aware else "query-agnostic prefill"
 
     @property

@@ -91,6 +91,8 @@ class Call:
         m.inc("kvsieve_kv_bytes_full_total", info.bytes_full)
         m.inc("kvsieve_kv_bytes_kept_total", info.bytes_kept)
         m.inc("kvsieve_kv_bytes_saved_total", info.bytes_full - info.bytes_kept)
+        m.inc("kvsieve_kv_bytes_cold_total", info.cold_bytes)
+        m.inc("kvsieve_kv_bytes_moved_total", info.moved_bytes)
         if self.job is not None and self.job.started_at:  # time to first token and between tokens: the scheduler's
             m.observe("kvsieve_queue_seconds", max(0.0, self.job.started_at - self.arrived))
 

@@ -33,6 +33,7 @@ from transformers.cache_utils import DynamicCache
 
 from kvsieve.engine.cache import cache_bytes, full_cache_bytes, reserve_room, sieve_layers
 from kvsieve.engine.reader import Capture, PromptReader, first_part
+from kvsieve.engine.tiers import TieredContext
 from kvsieve.prompt import Prompt
 from kvsieve.serve.points import ChosenPoint
 
@@ -54,6 +55,8 @@ class CacheInfo:
     kept_tokens: list[int]
     prefill_seconds: float
     chosen: ChosenPoint | None = None  # the point that ran: the request's, or full KV after a policy failure
+    cold_bytes: int = 0  # with recall: the evicted entries in the cold tier
+    moved_bytes: int = 0  # with recall: what the question brought back from it (known once the prompt is read)
 
 
 @dataclass
@@ -96,6 +99,7 @@ class Prefill:
                                                         self.capture)
         self.question: PromptReader | None = None  # a query-agnostic point's question, read on the pruned cache
         self.pruned: DynamicCache | None = None
+        self.tiers: TieredContext | None = None  # a recalling point's two tiers
         self.logits: torch.Tensor | None = None
         self.info: CacheInfo | None = None
 
@@ -151,10 +155,16 @@ class Prefill:
         n, m = p.context_ids.shape[1], p.question_ids.shape[1]
         read = self.reader.finished(m if self.question_aware else 0)
         budget = chosen.setting.budget if chosen.setting.compresses else None
-        # a row evicting while it decodes keeps an intrinsic policy's scores with the entries
-        cache, _ = read.pruned(chosen.point.policy, budget, remember_scores=self.evicts)
+        recall = chosen.setting.mode.recall
+        if recall is not None:  # two tiers: the question's first chunk recalls into this armed copy of the hot tier
+            self.tiers = read.tiered(chosen.point.policy, chosen.setting.ratio, recall)
+            cache, hot = self.tiers.question_cache(), self.tiers.hot_nbytes()
+        else:  # a row evicting while it decodes keeps an intrinsic policy's scores with the entries
+            cache, _ = read.pruned(chosen.point.policy, budget, remember_scores=self.evicts)
+            hot = cache_bytes(cache)
         kept = [layer.physical_length for _, layer in sieve_layers(cache)]
-        self.info = CacheInfo(n, n + m, full_cache_bytes(cache), cache_bytes(cache), kept, 0.0, self.chosen)
+        self.info = CacheInfo(n, n + m, full_cache_bytes(cache), hot, kept, 0.0, self.chosen,
+                              0 if recall is None else self.tiers.cold_nbytes())
         reserve_room(cache, (0 if self.question_aware else m) + self.room)
         self.reader, self.pruned, self.logits = None, cache, read.logits  # the full cache goes
         if not self.question_aware:
@@ -170,5 +180,8 @@ class Prefill:
         if not self.done:
             raise RuntimeError(f"the prefill has {self.remaining} prompt tokens left to read")
         self.info.prefill_seconds = self.seconds
+        if self.tiers is not None:  # attention reads the hot tier and what the question recalled
+            self.info.moved_bytes = self.tiers.moved_bytes
+            self.info.bytes_kept = self.tiers.hot_nbytes() + self.info.moved_bytes
         logits = self.question.logits if self.question is not None else self.logits
         return self.cache, logits[0], self.info

@@ -48,6 +48,9 @@ class Metrics:
         "kvsieve_kv_bytes_full_total": ("counter", "KV-cache bytes the prompts would have held uncompressed."),
         "kvsieve_kv_bytes_kept_total": ("counter", "KV-cache bytes the prompts held after compression."),
         "kvsieve_kv_bytes_saved_total": ("counter", "KV-cache bytes compression freed."),
+        "kvsieve_kv_bytes_cold_total": ("counter", "Bytes of evicted entries kept in the cold tier (points with "
+                                                   "recall)."),
+        "kvsieve_kv_bytes_moved_total": ("counter", "Bytes questions brought back from the cold tier."),
         "kvsieve_request_seconds": ("histogram", "Time from arrival to the last byte of the answer."),
         "kvsieve_time_to_first_token_seconds": ("histogram", "Time from arrival to the first generated token."),
         "kvsieve_inter_token_seconds": ("histogram", "Time between two successive generated tokens of a request."),

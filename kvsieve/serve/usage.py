@@ -1,8 +1,8 @@
 """What a reply reports about its cache: ``usage.kv_cache`` and the ``x-kvsieve-*`` headers.
 
 Every answer carries the policy and ratio it ran, whether that point is the contract's certified one, a fallback to
-full KV (and why), or the client's choice, the cache bytes the prompt would have held and held, and the tokens kept
-per layer.
+full KV (and why), or the client's choice, the cache bytes the prompt would have held and held (the hot tier), the
+cold tier's bytes and what the question recalled from it (points with recall), and the tokens kept per layer.
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ def kv_cache_usage(state: ServerState, chosen: ChosenPoint, info: CacheInfo) -> 
         "bytes_saved": info.bytes_full - info.bytes_kept,
         "kept_fraction": round(info.bytes_kept / max(1, info.bytes_full), 6),
         "kept_tokens_per_layer": info.kept_tokens,
+        "recall": None if setting.mode.recall is None else setting.mode.recall.text,
+        "bytes_cold": info.cold_bytes,
+        "bytes_moved": info.moved_bytes,
     }
 
 
@@ -49,5 +52,6 @@ def kv_headers(kv: dict) -> dict[str, str]:
     return {"x-kvsieve-policy": _header(kv["policy"]), "x-kvsieve-ratio": f"{kv['ratio']:g}",
             "x-kvsieve-status": kv["status"], "x-kvsieve-bucket": _header(kv["bucket"]),
             "x-kvsieve-bytes-full": str(kv["bytes_full"]),
-            "x-kvsieve-bytes-kept": str(kv["bytes_kept"]),
+            "x-kvsieve-bytes-kept": str(kv["bytes_kept"]), "x-kvsieve-bytes-cold": str(kv["bytes_cold"]),
+            "x-kvsieve-bytes-moved": str(kv["bytes_moved"]),
             "x-kvsieve-kept-tokens": ",".join(str(t) for t in kv["kept_tokens_per_layer"])}

@@ -211,8 +211,9 @@ def test_grid_and_attach_keep_the_same_entries(monkeypatch):
     compress, scores = prune.compress_with_reconstruction, reader.reconstruction_scores
 
     def recording_compress(model, cache, ids, policy, budget, protected, report, reconstruction):
-        compress(model, cache, ids, policy, budget, protected, report, reconstruction=reconstruction)
+        out = compress(model, cache, ids, policy, budget, protected, report, reconstruction=reconstruction)
         pruned[(policy.allocation, budget.ratio, protected > 0)] = {i: kept_sets(x) for i, x in sieve_layers(cache)}
+        return out
 
     def counting_scores(*args, **kwargs):
         rebuilt.append(scores(*args, **kwargs))

@@ -5,7 +5,7 @@ A query-agnostic policy cannot know which of many alike lines a later question w
 Quest (page digests, arXiv 2406.10774), ArkVale (pages backed up to host memory and recalled, NeurIPS 2024),
 ShadowKV (low-rank keys resident, arXiv 2410.21465), SpeCache (a low-bit copy resident, arXiv 2503.16163).
 
-Here a prompt read once (:class:`~kvsieve.engine.reader.PromptRead`) is split into two tiers by a policy
+Here a prompt read once (``PromptRead.tiered``, or ``attach``'s first forward) is split into two tiers by a policy
 (:meth:`TieredContext.split`): the **hot** tier is the pruned cache (what attention reads and budgets count) and the
 **cold** tier (:mod:`kvsieve.engine.cold`) holds every entry the policy evicted. A question is read on a copy of the
 hot tier armed for recall (:meth:`TieredContext.question_cache`): in each layer, before its attention, the question's
@@ -16,13 +16,14 @@ ranked by their best entry (a uuid spans 20-30 tokens; per-token top-k keeps its
 question's tokens. Once per question: the copy is dropped with the answer, and the compressed context (hot and cold)
 is bit for bit what it was, ready for the next question (KVzip's premise: compress once, reuse across queries).
 
-The budget holds the sketches and the recalled entries too: at a point keeping ``1 - ratio`` of the cache, the policy
-keeps ``1 - ratio - fraction`` less the sketches' share (:meth:`Recall.policy_ratio`).
+How a question recalls (:class:`~kvsieve.recall.Recall`: the fraction, chunk, sketch and cold format) is a point's
+setting, parsed at floor 0; the budget holds the sketches and the recalled entries too: at a point keeping
+``1 - ratio`` of the cache, the policy keeps ``1 - ratio - fraction`` less the sketches' share
+(:meth:`~kvsieve.recall.Recall.policy_ratio`).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,64 +31,15 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from kvsieve.engine.cache import SieveLayer, cache_bytes, clone_cache, sieve_layers
-from kvsieve.engine.cold import FORMATS, ColdLayer
+from kvsieve.engine.cold import ColdLayer
 from kvsieve.engine.compress import CompressionReport
-from kvsieve.engine.reader import PromptRead
+from kvsieve.engine.prune import prune_prompt
+from kvsieve.engine.reconstruct import Reconstruction
 from kvsieve.policy import Policy
+from kvsieve.recall import Recall
 from kvsieve.selection import Budget
 
-__all__ = ["SKETCHES", "KeySketch", "LayerRecall", "Recall", "TieredContext"]
-
-SKETCHES = ("exact", "sign", "lowrank")
-
-
-@dataclass(frozen=True)
-class Recall:
-    """How a question recalls: ``fraction`` of the context's entries per KV head brought back, scored ``sketch``
-    (``exact`` on the cold keys, ``sign`` or ``lowrank`` on a sketch kept hot, of ``rank`` dims), ranked by chunks
-    of ``chunk`` consecutive positions, the evicted entries kept in the ``cold`` format."""
-
-    fraction: float
-    sketch: str = "exact"
-    chunk: int = 16
-    cold: str = "exact"
-    rank: int = 8
-
-    def __post_init__(self) -> None:
-        f = self.fraction
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or not 0 <= f < 1:
-            raise ValueError(f"recall fraction {f!r} is not in [0, 1): it is the share of the context recalled")
-        if self.sketch not in SKETCHES:
-            raise ValueError(f"recall sketch {self.sketch!r} is not one of {', '.join(SKETCHES)}")
-        if self.cold not in FORMATS:
-            raise ValueError(f"cold format {self.cold!r} is not one of {', '.join(FORMATS)}")
-        for name in ("chunk", "rank"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"recall {name} must be a positive int, got {value!r}")
-
-    def sketch_share(self, head_dim: int, itemsize: int) -> float:
-        """Bytes a cold entry's sketch keeps hot, as a share of the entry's full key and value."""
-        full = 2 * head_dim * itemsize
-        if self.sketch == "sign":
-            return (head_dim / 8 + 2) / full  # the signs packed, one float16 scale
-        if self.sketch == "lowrank":
-            return 2 * self.rank / full  # rank float16 coefficients (the basis, per head, is not counted per entry)
-        return 0.0
-
-    def policy_ratio(self, ratio: float, head_dim: int, itemsize: int) -> float:
-        """The ratio the policy runs at so that what it keeps, the recalled entries and the sketches of the evicted
-        ones fit a point keeping ``1 - ratio``: kept = (1 - ratio - fraction - s) / (1 - s), s the sketch share."""
-        kept = 1.0 - ratio
-        if not 0 <= self.fraction < kept:
-            raise ValueError(f"recall fraction {self.fraction!r} is outside [0, {kept:g}): it must be below the share "
-                             f"the point at ratio {ratio:g} keeps")
-        s = self.sketch_share(head_dim, itemsize)
-        policy_kept = (kept - self.fraction - s) / (1 - s)
-        if policy_kept <= 0:
-            raise ValueError(f"recall fraction {self.fraction!r} with the {self.sketch} sketch ({100 * s:.1f}% of an "
-                             f"entry) leaves the policy nothing of the {100 * kept:g}% the point keeps")
-        return 1.0 - policy_kept
+__all__ = ["KeySketch", "LayerRecall", "TieredContext"]
 
 
 @dataclass
@@ -183,23 +135,27 @@ class TieredContext:
     armed: list[LayerRecall] = field(default_factory=list)  # the last question's recalls
 
     @classmethod
-    def split(cls, read: PromptRead, policy: Policy, ratio: float, recall: Recall,
+    def split(cls, model, cache: DynamicCache, ids: torch.Tensor, policy: Policy, ratio: float, recall: Recall,
+              protected_tail: int = 0, reconstruction: Reconstruction | None = None,
               cold_folder: str | Path | None = None) -> TieredContext:
-        """Prune ``read`` at the point ``ratio`` less the recall's share (:meth:`Recall.policy_ratio`), keeping what
-        the policy evicts in the cold tier (``cold_folder``: where a ``disk`` tier's files go)."""
-        layers = sieve_layers(read.cache)
+        """Prune a copy of ``cache`` (``ids`` read whole; left as it is) at the point ``ratio`` less the recall's share
+        (:meth:`~kvsieve.recall.Recall.policy_ratio`), keeping what the policy evicts in the cold tier
+        (``cold_folder``: where a ``disk`` tier's files go; ``reconstruction``: KVzip's, computed on ``cache``)."""
+        layers = sieve_layers(cache)
         first = layers[0][1]
         head_dim, itemsize = first.keys.shape[-1], first.keys.element_size()
         policy_ratio = recall.policy_ratio(ratio, head_dim, itemsize)
-        budget = Budget(ratio=policy_ratio) if policy.evicts and policy_ratio > 0 else None
-        hot, report = read.pruned(policy, budget)
+        hot, report = clone_cache(cache), None
+        if policy.evicts and policy_ratio > 0:
+            report = prune_prompt(model, hot, ids, policy, Budget(ratio=policy_ratio), protected_tail,
+                                  reconstruction=reconstruction)
         cold, sketches = {}, {}
         for (idx, full), (_, kept) in zip(layers, sieve_layers(hot), strict=True):
             keys, values, positions, valid = _evicted(full, kept)
             cold[idx] = ColdLayer.from_entries(keys, values, positions, valid, recall.cold, cold_folder)
             if recall.sketch != "exact":
                 sketches[idx] = KeySketch.of(keys, valid, recall.sketch, recall.rank)
-        return cls(hot, cold, sketches, recall, read.context_length, report)
+        return cls(hot, cold, sketches, recall, ids.shape[1] - protected_tail, report)
 
     @property
     def recall_tokens(self) -> int:

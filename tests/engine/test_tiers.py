@@ -15,9 +15,9 @@ from kvsieve.engine.attach import attach
 from kvsieve.engine.cache import cache_bytes, sieve_layers
 from kvsieve.engine.cold import ColdLayer, dequantize, group_size, quantize
 from kvsieve.engine.reader import Capture, read_prompt
-from kvsieve.engine.recall import Recall, TieredContext
 from kvsieve.policies import get
 from kvsieve.policy import FullCache
+from kvsieve.recall import Recall
 
 
 def _one_layer():
@@ -37,7 +37,7 @@ def _held(layer) -> list[set[int]]:
 def _tiers(model, ids, ratio=0.75, **recall):
     policy = get("knorm")
     read = read_prompt(model, ids, Capture.of([policy]))
-    return TieredContext.split(read, policy, ratio, Recall(**recall))
+    return read.tiered(policy, ratio, Recall(**recall))
 
 
 @torch.no_grad()
@@ -161,7 +161,7 @@ def test_nothing_evicted_or_a_one_token_context_recalls_nothing():
     model = tiny_model("llama", seed=2)
     for ids, ratio in ((header_ids(1, 100), 0.0), (torch.tensor([[40]]), 0.5)):
         read = read_prompt(model, ids, Capture())
-        tiers = TieredContext.split(read, FullCache() if ratio == 0 else get("knorm", window=1), ratio,
+        tiers = read.tiered(FullCache() if ratio == 0 else get("knorm", window=1), ratio,
                                     Recall(0.0 if ratio == 0 else 0.2))
         cache = tiers.question_cache()
         with attach(model, FullCache()):
@@ -206,3 +206,23 @@ def test_a_recalling_question_reads_exactly_what_a_mask_of_its_entries_shows():
         want = model(input_ids=question, cache=masked, use_cache=True).logits
     assert tiers.recalled > 0
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_attach_with_recall_answers_as_the_tiers_of_a_read_do():
+    """``kvsieve.attach(..., recall=)``: the prompt's forward leaves the caller's cache as the armed hot tier, the
+    question's forward recalls: the same logits as a read split in two tiers, then asked."""
+    model = sharpened(tiny_model("llama", seed=4))
+    ids, question = header_ids(7, 140), header_ids(8, 7)[:, -7:]
+    tiers = _tiers(model, ids, ratio=0.75, fraction=0.1, chunk=8)
+    cache = tiers.question_cache()
+    with attach(model, FullCache()):
+        want = model(input_ids=question, cache=cache, use_cache=True).logits
+    with attach(model, get("knorm"), ratio=0.75, recall=Recall(0.1, chunk=8)) as session:
+        out = model(input_ids=ids, use_cache=True)
+        got = model(input_ids=question, cache=out.cache, use_cache=True).logits
+    assert session.tiers.recalled == tiers.recalled > 0
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="recall runs a prefill point"):
+        with attach(model, get("knorm"), kept=10, recall=Recall(0.1)):
+            pass
