@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 from kvsieve.spec import parse_spec
 
-__all__ = ["COLD_FORMATS", "SKETCHES", "Recall"]
+__all__ = ["COLD_FORMATS", "POOLS", "SKETCHES", "Recall"]
+
+POOLS = ("chunk", "span")  # how entries share a best score: aligned chunks, or a span after each entry
 
 SKETCHES = ("exact", "sign", "lowrank")  # how cold entries are scored: their own keys, or a sketch kept hot
 COLD_FORMATS = ("exact", "int8", "int4", "disk")  # how the cold tier holds them (engine/cold.py)
@@ -21,12 +23,15 @@ COLD_FORMATS = ("exact", "int8", "int4", "disk")  # how the cold tier holds them
 @dataclass(frozen=True)
 class Recall:
     """How a question recalls: ``fraction`` of the context's entries per KV head brought back, scored ``sketch``
-    (``exact`` on the cold keys, ``sign`` or ``lowrank`` on a sketch kept hot, of ``rank`` dims), ranked by chunks
-    of ``chunk`` consecutive positions, the evicted entries kept in the ``cold`` format."""
+    (``exact`` on the cold keys, ``sign`` or ``lowrank`` on a sketch kept hot, of ``rank`` dims), ranked by
+    ``pool``: aligned chunks of ``chunk`` positions by their best entry (``chunk``), or each entry by the best entry
+    from ``chunk`` positions before it to ``chunk // 4`` after (``span``: the value that follows the key a question
+    names comes back with it); the evicted entries kept in the ``cold`` format."""
 
     fraction: float
     sketch: str = "exact"
     chunk: int = 16
+    pool: str = "chunk"
     cold: str = "exact"
     rank: int = 8
 
@@ -34,6 +39,8 @@ class Recall:
         f = self.fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or not 0 <= f < 1:
             raise ValueError(f"recall fraction {f!r} is not in [0, 1): it is the share of the context recalled")
+        if self.pool not in POOLS:
+            raise ValueError(f"recall pool {self.pool!r} is not one of {', '.join(POOLS)}")
         if self.sketch not in SKETCHES:
             raise ValueError(f"recall sketch {self.sketch!r} is not one of {', '.join(SKETCHES)}")
         if self.cold not in COLD_FORMATS:
@@ -70,7 +77,7 @@ class Recall:
     def text(self) -> str:
         """The stored form, ``recall(fraction=F, ...)`` with every setting that is not the default."""
         defaults = Recall(0.0)
-        extra = [f"{name}={getattr(self, name)!r}" for name in ("chunk", "sketch", "cold", "rank")
+        extra = [f"{name}={getattr(self, name)!r}" for name in ("chunk", "pool", "sketch", "cold", "rank")
                  if getattr(self, name) != getattr(defaults, name)]
         return f"recall({', '.join([f'fraction={self.fraction:g}', *extra])})"
 
@@ -82,9 +89,11 @@ class Recall:
         except ValueError as err:
             raise ValueError(f"bad recall {text!r}: {err}") from None
         if name != "recall":
-            raise ValueError(f"bad recall {text!r}: it reads recall(fraction=F, chunk=N, sketch=S, cold=C, rank=R)")
-        unknown = set(params) - {"fraction", "chunk", "sketch", "cold", "rank"}
+            raise ValueError(f"bad recall {text!r}: it reads recall(fraction=F, chunk=N, pool=P, sketch=S, cold=C, "
+                             "rank=R)")
+        unknown = set(params) - {"fraction", "chunk", "pool", "sketch", "cold", "rank"}
         if unknown or "fraction" not in params:
-            raise ValueError(f"bad recall {text!r}: give fraction=, and only chunk, sketch, cold, rank besides "
+            raise ValueError(f"bad recall {text!r}: give fraction=, and only chunk, pool, sketch, cold, rank "
+                             "besides "
                              f"(unknown: {', '.join(sorted(unknown)) or 'none'})")
         return cls(**params)

@@ -86,6 +86,7 @@ class LayerRecall:
     sketch: KeySketch | None
     tokens: int  # entries per (row, KV head) to bring back
     chunk: int
+    pool: str = "chunk"
     recalled: int = 0  # entries brought back (all rows and heads)
     moved_bytes: int = 0
 
@@ -98,14 +99,27 @@ class LayerRecall:
             return self.sketch.dot(grouped)
         return (grouped.float() @ self.cold.keys().float().transpose(-1, -2)).amax(-2)
 
+    def pooled(self, scores: torch.Tensor) -> torch.Tensor:
+        """(b, h, e) each cold entry's ranking score: its chunk's best (``chunk``), or the best from ``chunk``
+        positions before it to ``chunk // 4`` after (``span``), over every cold entry of its head."""
+        cold, width = self.cold, self.chunk
+        if self.pool == "chunk":
+            chunk_of = torch.div(cold.positions, width, rounding_mode="floor")
+            best = torch.full((*scores.shape[:2], int(chunk_of.max()) + 1), float("-inf"))
+            return best.scatter_reduce(2, chunk_of, scores, "amax").gather(2, chunk_of)
+        b, h, _ = scores.shape
+        after = width // 4
+        dense = torch.full((b, h, int(cold.positions.max()) + 1), float("-inf"))
+        dense = dense.scatter_reduce(2, cold.positions, scores, "amax")  # by position; gaps stay -inf
+        padded = torch.nn.functional.pad(dense.reshape(b * h, 1, -1), (width, after), value=float("-inf"))
+        best = torch.nn.functional.max_pool1d(padded, width + after + 1, stride=1).reshape(b, h, -1)
+        return best.gather(2, cold.positions)
+
     def chosen(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(b, h, k) indices into the cold entries and which are real: whole chunks by their best entry, in order."""
+        """(b, h, k) indices into the cold entries and which are real: the best by :meth:`pooled`, in order."""
         cold = self.cold
         scores = self.scores(queries).masked_fill(~cold.valid, float("-inf"))
-        chunk_of = torch.div(cold.positions, self.chunk, rounding_mode="floor")
-        best = torch.full((*scores.shape[:2], int(chunk_of.max()) + 1), float("-inf"))
-        best = best.scatter_reduce(2, chunk_of, scores, "amax")
-        pooled = best.gather(2, chunk_of).masked_fill(~cold.valid, float("-inf"))
+        pooled = self.pooled(scores).masked_fill(~cold.valid, float("-inf"))
         k = min(self.tokens, scores.shape[-1])
         order = torch.sort(pooled, dim=-1, descending=True, stable=True).indices[..., :k]  # ties: earlier first
         index = order.sort(-1).values  # back in position order
@@ -167,7 +181,8 @@ class TieredContext:
         cache = clone_cache(self.hot)
         self.armed = []
         for idx, layer in sieve_layers(cache):
-            armed = LayerRecall(self.cold[idx], self.sketches.get(idx), self.recall_tokens, self.recall.chunk)
+            armed = LayerRecall(self.cold[idx], self.sketches.get(idx), self.recall_tokens, self.recall.chunk,
+                                self.recall.pool)
             layer.recall = armed
             self.armed.append(armed)
         return cache

@@ -40,15 +40,17 @@ def _tiers(model, ids, ratio=0.75, **recall):
     return read.tiered(policy, ratio, Recall(**recall))
 
 
+@pytest.mark.parametrize("pool", ["chunk", "span"])
 @torch.no_grad()
-def test_a_question_recalls_the_chunks_its_own_queries_attend_to_most():
+def test_a_question_recalls_the_chunks_its_own_queries_attend_to_most(pool):
     """One layer, so the question's queries are the model's from scratch: q_proj of the normed embeddings, rotated
-    at the question's positions; the cold keys are a plain transformers prefill's. In numpy: each evicted entry's
-    best q . k over its group's queries, the best of its chunk, the top entries by chunk then position."""
+    at the question's positions; the cold keys are a plain transformers prefill's. In plain Python: each evicted
+    entry's best q . k over its group's queries, pooled (its chunk's best, or the best in its span), the top entries
+    by pooled score then position."""
     model = _one_layer()
     ids, question = header_ids(3, 120), torch.randint(32, 127, (1, 6), generator=torch.Generator().manual_seed(4))
     n, m, chunk, fraction = ids.shape[1], question.shape[1], 4, 0.1
-    tiers = _tiers(model, ids, fraction=fraction, chunk=chunk)
+    tiers = _tiers(model, ids, fraction=fraction, chunk=chunk, pool=pool)
     hot = _held(sieve_layers(tiers.hot)[0][1])
     cache = tiers.question_cache()
     with attach(model, FullCache()):
@@ -75,10 +77,12 @@ def test_a_question_recalls_the_chunks_its_own_queries_attend_to_most():
     for h in range(heads):
         cold = sorted(set(range(n)) - hot[h])
         scores = (q[h * group:(h + 1) * group].reshape(-1, d) @ keys[h, cold].T).max(0)
-        best = {}
-        for p, s in zip(cold, scores):
-            best[p // chunk] = max(best.get(p // chunk, -np.inf), s)
-        ranked = sorted(cold, key=lambda p: (-best[p // chunk], p))
+        score_at = dict(zip(cold, scores))
+        if pool == "chunk":  # an aligned chunk's best entry
+            best = {p: max(s for q, s in score_at.items() if q // chunk == p // chunk) for p in cold}
+        else:  # the best entry from chunk positions before to chunk // 4 after
+            best = {p: max(s for q, s in score_at.items() if p - chunk <= q <= p + chunk // 4) for p in cold}
+        ranked = sorted(cold, key=lambda p: (-best[p], p))
         assert got[h] == set(ranked[:recall]), h
     assert tiers.recalled == heads * recall
     assert tiers.moved_bytes == heads * recall * 2 * d * 4  # exact float32 keys and values
