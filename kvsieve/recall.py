@@ -82,6 +82,15 @@ class Recall:
         return f"recall({', '.join([f'fraction={self.fraction:g}', *extra])})"
 
     @classmethod
+    def parse_setting(cls, text: str | float) -> Recall:
+        """A command line's or a model arg's recall: a fraction (``0.025``) or :attr:`text`."""
+        try:
+            fraction = float(text)
+        except (TypeError, ValueError):
+            return cls.parse(str(text))
+        return cls(fraction)
+
+    @classmethod
     def parse(cls, text: str) -> Recall:
         """Read :attr:`text` back (``recall(fraction=0.025, sketch='sign')``); ValueError naming what is wrong."""
         try:

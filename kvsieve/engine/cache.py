@@ -285,6 +285,8 @@ class SieveLayer(DynamicLayer):
         """Put entries (b, h, r, ...) (``valid`` (b, h, r): which are real) before each head's last ``tail`` entries:
         recalled entries go back at their own positions, ahead of the new tokens that recalled them (every key
         before a query's own block stays visible to it under the bottom-right causal mask). One copy of the layer."""
+        # a stored layer keeps the room it had (a server charged the request for it; growing would pass the charge)
+        room = None if self.store is None else int((self.store.capacity - self.store.lengths).min())
         self.densify(pad_at=0)  # padding on the left: every head's last ``tail`` entries line up at the end
         self.hidden_states = None
         n = self._keys.shape[2]
@@ -304,7 +306,10 @@ class SieveLayer(DynamicLayer):
             self._attention = spliced(self._attention, torch.zeros(valid.shape))
         if self._scores is not None:
             self._scores = spliced(self._scores, torch.full(valid.shape, math.nan))
-        self._compact()
+        if room is None:
+            self._compact()
+        else:
+            self._to_store(spare=room)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep only the batch rows ``indices`` (a decode batch dropping its finished rows)."""

@@ -42,12 +42,11 @@ from transformers import AutoTokenizer
 from kvsieve.bundled import canonical_name
 from kvsieve.harness.content import check_dtype, check_store
 from kvsieve.harness.evaluate import evaluate_sample
-from kvsieve.harness.grid import Cell
 from kvsieve.harness.lm_eval_export import export_samples, length_lines, reference_answers, ruler_metadata, sample_for
 from kvsieve.harness.prompt_split import split_prompt
 from kvsieve.harness.store import CellKey, CellResult, ResultsStore
 from kvsieve.models import dtype_name, load, local_source
-from kvsieve.policies.label import FULL_CACHE, Mode
+from kvsieve.policies.label import FULL_CACHE, Mode, Point
 from kvsieve.policies.registry import parse
 from kvsieve.recall import Recall
 from kvsieve.tasks.sample import read_jsonl
@@ -58,15 +57,6 @@ DEFAULT_STORE = "results/lmeval.sqlite"
 
 
 @register_model("kvsieve")
-def _recall(value: str | float) -> Recall:
-    """``recall=0.025`` (a fraction) or ``recall=recall(fraction=0.025, chunk=16)``."""
-    try:
-        fraction = float(value)
-    except (TypeError, ValueError):
-        return Recall.parse(str(value))
-    return Recall(fraction)
-
-
 class KvsieveLM(LM):
     """lm-eval's ``LM`` answering ``generate_until`` requests with a compressed cache (see the module docstring).
 
@@ -93,8 +83,8 @@ class KvsieveLM(LM):
         if threads is not None:
             torch.set_num_threads(int(threads))
         self.model_name = canonical_name(str(model))
-        mode = Mode() if recall in (None, "", "none") else Mode(recall=_recall(recall))
-        point = Cell(parse(str(policy)), float(ratio), False, mode)  # the cell checks the ratio and the recall
+        mode = Mode() if recall in (None, "", "none") else Mode(recall=Recall.parse_setting(recall))
+        point = Point(parse(str(policy)), float(ratio), False, mode)  # the point checks the ratio and the recall
         self.cell = point if point.compresses else point.at(0.0)  # the full cache: once, at ratio 0
         split_prompt("x", qa=qa)  # checks qa before the model loads
         self.qa, self.length = qa, int(length)
@@ -144,11 +134,10 @@ class KvsieveLM(LM):
             raise ValueError("the kvsieve backend decodes greedily; the task asks for sampling (do_sample=true)")
         sample, split = sample_for(prompt, gen_kwargs, doc, task, doc_id, self.qa, self.length)
         answers, digest = reference_answers(doc), sample.id.rpartition("-")[2]
-        # the full cache is one reference for every cell, question-aware or not (Label.reference has no +qa)
+        # the full cache is one reference for every cell, question-aware or not (Point.reference has no +qa)
         aware = split.question_aware and self.cell.compresses
-        cell = Cell(self.cell.policy_spec, self.cell.ratio, aware, Mode() if aware else self.cell.mode)
-        key = CellKey(self.model_name, sample.task, sample.length, sample.id, cell.stored, cell.ratio,
-                      cell.question_aware)
+        cell = Point(self.cell.policy_spec, self.cell.ratio, aware, Mode() if aware else self.cell.mode)
+        key = CellKey.of(self.model_name, sample.task, sample.length, sample.id, cell)
         if self.store is not None and answers is not None:
             stored = self.store.rows(model=key.model, task=key.task, length=key.length, sample_id=key.sample_id,
                                      policy=key.policy, ratio=key.ratio, question_aware=key.question_aware)

@@ -1,8 +1,8 @@
 """A policy run at a setting (:class:`Point`), and the label a results row is keyed by.
 
 A point is a policy spec, a compression ratio, whether the question was kept out of compression, and the mode
-(:class:`Mode`: prefill compression, or decode-time eviction with its chunk and eviction interval). It is what a
-grid cell (``harness/grid.py``: ``Cell``) and a certification candidate (``risk/losses.py``: ``Candidate``) are,
+(:class:`Mode`: prefill compression, or decode-time eviction with its chunk and eviction interval). It is the one
+type of a grid cell's setting (``harness/grid.py``), a certification candidate (``risk/losses.py``) and a row's label,
 and everything derived from it is derived here, once: its stored and display text, whether its family
 ``compresses``, whether it ``protects_question``, its full-KV ``reference``, its ``budget``. The ratio is checked
 here, once (``selection.Budget`` checks its own), and so are the spec's syntax and the mode's pairing with
@@ -14,11 +14,10 @@ evicted every E > 1 of them. Display form (tables, plots, comparisons): the stor
 for a question-aware row (the question kept out of compression; the store keeps that in its own column).
 
 :meth:`Point.parse` and :attr:`Point.stored` / :attr:`Point.display` are the one parser and formatter of both
-forms (``Label`` is the same type, the name older code reads a label by): nothing else in kvsieve splits or builds
-a label. The stored text forms are unchanged, so every store, contract and config written before still reads.
-Reading a point opens no file: a store holds labels of program files and checkpoints that may no longer exist,
-and its tables must still be drawn. A family that is
-no longer registered (rows of an older kvsieve) reads as an ordinary compressing policy, not a reference.
+forms: nothing else in kvsieve splits or builds a label. The stored text forms are unchanged, so every store,
+contract and config written before still reads. Reading a point opens no file: a store holds labels of program files
+and checkpoints that may no longer exist, and its tables must still be drawn. A family that is no longer registered
+(rows of an older kvsieve) reads as an ordinary compressing policy, not a reference.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from kvsieve.recall import Recall
 from kvsieve.selection import Budget
 from kvsieve.spec import parse_spec
 
-__all__ = ["DECODE", "FULL_CACHE", "MODES", "PREFILL", "QA_SUFFIX", "Label", "Mode", "Point", "display_order"]
+__all__ = ["DECODE", "FULL_CACHE", "MODES", "PREFILL", "QA_SUFFIX", "Mode", "Point", "display_order"]
 
 FULL_CACHE: str = FullCache.name  # the full cache's spec and stored label (prefill); the reference of every row
 PREFILL, DECODE = "prefill", "decode"
@@ -316,17 +315,14 @@ class Point:
 
     @property
     def reference(self) -> Point:
-        """The full-KV point this one's rows are paired with: the same mode, nothing evicted."""
-        return Point(FULL_CACHE, 0.0, False, self.mode)
+        """The full-KV point this one's rows are paired with: the same mode, nothing evicted (nothing to recall)."""
+        return Point(FULL_CACHE, 0.0, False, Mode(self.chunk_size, self.evict_every))
 
     @property
     def sort_key(self) -> tuple[bool, bool, str]:
         """Where a row of this label goes in tables and legends: the full cache first, then ordinary policies, then
         reference ones (the oracle, question-aware rows), each group by display name."""
         return not self.is_full, self.is_reference, self.display
-
-
-Label = Point  # a row's label is a point's text: ``Label.parse`` reads one (the ratio, when not given, is 0)
 
 
 def display_order(labels: Iterable[str]) -> list[str]:

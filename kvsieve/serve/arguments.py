@@ -19,6 +19,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "compressed prompt (its cache held at that plus N entries a head, and charged that once "
                              "its prompt is read instead of room for max_tokens); 0: prefill compression only "
                              "(default 32). A contract's points never do: their guarantee is for prefill compression")
+    parser.add_argument("--recall", help="with --policy: two tiers, what the policy evicts kept cold and each "
+                             "question recalling what it attends to most, within the ratio's bytes: a fraction "
+                             "(0.025) or recall(fraction=0.025, chunk=32, pool='span', sketch=..., cold=...); such a "
+                             "point does not evict while it decodes")
     parser.add_argument("--allow-override", action="store_true",
                         help="let clients ask for looser points than the contract's (kvsieve.policy / kvsieve.ratio)")
     parser.add_argument("--host", default="127.0.0.1")

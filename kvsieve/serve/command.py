@@ -16,6 +16,7 @@ import uvicorn
 
 from kvsieve.bundled import canonical_name
 from kvsieve.models import context_length, load
+from kvsieve.recall import Recall
 from kvsieve.risk.contract import ContractFile
 from kvsieve.risk.runtime import CertifiedPolicy
 from kvsieve.serve.app import create_app
@@ -31,13 +32,15 @@ __all__ = ["add_arguments", "run", "point_source", "build_state", "parse_budget"
 
 
 def point_source(model: str, contract: str | None = None, policy: str | None = None, ratio: float | None = None,
-                 question_aware: bool = False, allow_override: bool = False, evict_every: int = 0) -> PointSource:
+                 question_aware: bool = False, allow_override: bool = False, evict_every: int = 0,
+                 recall: str | None = None) -> PointSource:
     """The server's points, every check done before the model is loaded; ``evict_every`` > 0: a ``--policy`` point
     also evicts while it decodes (``serve/decode_eviction.py``)."""
     if contract and policy:
         raise ValueError("give --contract or --policy/--ratio, not both")
-    if policy is None and (ratio is not None or question_aware):
-        raise ValueError("--ratio and --question-aware go with --policy")
+    if policy is None and (ratio is not None or question_aware or recall is not None):
+        raise ValueError("--ratio, --question-aware and --recall go with --policy (a contract's points carry their "
+                         "own recall)")
     if policy is not None and ratio is None:
         raise ValueError("--policy needs --ratio (the fraction of the cache removed, in [0, 1))")
     if contract:
@@ -48,7 +51,8 @@ def point_source(model: str, contract: str | None = None, policy: str | None = N
             raise ValueError(f"contract {contract} buckets lengths on the nominal length, but requests are routed on "
                              "their context tokens: recertify it with kvsieve certify")
         return PointSource(certified, allow_override=allow_override)
-    return PointSource(None, policy, ratio or 0.0, question_aware, allow_override, evict_every)
+    setting = None if recall is None else Recall.parse_setting(recall)
+    return PointSource(None, policy, ratio or 0.0, question_aware, allow_override, evict_every, setting)
 
 
 def _meminfo(field: str) -> int | None:
@@ -180,7 +184,7 @@ def serve(state: ServerState, host: str = "127.0.0.1", port: int = 8000, sock: s
 def run(args) -> int:
     try:
         points = point_source(args.model, args.contract, args.policy, args.ratio, args.question_aware,
-                              args.allow_override, args.evict_every)
+                              args.allow_override, args.evict_every, args.recall)
         if not str(args.kv_budget).strip().endswith("%"):
             parse_budget(args.kv_budget)  # a budget in bytes is checked before the model loads
         if args.drain_timeout is not None and not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):

@@ -18,9 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvsieve.policies import Policy, parse
-from kvsieve.policies.label import FULL_CACHE, Point
+from kvsieve.policies.label import FULL_CACHE, Mode, Point
 from kvsieve.policies.operating_point import OperatingPoint
 from kvsieve.prompt import Prompt
+from kvsieve.recall import Recall
 from kvsieve.risk.runtime import CertifiedPolicy
 from kvsieve.serve.decode_eviction import evicts_in_decode
 from kvsieve.serve.errors import APIError, quoted
@@ -84,7 +85,8 @@ class PointSource:
     """
 
     def __init__(self, certified: CertifiedPolicy | None = None, policy: str | None = None, ratio: float = 0.0,
-                 question_aware: bool = False, allow_override: bool = False, evict_every: int = 0) -> None:
+                 question_aware: bool = False, allow_override: bool = False, evict_every: int = 0,
+                 recall: Recall | None = None) -> None:
         if certified is not None and policy is not None:
             raise ValueError("give a contract or a fixed policy, not both")
         if isinstance(evict_every, bool) or not isinstance(evict_every, int) or evict_every < 0:
@@ -92,7 +94,7 @@ class PointSource:
         self.fixed: OperatingPoint | None = None
         if policy is not None:
             spec = parse(policy)  # an unknown policy or a missing file fails at start, not on the first request
-            point = Point(spec, ratio, question_aware)  # the ratio is checked there
+            point = Point(spec, ratio, question_aware, Mode(recall=recall))  # the ratio and recall are checked there
             if point.budget is not None:
                 self.fixed = OperatingPoint(point, spec.build())
         self.certified = certified
@@ -100,7 +102,8 @@ class PointSource:
         self.allow_override = allow_override
         # decode-time eviction for --policy points only: a contract certified prefill compression, with the cache
         # growing during decoding, and its guarantee says nothing of evicting generated tokens
-        self.evict_every = evict_every if certified is None else 0
+        # and a point with recall answers from its recalled copy as it is
+        self.evict_every = evict_every if certified is None and recall is None else 0
         # spec text -> (its point, the loosest ratio the server runs it at): what a client may name
         self.known: dict[str, tuple[OperatingPoint, float]] = {}
         if certified is not None:
