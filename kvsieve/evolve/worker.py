@@ -132,10 +132,12 @@ def _prepare(source: str, limits: Limits, loader) -> tuple:
     """``(program, score_fn or None, error or None)``: the source parsed as data (nothing of it runs)."""
     try:
         program = Program(source)
-        program.selection_params  # noqa: B018 - validates SELECTION
         if loader is not None:
+            program.selection_params  # noqa: B018 - validates SELECTION
             return program, None, None
-        return program, ScoreProgram(source, limits=limits, filename="program"), None
+        score_fn = ScoreProgram(source, limits=limits, filename="program")  # first: its refusals name the line
+        program.selection_params  # noqa: B018 - validates SELECTION
+        return program, score_fn, None
     except Exception as err:  # noqa: BLE001 - reported once the candidate's time has started
         return None, None, err
 

@@ -149,20 +149,21 @@ def _alternatives(depth: int) -> dict[str, list[_Alt]]:
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         raise ValueError(f"the typed grammar's depth must be an int >= 1, got {depth!r}")
 
-    def allocated(allocation: str, *tail: str) -> _Alt:  # chunks of 1, sinks, an allocation, a normalisation
-        return _Alt(('"SELECTION = {\\"chunk_size\\": 1, \\"sink\\": "', "SINK", '", \\"allocation\\": "', allocation,
-                     '", \\"normalization\\": "', "NORMALIZATION", *tail, '"}\\n"'))
-
+    # Each alternative differs from the others at a literal neither of which is a prefix of the other: llguidance's
+    # lexer is greedy, and a literal that is a prefix of another (`"chunk_size": ` of `"chunk_size": 1, ...`) made
+    # it refuse `"chunk_size": 14` where Lark's Earley parser accepts it.
+    sink = ('"SELECTION = {\\"sink\\": "', "SINK")
+    moving = (*sink, '", \\"allocation\\": "', "MOVING", '", \\"normalization\\": "', "NORMALIZATION")
     rules: dict[str, list[_Alt]] = {
         "typed_program": [_Alt(('"\\"\\"\\"Evolved policy.\\"\\"\\"\\n"', "selection",
                                 '"\\ndef score(f):\\n    return "', f"e3_{depth}", '"\\n"'))],
         "selection": [
-            allocated("ALLOCATION"),
-            _Alt(('"SELECTION = {\\"chunk_size\\": "', "CHUNK", '", \\"sink\\": "', "SINK", '"}\\n"')),
-            # a floor only where budgets move between heads (the selection refuses it under "uniform")
-            allocated("MOVING", '", \\"floor\\": "', "FLOOR"),
+            _Alt((*sink, '", \\"chunk_size\\": "', "CHUNK", '"}\\n"')),  # uniform, chunks of any size
+            # budgets moved between heads (chunks of 1, the default), a normalisation, a floor only here (the
+            # selection refuses one under "uniform")
+            _Alt((*moving, '"}\\n"')),
+            _Alt((*moving, '", \\"floor\\": "', "FLOOR", '"}\\n"')),
         ],
-        "ALLOCATION": [_Alt((_q(_q(choice)),)) for choice in SELECTION_CHOICES["allocation"]],
         "MOVING": [_Alt((_q(_q(choice)),)) for choice in SELECTION_CHOICES["allocation"] if choice != "uniform"],
         "NORMALIZATION": [_Alt((_q(_q(choice)),)) for choice in SELECTION_CHOICES["normalization"]],
         "scalar": [_Alt(("NUMBER",)), *(_Alt((_q(f"f.{name}"),)) for name in _SCALAR_FIELDS)],

@@ -11,8 +11,11 @@ import random
 import sqlite3
 from pathlib import Path
 
+import llguidance
+import llguidance.hf
 import pytest
 from lark import Lark
+from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from kvsieve.evolve.seeds import SEEDS
 from kvsieve.evolve.stage1_invariants import check_invariants
@@ -24,6 +27,8 @@ from kvsieve.language.static_check import StaticCheckError, check_source
 from kvsieve.language.typed_graph import MAX_DEPTH, MAX_OPERATIONS
 
 ROOT = Path(__file__).resolve().parents[2]
+# a typed_program's text up to its expression (what the refusals below are appended to)
+HEADER = '"""Evolved policy."""\nSELECTION = {"sink": 0, "chunk_size": 14}\n\ndef score(f):\n    return '
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +80,28 @@ def test_every_string_of_the_typed_grammar_passes_stage_0(parsers):
         parsers["program"].parse(source)
 
 
+def test_the_gbnf_and_the_decoding_grammar_as_llguidance_reads_them_accept_every_string_and_no_refused_one(smollm2):
+    """The GBNF file is read by llguidance (its own GBNF-to-Lark conversion) and the decoding grammar as the
+    constrained mutator compiles it; each accepts the 300 strings (all accepted by stage 0) and refuses issue 72's."""
+    tokenizer = smollm2[1]
+    lltokenizer = llguidance.hf.from_tokenizer(tokenizer)
+    compiled = {"gbnf": llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(grammar.gbnf_text())),
+                "decoding": llguidance.LLMatcher.grammar_from_lark(grammar.decoding_lark(fenced=False))}
+
+    def accepts(which: str, text: str) -> bool:
+        matcher = llguidance.LLMatcher(lltokenizer, compiled[which])
+        return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+    for seed in range(300):
+        source = grammar.sample(seed)
+        assert accepts("gbnf", source) and accepts("decoding", source), source
+    good = HEADER + "rank(group_mean(f.attn))\n"
+    assert accepts("gbnf", good) and accepts("decoding", good)  # so that each refusal below is the expression's
+    for bad in ("rank(rank(rank(rank(rank(f.key_norm)))))", "(f.key_norm / f.layer)", "(f.key_norm ** 4)", "f.attn",
+                "torch.abs(" * 5 + "f.key_norm" + ")" * 5):
+        assert not accepts("gbnf", HEADER + bad + "\n") and not accepts("decoding", HEADER + bad + "\n"), bad
+
+
 def test_the_typed_grammars_worst_case_is_inside_every_budget_of_the_checker():
     """The bounds are read off the rules (each an upper bound: the checker only merges common subexpressions), so no
     string of the exported typed grammars, however a decoder strings its tokens, can be refused by stage 0."""
@@ -98,17 +125,16 @@ def test_the_typed_grammars_worst_case_is_inside_every_budget_of_the_checker():
     "(f.key_norm / f.layer)", "(f.key_norm / f.position)", "(f.key_norm ** -1)", "(f.key_norm ** 4)",
 ])
 def test_the_typed_grammar_refuses_what_the_checker_or_finite_scores_would(parsers, expression):
-    header = '"""Evolved policy."""\nSELECTION = {"chunk_size": 4, "sink": 0}\n\ndef score(f):\n    return '
+    parsers["typed_program"].parse(HEADER + "rank(group_mean(f.attn))\n")  # the header is the grammar's
     with pytest.raises(Exception):  # noqa: B017 - lark's several error types
-        parsers["typed_program"].parse(header + expression + "\n")
+        parsers["typed_program"].parse(HEADER + expression + "\n")
 
 
 def test_a_balanced_sum_of_300_terms_is_refused_by_the_typed_grammar_and_by_the_checker(parsers):
     terms = [f"(f.key_norm * {i + 1})" for i in range(300)]
     while len(terms) > 1:
         terms = [f"({a} + {b})" if b else a for a, b in zip(terms[::2], [*terms[1::2], ""])]
-    header = '"""Evolved policy."""\nSELECTION = {"chunk_size": 4, "sink": 0}\n\ndef score(f):\n    return '
-    source = header + terms[0] + "\n"
+    source = HEADER + terms[0] + "\n"
     with pytest.raises(StaticCheckError, match="operations, more than 256"):
         check_source(source)
     with pytest.raises(Exception):  # noqa: B017
@@ -136,12 +162,11 @@ def test_the_decoding_grammars_random_strings_pass_stage_1():
 
 
 def test_the_typed_grammar_refuses_what_would_fail_the_checker(parsers):
-    header = '"""Evolved policy."""\nSELECTION = {"chunk_size": 4, "sink": 0}\n\ndef score(f):\n    return '
-    assert parsers["typed_program"].parse(header + "group_mean(f.attn)\n")
+    assert parsers["typed_program"].parse(HEADER + "group_mean(f.attn)\n")
     for bad in ("f.attn\n", "(f.attn + f.key_norm)\n", "pool(f.key_norm, 300)\n", "torch.norm(f.key_norm)\n",
                 "(f.key_norm / 0)\n", "(f.key_norm ** 9)\n"):
         with pytest.raises(Exception):  # noqa: B017 - lark's several error types
-            parsers["typed_program"].parse(header + bad)
+            parsers["typed_program"].parse(HEADER + bad)
 
 
 def test_every_string_of_the_depth_bounded_decoding_grammar_passes_stage_0():
