@@ -6,12 +6,15 @@ Random edits of valid programs (tokens inserted, deleted, swapped) must either p
 
 from __future__ import annotations
 
+import math
 import random
+from dataclasses import replace
 
 import torch
 
 from kvsieve.evolve.seeds import SEEDS
 from kvsieve.language import grammar
+from kvsieve.language import operations as ops
 from kvsieve.language.interpreter import InterpreterError, LimitExceeded, ScoreProgram
 from kvsieve.language.program_features import synthetic_features
 from kvsieve.language.typed_graph import ProgramRefused, build_graph
@@ -67,3 +70,39 @@ def test_random_edits_are_refused_or_run_and_fail_only_as_the_program():
         assert tuple(out.shape) == (1, 2, 80) and out.dtype == torch.float32
         assert graph.nodes[graph.output].shape == ("b", "h", "n")
     assert parsed > 200 and ran > 150  # the fuzz reaches the interpreter, not only the parser
+
+
+# the value classes of issue 72 (benchmarks/language_cost.py --fuzz times them; here only what may be raised)
+VALUES = {"subnormal": 1e-40, "zero": 0.0, "negative": -3.0, "inf": math.inf, "-inf": -math.inf, "NaN": math.nan,
+          "1e30": 1e30}
+
+
+def test_typed_programs_on_every_value_class_run_or_fail_only_as_the_program():
+    """Random programs of the typed grammar on features made of one value class (or all of them mixed): each runs to
+    scores of the right shape or fails with an InterpreterError; the guarded operations never return NaN from a
+    value that is not NaN."""
+    base = synthetic_features(2, batch=1, kv_heads=2, group=3, n=64, window=8)
+    gen = torch.Generator().manual_seed(0)
+    classes = [*VALUES, "mixed"]
+    ran = 0
+    for seed in range(120):
+        fill = classes[seed % len(classes)]
+        tensors = {}
+        for name, tensor in base.tensors().items():
+            if fill == "mixed":
+                values = torch.tensor(list(VALUES.values()))
+                tensors[name] = values[torch.randint(len(values), tensor.shape, generator=gen)]
+            else:
+                tensors[name] = torch.full_like(tensor, VALUES[fill])
+        features = replace(base, **tensors)
+        try:
+            out = ScoreProgram(grammar.sample(seed), filename="fuzz.py")(features)
+        except InterpreterError as err:
+            assert str(err).startswith("fuzz.py"), str(err)
+            continue
+        ran += 1
+        assert tuple(out.shape) == (1, 2, 64) and out.dtype == torch.float32
+    assert ran > 100
+    for name in ops.GUARDED_RANGES:
+        read = ops.FUNCTIONS[f"torch.{name}"].run(torch.tensor([*VALUES.values()]))
+        assert bool(torch.isfinite(read).all()), (name, read)
