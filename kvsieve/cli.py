@@ -57,6 +57,7 @@ def _grid(args):
         "lengths": args.lengths and _csv(args.lengths, int, "--lengths"),
         "policies": args.policies and split_specs(args.policies),
         "qa_policies": args.qa_policies and split_specs(args.qa_policies),
+        "recalls": args.recalls and split_specs(args.recalls),
         "ratios": args.ratios and _csv(args.ratios, float, "--ratios"), "samples": args.samples, "seed": args.seed,
         "store": args.store, "data": args.data, "dtype": args.dtype, "mode": args.mode, "chunk_size": args.chunk_size,
         "program_budget_s": args.program_budget,
@@ -192,9 +193,12 @@ def cmd_certify(args) -> int:
             raise ValueError("--run needs --tasks and --lengths to know which calibration cells to evaluate")
         from kvsieve.harness.grid import GridConfig
 
-        grid = GridConfig(model=args.model, tasks=tasks, lengths=lengths, policies=[FULL_CACHE, *compressing],
+        # a candidate with recall runs as its policy with the grid's recalls (stored SPEC@recall(...) again)
+        plain = list(dict.fromkeys(c.spec if c.mode.recall else c.stored for c in candidates))
+        recalls = list(dict.fromkeys(c.mode.recall for c in candidates if c.mode.recall))
+        grid = GridConfig(model=args.model, tasks=tasks, lengths=lengths, policies=[FULL_CACHE, *plain],
                           ratios=ratios, samples=args.samples, seed=args.seed, store=args.store,
-                          question_aware=args.question_aware)
+                          question_aware=args.question_aware, recalls=recalls)
         if args.question_aware:  # only the question-aware variants are candidates
             grid.policies, grid.qa_policies = [FULL_CACHE], compressing
         _run_grid(grid, args).close()

@@ -23,6 +23,9 @@ def add_grid_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", help="comma-separated policy specs, e.g. full,snapkv,snapkv(window=32)")
     parser.add_argument("--qa-policies", help="policies also run question-aware (reference lines)")
     parser.add_argument("--ratios", help="comma-separated compression ratios in [0, 1)")
+    parser.add_argument("--recalls", help="prefill: each compressing policy at each ratio also with these recalls "
+                        "(two tiers, kvsieve/recall.py), e.g. recall(fraction=0.025,chunk=32,pool='span'); stored as "
+                        "SPEC@recall(...)")
     parser.add_argument("--mode", choices=("prefill", "decode"), help="prefill (default: compress once after the "
                         "context) or decode (evict while the context is read in chunks; stored as SPEC@decodeN)")
     parser.add_argument("--chunk-size", type=int, help="decode mode: context tokens read between evictions "
@@ -96,7 +99,8 @@ def _certify(parser: argparse.ArgumentParser) -> None:
     flag = parser.add_argument
     flag("--store", required=True, help="results store holding full-KV and candidate rows")
     flag("--model", required=True)
-    flag("--policies", required=True, help="comma-separated candidate policy specs")
+    flag("--policies", required=True, help="comma-separated candidate policy specs or labels (a label such as "
+                                           "pick@recall(fraction=0.025) certifies that recall at every ratio)")
     flag("--ratios", required=True, help="comma-separated compression ratios")
     flag("--alpha", type=float, default=0.1, help="target risk: rate of material degradation")
     flag("--delta", type=float, default=0.1, help="1 - confidence of the guarantee")

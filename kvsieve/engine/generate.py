@@ -145,9 +145,10 @@ def generate(
     prompt = build_prompt(tokenizer, context, question, answer_prefix)
     n_ctx = prompt.context_ids.shape[1]
     check_context_length(model, n_ctx + prompt.question_ids.shape[1], max_new_tokens)
-    if recall is not None and (mode == "decode" or question_aware or kept is not None or not policy.evicts):
-        raise ValueError("recall runs a query-agnostic prefill point of an evicting policy given by ratio: not with "
-                         "decode mode, question_aware or kept")
+    if recall is not None and (mode == "decode" or question_aware or kept is not None or not policy.evicts
+                               or not ratio):
+        raise ValueError("recall runs a query-agnostic prefill point of an evicting policy given by a ratio > 0: not "
+                         "with decode mode, question_aware or kept")
     start = time.perf_counter()
     read, tiers = None, None
     if mode == "decode":  # eviction while the prompt is read: nothing is read whole

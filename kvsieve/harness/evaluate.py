@@ -28,10 +28,10 @@ from kvsieve.engine.attach import attach
 from kvsieve.engine.cache import cache_bytes, sieve_layers, stack_caches
 from kvsieve.engine.generate import generate, greedy_decode
 from kvsieve.engine.reader import Capture, PromptRead, read_prompt
-from kvsieve.harness.grid import Cell
 from kvsieve.harness.provenance import current as current_provenance
 from kvsieve.harness.store import TIMING_CONFIG_KEYS, CellKey, CellResult, FailedCell
 from kvsieve.models import dtype_name
+from kvsieve.policies.label import Point
 from kvsieve.policy import Policy
 from kvsieve.prompt import Prompt, build_prompt
 from kvsieve.tasks.metrics import score as metric_score
@@ -48,7 +48,7 @@ def _reason(err: BaseException) -> str:
     return (f"{type(err).__name__}: {text}" if text else type(err).__name__)[:MAX_REASON]
 
 
-def _policy_for(cell: Cell, sample: Sample, prompt: Prompt, tokenizer) -> Policy:
+def _policy_for(cell: Point, sample: Sample, prompt: Prompt, tokenizer) -> Policy:
     if cell.policy_spec.needs_spans:  # the reference keeps the template header and the answer's tokens
         header = prompt.header_length(tokenizer)
         important = list(range(header)) + prompt.token_positions(tokenizer, [tuple(s) for s in sample.spans])
@@ -62,7 +62,7 @@ def _policy_for(cell: Cell, sample: Sample, prompt: Prompt, tokenizer) -> Policy
 class _SampleRun:
     """One sample's rows as they are made: each cell's row or failure, handed over to ``on_rows`` as they land."""
 
-    def __init__(self, model, tokenizer, sample: Sample, cells: list[Cell], model_name: str, shared: bool,
+    def __init__(self, model, tokenizer, sample: Sample, cells: list[Point], model_name: str, shared: bool,
                  config: dict | None, on_rows: Callable[[list[CellResult]], None] | None) -> None:
         self.model, self.tokenizer, self.sample, self.model_name = model, tokenizer, sample, model_name
         self.shared, self.config, self.on_rows = shared, config or {}, on_rows
@@ -72,22 +72,22 @@ class _SampleRun:
         self.landed = 0
         self.order = {(c.stored, round(c.ratio, 6), c.question_aware): i for i, c in enumerate(cells)}
 
-    def policy(self, cell: Cell) -> Policy:
+    def policy(self, cell: Point) -> Policy:
         """The cell's policy, checked against the model: the grid's configuration, refused before any work."""
         policy = _policy_for(cell, self.sample, self.prompt, self.tokenizer)
         policy.check_model(self.model, self.model_name or None)
         return policy
 
-    def key(self, cell: Cell) -> CellKey:
+    def key(self, cell: Point) -> CellKey:
         s = self.sample
-        return CellKey(self.model_name, s.task, s.length, s.id, cell.stored, cell.ratio, cell.question_aware)
+        return CellKey.of(self.model_name, s.task, s.length, s.id, cell)
 
-    def failed(self, cell: Cell, err: BaseException) -> None:
+    def failed(self, cell: Point, err: BaseException) -> None:
         self.results.append(FailedCell(self.key(cell), _reason(err), dict(
             self.config, policy_digest=cell.policy_spec.digest, cell=cell.as_dict(), sample_seed=self.sample.seed,
             context_tokens=self.prompt.context_ids.shape[1], kvsieve=kvsieve.__version__)))
 
-    def record(self, cell: Cell, text: str, kept: int, kept_bytes: int, full_bytes: int, prefill_s: float,
+    def record(self, cell: Point, text: str, kept: int, kept_bytes: int, full_bytes: int, prefill_s: float,
                decode_s: float, timing: dict | None = None) -> None:
         sample, model = self.sample, self.model
         # the dtype the model computed in, not the "auto" that asked for it; in a shared grid ``timing`` holds
@@ -113,7 +113,7 @@ class _SampleRun:
 
 
 @torch.no_grad()
-def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_name: str = "", shared: bool = True,
+def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Point], model_name: str = "", shared: bool = True,
                     config: dict | None = None,
                     on_rows: Callable[[list[CellResult]], None] | None = None) -> list[CellResult]:
     """Evaluate ``cells`` on one sample; shared prefill and batched decoding unless ``shared=False``.
@@ -128,7 +128,7 @@ def evaluate_sample(model, tokenizer, sample: Sample, cells: list[Cell], model_n
     return run.rows()
 
 
-def _run_alone(run: _SampleRun, cells: list[Cell]) -> None:
+def _run_alone(run: _SampleRun, cells: list[Point]) -> None:
     """Each cell generates from the sample's text by itself (decode-time eviction, or ``shared=False``)."""
     sample = run.sample
     for cell in cells:
@@ -136,7 +136,7 @@ def _run_alone(run: _SampleRun, cells: list[Cell]) -> None:
         try:
             gen = generate(run.model, run.tokenizer, sample.context, sample.question, policy, ratio=cell.ratio,
                            question_aware=cell.question_aware, answer_prefix=sample.answer_prefix,
-                           max_new_tokens=sample.max_new_tokens, stop=run.stop, **cell.mode.engine_options)
+                           max_new_tokens=sample.max_new_tokens, stop=run.stop, **cell.engine_options)
         except Exception as err:  # noqa: BLE001 - the policy's failure fails its cell, never the run
             run.failed(cell, err)
         else:
@@ -148,7 +148,7 @@ def _run_alone(run: _SampleRun, cells: list[Cell]) -> None:
         run.hand_over()
 
 
-def _run_shared(run: _SampleRun, cells: list[Cell]) -> None:
+def _run_shared(run: _SampleRun, cells: list[Point]) -> None:
     """One read of the context for every cell; per question-awareness, each cell prunes its own copy, then the
     cells of one ratio decode as one batch."""
     if not cells:
@@ -171,14 +171,14 @@ def _run_shared(run: _SampleRun, cells: list[Cell]) -> None:
                 run.hand_over()
 
 
-def _compress_group(run: _SampleRun, group: list[Cell], policies: dict, read: PromptRead) -> dict:
+def _compress_group(run: _SampleRun, group: list[Point], policies: dict, read: PromptRead) -> dict:
     """Each cell's pruned copy of the read, grouped by ratio: {ratio: [(cell, cache, seconds, kept, bytes)]}. A cell
     whose policy fails here (a budget, NaN scores, a selection that does not fit) is recorded as failed."""
     batches: dict[float, list] = defaultdict(list)  # one batch per ratio: kept lengths are close
     for cell in group:
         logits, tiers = None, None
         try:
-            if cell.mode.recall is not None:  # two tiers; the question recalls now, in its own forward
+            if cell.mode.recall is not None and cell.budget is not None:  # two tiers; the question recalls now
                 tiers = read.tiered(policies[cell], cell.ratio, cell.mode.recall)
                 cache, report = tiers.question_cache(), tiers.report
                 start = time.perf_counter()

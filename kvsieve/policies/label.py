@@ -171,9 +171,8 @@ class Point:
             raise ValueError(f"a point's mode is a Mode (prefill, or decode with its chunk), got {self.mode!r}")
         if self.mode.recall is not None:
             recall = self.mode.recall
-            if not self.compresses or self.ratio == 0:
-                raise ValueError(f"policy {spec!r} at ratio {self.ratio:g} evicts nothing: there is nothing to "
-                                 "recall (drop the recall)")
+            if not self.compresses:  # (at ratio 0 a label reads; such a point runs as full KV, recalling nothing)
+                raise ValueError(f"policy {spec!r} evicts nothing: there is nothing to recall (drop the recall)")
             if not recall.fraction < 1 - self.ratio:
                 raise ValueError(f"recall fraction {recall.fraction:g} is outside [0, {1 - self.ratio:g}): it must be "
                                  f"below the share the point at ratio {self.ratio:g} keeps")
@@ -292,6 +291,12 @@ class Point:
     def budget(self) -> Budget | None:
         """What the engine is given: ``Budget(ratio)``, or None where nothing is evicted (full KV, ratio 0)."""
         return Budget(ratio=self.ratio) if self.compresses and self.ratio > 0 else None
+
+    @property
+    def engine_options(self) -> dict[str, Any]:
+        """What ``attach`` and ``generate`` are given for this point's mode (no recall where nothing is evicted)."""
+        options = self.mode.engine_options
+        return {k: v for k, v in options.items() if k != "recall"} if self.budget is None else options
 
     @property
     def protects_question(self) -> bool:

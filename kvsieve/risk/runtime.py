@@ -120,7 +120,7 @@ class CertifiedPolicy:
         chosen = self.operating_point(task, context_tokens)
         tail = chosen.protected_tail(question_tokens)
         with attach(model, chosen.policy, ratio=chosen.point.ratio, protected_tail=tail,
-                    **chosen.point.mode.engine_options) as session:
+                    **chosen.point.engine_options) as session:
             yield CertifiedSession(chosen, session)
 
     def generate(self, model, tokenizer, context: str, question: str, task: str | None = None,
@@ -132,7 +132,7 @@ class CertifiedPolicy:
         self.bind(model, model_name)
         context_tokens = build_prompt(tokenizer, context, question, options.get("answer_prefix", "")).context_ids
         chosen = self.operating_point(task, int(context_tokens.shape[1]))
-        options = {**options, **chosen.point.mode.engine_options}
+        options = {**options, **chosen.point.engine_options}
         return generate(model, tokenizer, context, question, chosen.policy, ratio=chosen.point.ratio,
                         question_aware=chosen.point.protects_question, **options)
 

@@ -62,6 +62,7 @@ def test_a_recall_label_reads_back_and_bad_ones_are_refused():
         Point.parse("knorm@recall(fraction=0.2)", 0.875)
     with pytest.raises(ValueError, match="evicts nothing"):
         Point.parse("full@recall(fraction=0.1)", 0.0)
+    assert Point.parse("knorm@recall(fraction=0.1)").budget is None  # a label reads at ratio 0, and runs as full KV
     with pytest.raises(ValueError, match="unknown: size"):
         Point.parse("knorm@recall(fraction=0.1, size=3)", 0.5)
     with pytest.raises(ValueError, match="question-aware"):

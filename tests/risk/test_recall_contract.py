@@ -36,7 +36,7 @@ def test_the_most_aggressive_certified_point_carries_its_recall(tmp_path):
     assert chosen == Point.parse(RECALL, 0.875) and chosen.mode.recall == Recall(0.1, chunk=32, pool="span")
     path = out.write(tmp_path / "contract.json")
     point = CertifiedPolicy.from_contract(path).operating_point()
-    assert point.point.stored == RECALL and point.point.mode.engine_options == {"recall": chosen.mode.recall}
+    assert point.point.stored == RECALL and point.point.engine_options == {"recall": chosen.mode.recall}
     assert not point.fell_back
 
 
