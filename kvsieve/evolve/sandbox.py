@@ -216,8 +216,8 @@ class Deadline:
         if self.capped:
             rule += ", capped at the sandbox's timeout"
         return (f"ran past its deadline: killed after {measured_s:.2f} s, against {self.predicted_s:.3f} s predicted "
-                f"for its stage 1 and scoring (deadline {self.seconds:.2f} s = {rule}): an operation took far longer "
-                "than its price")
+                f"for its stage 1 and scoring (deadline {self.seconds:.2f} s = {rule}): the run took far longer than "
+                "its price")
 
 
 def job_prediction_s(program: ScoreProgram, window: int, seeds, feature_dims: dict[str, tuple[int, int, int, int]]
