@@ -19,8 +19,9 @@ import torch
 import kvsieve
 from kvsieve.engine.generate import generate
 from kvsieve.harness.evaluate import evaluate_sample
-from kvsieve.harness.grid import Cell, GridConfig
+from kvsieve.harness.grid import GridConfig
 from kvsieve.models import load
+from kvsieve.policies.label import Point
 from kvsieve.tasks.load import load_samples
 
 
@@ -40,7 +41,7 @@ def main() -> None:
                       seed=args.seed)
     sample, *more_samples = load_samples(grid.sample_spec(), tokenizer)  # the samples a grid with these settings runs
     policies = [n for n in kvsieve.policies.names(kinds=("policy",)) if n != "full"]
-    cells = [Cell(p, float(r)) for p in policies for r in args.ratios.split(",")]
+    cells = [Point(p, float(r)) for p in policies for r in args.ratios.split(",")]
     print(f"# {args.model}, {args.task} at {args.length} tokens, {len(policies)} policies x "
           f"{len(args.ratios.split(','))} ratios = {len(cells)} cells, {torch.get_num_threads()} threads")
 
@@ -73,7 +74,7 @@ def main() -> None:
           f"({100 * same / len(naive):.1f}%)")
     alone_same = 0
     for r in differing:
-        cell = Cell(r.key.policy, r.key.ratio, r.key.question_aware)
+        cell = Point(r.key.policy, r.key.ratio, r.key.question_aware)
         [alone] = evaluate_sample(model, tokenizer, samples[r.key.sample_id], [cell], args.model, shared=True)
         alone_same += alone.prediction == r.prediction
         print(f"  differs: {r.key.sample_id} {cell.policy}@{cell.ratio}: batched {by_key[r.key]!r}, "

@@ -17,8 +17,8 @@ import time
 
 from kvsieve.harness.store import ResultsStore
 from kvsieve.policies import REFERENCE
+from kvsieve.policies.label import Point
 from kvsieve.risk import (
-    Candidate,
     Contract,
     InsufficientCalibrationError,
     certify_buckets,
@@ -28,18 +28,18 @@ from kvsieve.risk import (
 from kvsieve.risk.validity import split_validity
 
 
-def _candidates(store: ResultsStore, model: str) -> list[Candidate]:
+def _candidates(store: ResultsStore, model: str) -> list[Point]:
     keys = {(k.policy, k.ratio) for k in store.keys(model=model, question_aware=False)}
-    return sorted(Candidate(p, r) for p, r in keys if p != "full" and p not in REFERENCE and r > 0)
+    return sorted(Point(p, r) for p, r in keys if p != "full" and p not in REFERENCE and r > 0)
 
 
-def _point(c: Candidate | None, table) -> str:
+def _point(c: Point | None, table) -> str:
     if c is None:
         return "full KV"
     return f"{c.policy} @ {c.ratio:g} (keeps {100 * table.kept_fraction[c]:.1f}% of the bytes)"
 
 
-def _kept(c: Candidate | None, table) -> float:
+def _kept(c: Point | None, table) -> float:
     return 100.0 if c is None else 100 * table.kept_fraction[c]
 
 

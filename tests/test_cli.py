@@ -272,14 +272,14 @@ def test_the_grid_refuses_a_learned_checkpoint_on_another_model_of_its_geometry(
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from kvsieve.harness.evaluate import evaluate_sample
-    from kvsieve.harness.grid import Cell
+    from kvsieve.policies.label import Point
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128, hidden_size=576, intermediate_size=64, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=1024)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
     sample = generate("niah_single_1", 480, 0, lambda t: len(t))
-    cells = [Cell("learned(checkpoint='smollm2-135m-instruct')", 0.5)]
+    cells = [Point("learned(checkpoint='smollm2-135m-instruct')", 0.5)]
     for name in ("", "smollm2-135m-instruct"):
         with pytest.raises(ValueError, match="was trained for model 'smollm2-135m-instruct'"):
             evaluate_sample(model, CharTokenizer(), sample, cells, name)

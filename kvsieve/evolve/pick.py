@@ -37,7 +37,7 @@ from kvsieve.bundled import canonical_name
 from kvsieve.config import read_config_file
 from kvsieve.evolve.database import ProgramDatabase, ProgramRecord
 from kvsieve.policies.kvzap import KVzap
-from kvsieve.policies.label import Label
+from kvsieve.policies.label import Point
 from kvsieve.policies.learned import LearnedPolicy
 from kvsieve.policies.program import ProgramPolicy, program_spec
 
@@ -191,7 +191,7 @@ def exploratory(store_path: str | Path, model: str) -> dict[str, list[str]]:
     """The policies scored on a results store's requests of ``model``: published baselines, and found or
     learned ones (families ``program``, ``learned``, ``kvzap``), each listed once (labels as the store keys them);
     the full cache is neither."""
-    labels = {p: Label.parse(p) for p in _policies(store_path, canonical_name(model))}
+    labels = {p: Point.parse(p) for p in _policies(store_path, canonical_name(model))}
     found = sorted(p for p, label in labels.items() if label.family in FOUND_OR_LEARNED)
     return {"found_or_learned": found,
             "baselines": sorted(p for p, label in labels.items() if p not in found and not label.is_full)}

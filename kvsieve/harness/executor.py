@@ -25,15 +25,16 @@ from collections.abc import Callable
 from typing import Protocol
 
 from kvsieve.harness.evaluate import evaluate_sample
-from kvsieve.harness.grid import Cell, GridConfig
+from kvsieve.harness.grid import GridConfig
 from kvsieve.harness.store import CellResult
 from kvsieve.models import dtype_name, load, resolve_dtype
+from kvsieve.policies.label import Point
 from kvsieve.tasks.load import load_samples
 from kvsieve.tasks.sample import Sample
 
 __all__ = ["GridExecutor", "LocalGridExecutor", "model_factory", "Work"]
 
-Work = list[tuple[Sample, list[Cell]]]
+Work = list[tuple[Sample, list[Point]]]
 
 
 class GridExecutor(Protocol):

@@ -15,9 +15,7 @@ from kvsieve.policies.registry import PolicySpec, parse
 from kvsieve.recall import Recall
 from kvsieve.tasks.load import SampleSpec
 
-__all__ = ["Cell", "GridConfig", "cells_for"]
-
-Cell = Point  # a grid cell is a point: the policy (its spec parsed once, by the grid), ratio, question-awareness, mode
+__all__ = ["GridConfig", "cells_for"]
 
 
 @dataclass
@@ -95,11 +93,11 @@ class GridConfig:
                           seed=self.seed, data=self.data)
 
 
-def cells_for(config: GridConfig) -> list[Cell]:
+def cells_for(config: GridConfig) -> list[Point]:
     """Every point of the grid: each compressing policy at each ratio (and question-aware where asked), the full
     cache once at ratio 0, in the grid's mode; question-aware reference policies in prefill mode."""
     mode = config.point_mode
-    cells: list[Cell] = []
+    cells: list[Point] = []
     for spec in config.policies:
         point = Point(spec, 0.0, False, mode)
         if not point.compresses:  # the full cache: once per sample

@@ -3,7 +3,7 @@ label's full-cache reference.
 
 A *request* is one ``(task, length, sample_id)``. Rows of different models, lengths or prompt layouts
 (``tasks/ruler_alt.py``'s ``fmt2:`` tasks) are never pooled. A label's reference is its full-cache label
-(``full``, or ``full@decodeN`` for decode-time rows: :attr:`~kvsieve.policies.label.Label.reference`) at the lowest
+(``full``, or ``full@decodeN`` for decode-time rows: :attr:`~kvsieve.policies.label.Point.reference`) at the lowest
 ratio it was stored at (normally 0): :func:`reference_key` is the one lookup of it, for the headline tables and the
 report's tables alike.
 """
@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from kvsieve.harness.store import RATIO_DECIMALS, CellKey, CellResult
-from kvsieve.policies.label import Label, display_order
+from kvsieve.policies.label import Point, display_order
 from kvsieve.tasks.ruler_alt import PREFIX as ALT_PREFIX
 from kvsieve.tasks.ruler_alt import is_alt_task
 
@@ -40,7 +40,7 @@ def by_layout(rows: Iterable[CellResult]) -> dict[str, list[CellResult]]:
 
 def display_label(key: CellKey) -> str:
     """The name a stored row is shown under: its point's display form (``+qa`` when question-aware)."""
-    return Label.parse(key.policy, question_aware=key.question_aware).display
+    return Point.parse(key.policy, question_aware=key.question_aware).display
 
 
 def group_cells(rows: Iterable[CellResult]) -> dict[tuple[str, int], Cells]:
@@ -56,7 +56,7 @@ def group_cells(rows: Iterable[CellResult]) -> dict[tuple[str, int], Cells]:
 def reference_key(keys: Iterable[tuple[str, float]], label: str) -> tuple[str, float] | None:
     """Among ``(display label, ratio)`` keys, the one holding ``label``'s full-cache rows: its reference label at
     the lowest ratio stored (normally 0); None when there is none."""
-    ref = Label.parse(label).reference.display
+    ref = Point.parse(label).reference.display
     ratios = sorted(ratio for name, ratio in keys if name == ref)
     return (ref, ratios[0]) if ratios else None
 
@@ -72,7 +72,7 @@ def resolve_label(cells: Cells, name: str, model: str) -> str:
     labels = {label for label, _ in cells}
     if name in labels:
         return name
-    matches = {label for label in labels if Label.parse(label).stored == name}
+    matches = {label for label in labels if Point.parse(label).stored == name}
     if len(matches) == 1:
         return matches.pop()
     problem = "has no rows" if not matches else f"is ambiguous ({', '.join(sorted(matches))})"
@@ -84,7 +84,7 @@ def pair_ratios(cells: Cells, a: str, b: str) -> list[float]:
     def ratios(label: str) -> set[float]:
         return {r for name, r in cells if name == label}
 
-    full_a, full_b = Label.parse(a).is_full, Label.parse(b).is_full
+    full_a, full_b = Point.parse(a).is_full, Point.parse(b).is_full
     if full_a and full_b:
         return [0.0]
     return sorted(ratios(b) if full_a else ratios(a) if full_b else ratios(a) & ratios(b))

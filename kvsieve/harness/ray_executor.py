@@ -14,9 +14,10 @@ from kvsieve.distributed.actors import RayActors
 from kvsieve.distributed.cluster import import_ray
 from kvsieve.harness.evaluate import evaluate_sample
 from kvsieve.harness.executor import Work, model_factory
-from kvsieve.harness.grid import Cell, GridConfig
+from kvsieve.harness.grid import GridConfig
 from kvsieve.harness.store import CellResult
 from kvsieve.models import dtype_name
+from kvsieve.policies.label import Point
 from kvsieve.tasks.load import load_samples
 from kvsieve.tasks.sample import Sample
 
@@ -41,7 +42,7 @@ class GridWorker:
     def dtype(self) -> str:
         return dtype_name(self.model)
 
-    def evaluate(self, sample: Sample, cells: list[Cell], model_name: str, shared: bool,
+    def evaluate(self, sample: Sample, cells: list[Point], model_name: str, shared: bool,
                  run_config: dict) -> list[CellResult]:
         return evaluate_sample(self.model, self.tokenizer, sample, cells, model_name, shared, run_config)
 

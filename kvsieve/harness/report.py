@@ -4,7 +4,7 @@ A table shows one model: rows of several models are refused (split them with :fu
 does it for a whole store), and every heading names the model and the number of requests (task, length, sample)
 behind it.
 
-Policy names are the labels' display form (:class:`~kvsieve.policies.label.Label`: ``+qa`` appended when the
+Policy names are the labels' display form (:class:`~kvsieve.policies.label.Point`: ``+qa`` appended when the
 cell's key is question-aware). Reference policies (a family whose class says ``is_reference``, the answer-span
 oracle, and question-aware rows) are drawn dashed in the plots. The full-cache policy ``full`` is evaluated only at
 ratio 0; it is shown as a column in every ratio's table.
@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from kvsieve.harness.pairing import display_label, reference_key
 from kvsieve.harness.provenance import check_one_machine, describe
 from kvsieve.harness.store import RATIO_DECIMALS, CellResult, FailedCell
-from kvsieve.policies.label import FULL_CACHE, Label, display_order
+from kvsieve.policies.label import FULL_CACHE, Point, display_order
 
 __all__ = ["ScoreTable", "by_model", "one_model", "is_reference", "full_reference", "score_table", "format_table",
            "format_summary", "format_failures", "report_text", "requests"]
@@ -31,7 +31,7 @@ ScoreTable = dict[float, dict[str, dict[str, tuple[float, int]]]]
 
 
 def is_reference(name: str) -> bool:
-    return Label.parse(name).is_reference
+    return Point.parse(name).is_reference
 
 
 def by_model(results: Iterable[CellResult]) -> dict[str, list[CellResult]]:
@@ -168,7 +168,7 @@ def format_failures(failures: Iterable[FailedCell], results: Iterable[CellResult
     for f in failures:
         groups[(display_label(f.key), round(float(f.key.ratio), RATIO_DECIMALS))].append(f)
     lines = ["| policy | ratio | failed | scored | first reason |", "|---|---:|---:|---:|---|"]
-    for (policy, ratio), items in sorted(groups.items(), key=lambda kv: (Label.parse(kv[0][0]).sort_key, kv[0][1])):
+    for (policy, ratio), items in sorted(groups.items(), key=lambda kv: (Point.parse(kv[0][0]).sort_key, kv[0][1])):
         reason = items[0].reason.replace("|", "/")[:200]
         lines.append(f"| {policy} | {ratio:g} | {len(items)} | {scored.get((policy, ratio), 0)} | {reason} |")
     return "\n".join(lines) + "\n"

@@ -49,8 +49,7 @@ def run_grid(config: GridConfig, progress: bool = True, executor=None) -> Result
         check_dtype(store, config.model, executor.dtype(config))
         todo = []
         for sample in samples:
-            keys = {c: CellKey(config.model, sample.task, sample.length, sample.id, c.stored, c.ratio,
-                               c.question_aware) for c in cells}
+            keys = {c: CellKey.of(config.model, sample.task, sample.length, sample.id, c) for c in cells}
             missing = set(store.missing(list(keys.values())))
             todo_cells = [c for c in cells if keys[c] in missing]
             if todo_cells:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvsieve.harness.provenance import current as current_provenance
+from kvsieve.policies.label import Point
 
 __all__ = ["SCHEMA_VERSION", "TIMING_CONFIG_KEYS", "CellKey", "CellResult", "FailedCell", "ResultsStore",
            "SchemaVersionError", "read_stores"]
@@ -93,6 +94,12 @@ class CellKey:
     policy: str
     ratio: float
     question_aware: bool
+
+    @classmethod
+    def of(cls, model: str, task: str, length: int, sample_id: str, point: Point) -> CellKey:
+        """The key of ``point`` evaluated on one sample: its stored label, ratio and question-awareness (the
+        one place a key is built from a point; a key read back from a row is built from its columns)."""
+        return cls(model, task, length, sample_id, point.stored, point.ratio, point.question_aware)
 
     def as_row(self) -> tuple:
         """The key as stored: ratio rounded, booleans as integers."""

@@ -15,9 +15,9 @@ from kvsieve.risk.certify import (
     empirical_threshold,
 )
 from kvsieve.risk.contract import ContractFile, certify_buckets
-from kvsieve.risk.losses import Candidate, LossTable, candidate_losses, loss_table
+from kvsieve.risk.losses import LossTable, candidate_losses, loss_table
 from kvsieve.risk.runtime import CertifiedPolicy
 
-__all__ = ["Candidate", "CandidateResult", "Certification", "CertifiedPolicy", "Contract", "ContractFile",
+__all__ = ["CandidateResult", "Certification", "CertifiedPolicy", "Contract", "ContractFile",
            "InsufficientCalibrationError", "LossTable", "candidate_losses", "certify",
            "certify_buckets", "empirical_threshold", "loss_table"]

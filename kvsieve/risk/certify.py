@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 
 from kvsieve.policies.label import Point
-from kvsieve.risk.losses import LOSSES, UTILITY_SCALE, Candidate, LossTable
+from kvsieve.risk.losses import LOSSES, UTILITY_SCALE, LossTable
 from kvsieve.risk.pvalues import binomial_pvalue, hoeffding_bentkus_pvalue, min_calibration_size
 from kvsieve.risk.testing import CORRECTIONS, chains_rejected, fixed_sequence
 
@@ -83,7 +83,7 @@ class CandidateResult:
         self.setting = self.setting or self.candidate.setting  # contracts written before it: derived
 
     @property
-    def candidate(self) -> Candidate:
+    def candidate(self) -> Point:
         return Point.parse(self.policy, self.ratio, self.question_aware)
 
 
@@ -98,7 +98,7 @@ class Certification:
     correction: str
     n: int
     candidates: list[CandidateResult] = field(default_factory=list)
-    chosen: Candidate | None = None
+    chosen: Point | None = None
     reason: str = ""  # why it fell back, when it did
 
     @property
@@ -170,7 +170,7 @@ def p_value(losses: np.ndarray, alpha: float, loss: str = "binary") -> float:
     return hoeffding_bentkus_pvalue(float(np.mean(losses)), n, alpha)
 
 
-def _least_cache(candidates: list[Candidate], table: LossTable) -> Candidate | None:
+def _least_cache(candidates: list[Point], table: LossTable) -> Point | None:
     """The candidate keeping the least cache (fewest bytes kept; then highest ratio; then lower risk)."""
     if not candidates:
         return None
@@ -178,9 +178,9 @@ def _least_cache(candidates: list[Candidate], table: LossTable) -> Candidate | N
                                           float(np.mean(table.losses[c])), str(c)))
 
 
-def _chains(candidates: list[Candidate]) -> list[list[Candidate]]:
+def _chains(candidates: list[Point]) -> list[list[Point]]:
     """One chain per compressor, from most to least retention."""
-    chains: dict[tuple, list[Candidate]] = {}
+    chains: dict[tuple, list[Point]] = {}
     for cand in candidates:
         chains.setdefault(_compressor(cand), []).append(cand)
     return [sorted(chain, key=lambda c: c.ratio) for _, chain in sorted(chains.items())]
@@ -199,7 +199,7 @@ def certify(table: LossTable, contract: Contract, seed: int = 0) -> Certificatio
     if not candidates:
         raise ValueError("no candidates to certify")
     test_rows = np.arange(table.n)
-    order: list[Candidate] | None = None
+    order: list[Point] | None = None
     if contract.correction == "split":
         rng = np.random.default_rng(seed)
         perm = rng.permutation(table.n)
@@ -235,7 +235,7 @@ def certify(table: LossTable, contract: Contract, seed: int = 0) -> Certificatio
                          results, chosen, reason)
 
 
-def empirical_threshold(table: LossTable, alpha: float) -> Candidate | None:
+def empirical_threshold(table: LossTable, alpha: float) -> Point | None:
     """The uncertified baseline: the least-cache candidate whose empirical risk is <= alpha (None: full KV)."""
     passing = [c for c, losses in table.losses.items() if float(np.mean(losses)) <= alpha]
     return _least_cache(passing, table)

@@ -27,7 +27,7 @@ from kvsieve.harness.store import ResultsStore
 from kvsieve.policies.label import FULL_CACHE, Point
 from kvsieve.tasks import task_family
 
-__all__ = ["BUCKETINGS", "LOSSES", "UTILITY_SCALE", "Candidate", "LossTable", "candidate_losses", "candidates_for",
+__all__ = ["BUCKETINGS", "LOSSES", "UTILITY_SCALE", "LossTable", "candidate_losses", "candidates_for",
            "length_bucket", "loss_table", "model_names"]
 
 LOSSES = ("binary", "bounded")
@@ -36,10 +36,8 @@ UTILITY_SCALE = 100.0  # harness metrics are percentages
 
 Request = tuple[str, int, str]  # (task, length, sample_id)
 
-Candidate = Point  # a candidate is a point: a stored label (``Point.parse``) at a ratio, question-aware or not
 
-
-def candidates_for(policies: list[str], ratios: list[float], question_aware: bool = False) -> list[Candidate]:
+def candidates_for(policies: list[str], ratios: list[float], question_aware: bool = False) -> list[Point]:
     """The candidates of ``kvsieve certify``: every compressing policy label at every ratio.
 
     Full-KV labels (``full``, ``full@decodeN``) are the reference, not candidates, and are dropped. Each candidate
@@ -76,13 +74,13 @@ class LossTable:
     """Losses of every candidate on one common set of requests (rows aligned with ``requests``)."""
 
     requests: list[Request]
-    losses: dict[Candidate, np.ndarray]
-    kept_fraction: dict[Candidate, float] = field(default_factory=dict)  # mean cache bytes kept / full
+    losses: dict[Point, np.ndarray]
+    kept_fraction: dict[Point, float] = field(default_factory=dict)  # mean cache bytes kept / full
     loss: str = "binary"
     epsilon: float = 0.0
     left_out: list[Request] = field(default_factory=list)  # requests some candidate or full KV lacks
     model: str = ""  # the canonical model name the rows were read for
-    references: dict[Candidate, str] = field(default_factory=dict)  # the full-KV label each was compared with
+    references: dict[Point, str] = field(default_factory=dict)  # the full-KV label each was compared with
 
     def left_out_summary(self) -> str:
         """``""`` or e.g. ``"left out 25 request(s) not every candidate and full KV have: qa_2 (5), vt (20)"``."""
@@ -137,7 +135,7 @@ def _stored_models(store: ResultsStore) -> str:
     return ", ".join(models) if models else "none (the store has no full-KV rows at all)"
 
 
-def _check_digests(cand: Candidate, rows: list, digest: str | None) -> None:
+def _check_digests(cand: Point, rows: list, digest: str | None) -> None:
     """Refuse rows computed from other bytes than the files ``cand``'s spec names now (each row's config records
     ``policy_digest``; ordinary policies have none on either side): a contract records the files' digests as they
     are now, so certifying old rows would vouch for bytes they were never computed with."""
@@ -153,7 +151,7 @@ def _check_digests(cand: Candidate, rows: list, digest: str | None) -> None:
                          "(kvsieve certify --run)")
 
 
-def loss_table(store: ResultsStore, model: str, candidates: list[Candidate], epsilon: float = 0.0,
+def loss_table(store: ResultsStore, model: str, candidates: list[Point], epsilon: float = 0.0,
                loss: str = "binary", tasks: list[str] | None = None, lengths: list[int] | None = None) -> LossTable:
     """Build the loss table from the results store over the requests that full KV and every candidate share.
 
@@ -186,7 +184,7 @@ def loss_table(store: ResultsStore, model: str, candidates: list[Candidate], eps
     full = {FULL_CACHE: by_request(store.rows(policy=FULL_CACHE, **filters))}
     if not full[FULL_CACHE] and not any(c.mode.is_decode for c in candidates):
         raise no_full()
-    references: dict[Candidate, str] = {}
+    references: dict[Point, str] = {}
     found = {}
     digests: dict[str, str | None] = {}  # spec -> the sha256 of its files now, read once per spec
     for cand in candidates:

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvsieve.policies.label import Point
 from kvsieve.risk.certify import Contract, certify, empirical_threshold
-from kvsieve.risk.losses import Candidate, LossTable
+from kvsieve.risk.losses import LossTable
 from kvsieve.risk.pvalues import clopper_pearson
 
 __all__ = ["MethodSummary", "ValidityResult", "split_validity"]
@@ -51,7 +52,7 @@ class ValidityResult:
     empirical: MethodSummary
 
 
-def _summarise(choices: list[Candidate | None], test_risks: list[float], pooled: dict[Candidate, float],
+def _summarise(choices: list[Point | None], test_risks: list[float], pooled: dict[Point, float],
                alpha: float) -> MethodSummary:
     counts: dict[str, int] = {}
     for c in choices:

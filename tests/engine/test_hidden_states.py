@@ -165,12 +165,12 @@ def test_a_hidden_state_kvzap_refuses_a_cache_without_them(hidden_kvzap):
 def test_the_grid_keeps_hidden_states_for_a_policy_that_reads_them(hidden_kvzap):
     # the shared-prefill path builds its own capture: it must ask for what the cells' policies read
     from kvsieve.harness.evaluate import evaluate_sample
-    from kvsieve.harness.grid import Cell
+    from kvsieve.policies.label import Point
     from kvsieve.tasks.ruler import generate
 
     model, result, _ = hidden_kvzap
     sample = generate("niah_single_1", 300, 0, lambda t: len(t))
-    cells = [Cell(f"kvzap(checkpoint='{result.policy}')", ratio) for ratio in (0.5, 0.75)]
+    cells = [Point(f"kvzap(checkpoint='{result.policy}')", ratio) for ratio in (0.5, 0.75)]
     shared = evaluate_sample(model, TOKENIZER, sample, cells, shared=True)
     alone = evaluate_sample(model, TOKENIZER, sample, cells, shared=False)  # attach() with the policy itself
     assert [(r.kept_tokens, r.cache_bytes, r.prediction) for r in shared] == \

@@ -15,11 +15,12 @@ from conftest import CharTokenizer, tiny_model
 
 from kvsieve.harness.evaluate import evaluate_sample
 from kvsieve.harness.executor import LocalGridExecutor
-from kvsieve.harness.grid import Cell, GridConfig
+from kvsieve.harness.grid import GridConfig
 from kvsieve.harness.report import report_text
 from kvsieve.harness.run import run_grid
 from kvsieve.harness.store import CellResult, FailedCell
 from kvsieve.language.interpreter import InterpreterError, LimitExceeded, ProgramFailed
+from kvsieve.policies.label import Point
 from kvsieve.policies.program import ProgramPolicy
 from kvsieve.signals import Signals
 from kvsieve.tasks.ruler import generate
@@ -70,9 +71,9 @@ def test_a_program_policy_raises_one_exception_type_for_whatever_the_program_cau
 
 def test_failing_policies_fail_their_cells_and_the_sample_goes_on(programs):
     sample = generate("niah_single_1", 480, 0, lambda text: len(text))
-    cells = [Cell("full", 0.0), Cell("snapkv", 0.5), Cell(f"program:{programs['nan']}", 0.5),
-             Cell(f"program:{programs['sink64']}", 0.5), Cell(f"program:{programs['sink64']}", 0.75),
-             Cell(f"program:{programs['sleeper']}", 0.5), Cell("snapkv", 0.75)]
+    cells = [Point("full", 0.0), Point("snapkv", 0.5), Point(f"program:{programs['nan']}", 0.5),
+             Point(f"program:{programs['sink64']}", 0.5), Point(f"program:{programs['sink64']}", 0.75),
+             Point(f"program:{programs['sleeper']}", 0.5), Point("snapkv", 0.75)]
     landed = []
     out = evaluate_sample(tiny_model("llama"), CharTokenizer(), sample, cells, "tiny", on_rows=landed.extend)
     assert [r.key.policy for r in out] == [c.stored for c in cells] and len(landed) == len(cells)
@@ -140,7 +141,7 @@ def test_a_hand_made_policy_scoring_nan_fails_its_cell_through_the_engine(monkey
 
     monkeypatch.setattr(SnapKV, "score", nan_in_layer_1)
     sample = generate("niah_single_1", 300, 0, lambda text: len(text))  # unshared: within 512
-    cells = [Cell("full", 0.0), Cell("snapkv", 0.5), Cell("tova", 0.5)]
+    cells = [Point("full", 0.0), Point("snapkv", 0.5), Point("tova", 0.5)]
     out = evaluate_sample(tiny_model("llama"), CharTokenizer(), sample, cells, "tiny", shared=shared)
     assert [type(r).__name__ for r in out] == ["CellResult", "FailedCell", "CellResult"]
     reason = out[1].reason

@@ -4,10 +4,11 @@ import pytest
 
 from kvsieve.cli import main
 from kvsieve.harness.evaluate import evaluate_sample
-from kvsieve.harness.grid import Cell, GridConfig, cells_for
+from kvsieve.harness.grid import GridConfig, cells_for
 from kvsieve.harness.run import run_grid
 from kvsieve.harness.store import ResultsStore
 from kvsieve.harness.validate import validate
+from kvsieve.policies.label import Point
 
 
 @pytest.mark.parametrize("changes,message", [
@@ -35,8 +36,8 @@ def test_bad_grids_fail_before_any_work(changes, message):
 def test_cells_full_runs_once_and_question_aware_variants():
     cells = cells_for(GridConfig(policies=["full", "snapkv"], ratios=[0.5, 0.75], question_aware=True,
                                  qa_policies=["oracle"]))
-    assert cells.count(Cell("full", 0.0)) == 1
-    assert Cell("snapkv", 0.75, True) in cells and Cell("oracle", 0.5, True) in cells
+    assert cells.count(Point("full", 0.0)) == 1
+    assert Point("snapkv", 0.75, True) in cells and Point("oracle", 0.5, True) in cells
     assert len(cells) == 1 + 4 + 2
 
 
@@ -77,10 +78,10 @@ def test_shared_path_matches_per_cell_path(smollm2, niah_sample):
     benchmarks/grid_speed.py measures it), which is a property of bf16 batching, not of the sharing."""
 
     model, tokenizer = smollm2
-    cells = [Cell("full", 0.0), Cell("snapkv", 0.5), Cell("knorm", 0.5), Cell("streaming_llm", 0.5),
-             Cell("h2o", 0.5), Cell("pyramidkv", 0.5), Cell("adakv", 0.5), Cell("chunkkv", 0.5), Cell("tova", 0.5),
-             Cell("expected_attention", 0.5), Cell("snapkv", 0.5, True), Cell("h2o", 0.5, True),
-             Cell("expected_attention", 0.5, True), Cell("oracle", 0.875)]
+    cells = [Point("full", 0.0), Point("snapkv", 0.5), Point("knorm", 0.5), Point("streaming_llm", 0.5),
+             Point("h2o", 0.5), Point("pyramidkv", 0.5), Point("adakv", 0.5), Point("chunkkv", 0.5), Point("tova", 0.5),
+             Point("expected_attention", 0.5), Point("snapkv", 0.5, True), Point("h2o", 0.5, True),
+             Point("expected_attention", 0.5, True), Point("oracle", 0.875)]
     shared = evaluate_sample(model, tokenizer, niah_sample, cells, "smollm2-135m", shared=True)
     naive = evaluate_sample(model, tokenizer, niah_sample, cells, "smollm2-135m", shared=False)
     assert [r.key for r in shared] == [r.key for r in naive]

@@ -9,7 +9,7 @@ from kvsieve.harness.headline import headline_report
 from kvsieve.harness.headline_format import format_comparisons, format_headline
 from kvsieve.harness.headline_tables import NOT_DISTINGUISHABLE, compare, headline
 from kvsieve.harness.store import CellKey, CellResult, ResultsStore
-from kvsieve.policies.label import Label
+from kvsieve.policies.label import Point
 
 
 def cell(policy: str, ratio: float, sample: str, score: float, cache_bytes: int = 100, full_bytes: int = 100,
@@ -116,8 +116,8 @@ def test_partly_timed_rows_are_named_once_per_count():
 
 
 def test_decode_cells_pair_with_the_decode_full_cells():
-    assert Label.parse("tova@decode128").reference.stored == "full@decode128"
-    assert Label.parse("learned(checkpoint='a@b')").reference.stored == "full"
+    assert Point.parse("tova@decode128").reference.stored == "full@decode128"
+    assert Point.parse("learned(checkpoint='a@b')").reference.stored == "full"
     rows = [cell("full", 0.0, "s0", 100), cell("full@decode128", 0.0, "s0", 50),
             cell("tova@decode128", 0.5, "s0", 25), cell("full@decode128e4", 0.0, "s0", 40),
             cell("tova@decode128e4", 0.5, "s0", 30)]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvsieve.harness.store import SCHEMA_VERSION, CellKey, CellResult, ResultsStore, SchemaVersionError
+from kvsieve.policies.label import Mode, Point
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -145,6 +146,16 @@ def test_round_trip(store):
     assert (back.prefill_seconds, back.decode_seconds) == (1.5, 0.125)
     assert back.key == CellKey("m", "qa", 1024, "s0", "snapkv(window=32)", round(1 / 3, 6), True)
 
+
+
+def test_a_key_of_a_point_holds_its_stored_label_ratio_and_question_awareness():
+    """CellKey.of is the key the grid, the lm-eval backend and evaluate build: the point's stored label (its decode
+    suffix included, never +qa), its ratio and its question-awareness beside the sample's coordinates."""
+    assert CellKey.of("m", "qa", 1024, "s0", Point("snapkv(window=32)", 0.5, True)) == CellKey(
+        "m", "qa", 1024, "s0", "snapkv(window=32)", 0.5, True)
+    assert CellKey.of("m", "qa", 1024, "s0", Point("tova", 0.75, mode=Mode(64, 4))) == CellKey(
+        "m", "qa", 1024, "s0", "tova@decode64e4", 0.75, False)
+    assert CellKey.of("m", "qa", 1024, "s0", Point.parse("snapkv+qa", 0.5, True)).policy == "snapkv"
 
 def test_unserialisable_config_is_rejected(store):
     with pytest.raises(TypeError, match="JSON"):

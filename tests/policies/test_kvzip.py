@@ -198,15 +198,15 @@ def test_cache_holds_the_budget_no_reconstruction_tokens_and_decodes(ids):
 def test_grid_and_attach_keep_the_same_entries(monkeypatch):
     from kvsieve.engine import prune, reader
     from kvsieve.harness.evaluate import evaluate_sample
-    from kvsieve.harness.grid import Cell
+    from kvsieve.policies.label import Point
     from kvsieve.tasks.sample import Sample
 
     model = tiny_model("llama")
     text = "The code word is kiwi. " * 4 + "Some more filler text follows here, and then the end."
     sample = Sample(id="s0", task="toy", context=text, question="What is the code word?", answer_prefix="It is",
                     answers=["kiwi"], max_new_tokens=4, length=128, seed=0, metric="string_match_all")
-    cells = [Cell("kvzip(chunk_size=40)", 0.5), Cell("kvzip(chunk_size=40, allocation='uniform')", 0.5),
-             Cell("kvzip(chunk_size=40)", 0.75), Cell("kvzip(chunk_size=40)", 0.5, True), Cell("full", 0.0)]
+    cells = [Point("kvzip(chunk_size=40)", 0.5), Point("kvzip(chunk_size=40, allocation='uniform')", 0.5),
+             Point("kvzip(chunk_size=40)", 0.75), Point("kvzip(chunk_size=40)", 0.5, True), Point("full", 0.0)]
     pruned, rebuilt = {}, []
     compress, scores = prune.compress_with_reconstruction, reader.reconstruction_scores
 

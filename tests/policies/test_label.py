@@ -1,4 +1,4 @@
-"""Point (``Label`` is the same type), the one parser and formatter of a results row's policy label and the one type
+"""Point, the one parser and formatter of a results row's policy label and the one type
 of a policy at a setting: every form round trips, decode labels with an eviction interval parse (the regexes it
 replaced did not), references, unregistered families, what a point derives (budget, protects_question), the one
 ratio check; and a grep of kvsieve/ for label or policy-name handling as text anywhere else."""
@@ -10,98 +10,97 @@ from pathlib import Path
 
 import pytest
 
-from kvsieve.harness.grid import Cell
-from kvsieve.policies.label import DECODE, FULL_CACHE, PREFILL, Label, Mode, Point
+from kvsieve.policies.label import DECODE, FULL_CACHE, PREFILL, Mode, Point
 from kvsieve.policies.oracle import Oracle
 from kvsieve.policy import FullCache
-from kvsieve.risk.losses import Candidate, candidates_for
+from kvsieve.risk.losses import candidates_for
 
 ROOT = Path(__file__).resolve().parents[2] / "kvsieve"
 
 FORMS = [
-    ("snapkv", Label("snapkv")),
-    ("snapkv(window=32)", Label("snapkv(window=32)")),
-    ("snapkv@decode128", Label("snapkv", mode=Mode(128))),
-    ("tova@decode8e4", Label("tova", mode=Mode(8, 4))),
-    ("snapkv+qa", Label("snapkv", question_aware=True)),
-    ("oracle(window=16)+qa", Label("oracle(window=16)", question_aware=True)),
-    ("learned(checkpoint='a@b')", Label("learned(checkpoint='a@b')")),
-    ("learned(checkpoint='a@b')@decode64e2", Label("learned(checkpoint='a@b')", mode=Mode(64, 2))),
-    ("program:results/gone/best.py@decode16", Label("program:results/gone/best.py", mode=Mode(16))),
-    ("full", Label(FULL_CACHE)),
-    ("full@decode128e32", Label(FULL_CACHE, mode=Mode(128, 32))),
+    ("snapkv", Point("snapkv")),
+    ("snapkv(window=32)", Point("snapkv(window=32)")),
+    ("snapkv@decode128", Point("snapkv", mode=Mode(128))),
+    ("tova@decode8e4", Point("tova", mode=Mode(8, 4))),
+    ("snapkv+qa", Point("snapkv", question_aware=True)),
+    ("oracle(window=16)+qa", Point("oracle(window=16)", question_aware=True)),
+    ("learned(checkpoint='a@b')", Point("learned(checkpoint='a@b')")),
+    ("learned(checkpoint='a@b')@decode64e2", Point("learned(checkpoint='a@b')", mode=Mode(64, 2))),
+    ("program:results/gone/best.py@decode16", Point("program:results/gone/best.py", mode=Mode(16))),
+    ("full", Point(FULL_CACHE)),
+    ("full@decode128e32", Point(FULL_CACHE, mode=Mode(128, 32))),
 ]
 
 
 @pytest.mark.parametrize(("text", "label"), FORMS)
 def test_every_form_round_trips(text, label):
-    parsed = Label.parse(text)
+    parsed = Point.parse(text)
     assert parsed == label and parsed.display == text and str(parsed) == text + "@0"
     # the store's column and its own flag
-    assert Label.parse(parsed.stored, question_aware=parsed.question_aware) == parsed
+    assert Point.parse(parsed.stored, question_aware=parsed.question_aware) == parsed
     assert "+qa" not in parsed.stored
 
 
 def test_a_decode_label_with_an_eviction_interval_parses():
     # the regexes this replaced (^(.+)@decode([1-9][0-9]*)$ in risk/losses.py, @decode\d+$ in harness/headline.py)
     # read "tova@decode8e4" as a prefill spec named "tova@decode8e4", paired with "full"
-    label = Label.parse("tova@decode8e4")
+    label = Point.parse("tova@decode8e4")
     assert (label.spec, label.chunk_size, label.evict_every, label.mode.name) == ("tova", 8, 4, DECODE)
-    assert label.reference == Label(FULL_CACHE, mode=Mode(8, 4)) and label.reference.stored == "full@decode8e4"
-    cand = Candidate.parse("tova@decode8e4", 0.5)
+    assert label.reference == Point(FULL_CACHE, mode=Mode(8, 4)) and label.reference.stored == "full@decode8e4"
+    cand = Point.parse("tova@decode8e4", 0.5)
     assert (cand.spec, cand.chunk_size, cand.mode, cand.reference.stored) == ("tova", 8, Mode(8, 4), "full@decode8e4")
-    assert Cell("tova", 0.5, mode=Mode(8, 4)).stored == "tova@decode8e4"
-    assert Cell("tova", 0.5, mode=Mode(8)).stored == "tova@decode8"
-    assert Cell("tova", 0.5).stored == "tova" and Label.parse("tova").mode == Mode()
-    assert not Label.parse("tova").mode.is_decode
+    assert Point("tova", 0.5, mode=Mode(8, 4)).stored == "tova@decode8e4"
+    assert Point("tova", 0.5, mode=Mode(8)).stored == "tova@decode8"
+    assert Point("tova", 0.5).stored == "tova" and Point.parse("tova").mode == Mode()
+    assert not Point.parse("tova").mode.is_decode
 
 
 def test_question_aware_labels_and_references():
-    assert Label.parse("snapkv", question_aware=True).display == "snapkv+qa"
-    assert Label.parse("snapkv+qa", question_aware=True).display == "snapkv+qa"  # never twice
-    assert Label.parse("snapkv+qa").stored == "snapkv"
-    assert Label.parse("snapkv+qa").is_reference and not Label.parse("snapkv").is_reference
-    assert Oracle.is_reference and Label.parse("oracle").is_reference
-    assert Label.parse("oracle(window=16)@decode64").is_reference
-    assert not Label.parse("full").is_reference and not Label.parse("full").compresses
-    assert Label.parse("snapkv+qa").reference == Label(FULL_CACHE)  # the full cache is never question-aware
-    assert Label.parse("snapkv(window=32)@decode128").reference.stored == "full@decode128"
+    assert Point.parse("snapkv", question_aware=True).display == "snapkv+qa"
+    assert Point.parse("snapkv+qa", question_aware=True).display == "snapkv+qa"  # never twice
+    assert Point.parse("snapkv+qa").stored == "snapkv"
+    assert Point.parse("snapkv+qa").is_reference and not Point.parse("snapkv").is_reference
+    assert Oracle.is_reference and Point.parse("oracle").is_reference
+    assert Point.parse("oracle(window=16)@decode64").is_reference
+    assert not Point.parse("full").is_reference and not Point.parse("full").compresses
+    assert Point.parse("snapkv+qa").reference == Point(FULL_CACHE)  # the full cache is never question-aware
+    assert Point.parse("snapkv(window=32)@decode128").reference.stored == "full@decode128"
 
 
 def test_full_cache_and_family():
     assert FULL_CACHE == FullCache.name
-    assert Label.parse("full").is_full and Label.parse("full@decode128").is_full
-    assert not Label.parse("snapkv").is_full and Label.parse("snapkv").compresses
-    assert Label.parse("snapkv(window=32)@decode8").family == "snapkv"
+    assert Point.parse("full").is_full and Point.parse("full@decode128").is_full
+    assert not Point.parse("snapkv").is_full and Point.parse("snapkv").compresses
+    assert Point.parse("snapkv(window=32)@decode8").family == "snapkv"
     # a program's label is read without its file (stores keep labels of programs since deleted)
-    program = Label.parse("program:results/no/such/file.py@decode16")
+    program = Point.parse("program:results/no/such/file.py@decode16")
     assert program.family == "program" and program.compresses and not program.is_reference
     assert candidates_for(["full", "full@decode128", "tova@decode8e4", "snapkv+qa"], [0.5]) == [
-        Candidate.parse("tova@decode8e4", 0.5), Candidate("snapkv", 0.5)]
+        Point.parse("tova@decode8e4", 0.5), Point("snapkv", 0.5)]
 
 
 def test_an_unregistered_family_reads_as_an_ordinary_compressing_policy():
     """Rows of a family this kvsieve no longer registers still draw: an ordinary line, never a reference."""
-    label = Label.parse("gone_family(x=1)@decode64")
+    label = Point.parse("gone_family(x=1)@decode64")
     assert (label.family, label.family_class) == ("gone_family", None)
     assert label.compresses and not label.is_reference and not label.is_full
     assert label.reference.stored == "full@decode64" and label.display == "gone_family(x=1)@decode64"
-    assert Label.parse("oracle_attention").family_class is None and not Label.parse("oracle_attention").is_reference
-    assert Label.parse("gone_family+qa").is_reference  # question-aware: a reference whatever the family
+    assert Point.parse("oracle_attention").family_class is None and not Point.parse("oracle_attention").is_reference
+    assert Point.parse("gone_family+qa").is_reference  # question-aware: a reference whatever the family
 
 
 @pytest.mark.parametrize("text", ["snapkv@decode0", "snapkv@decode", "snapkv@decode8e0", "snapkv@decodeX",
                                   "snapkv@decode8e", "+qa", "", "@decode8"])
 def test_malformed_labels_are_refused(text):
     with pytest.raises(ValueError):
-        Label.parse(text)
+        Point.parse(text)
 
 
 def test_a_label_refuses_what_no_row_stores():
     with pytest.raises(ValueError, match="chunk_size"):
         Mode(evict_every=4)  # an eviction interval without decode-time eviction
     with pytest.raises(ValueError, match="question_aware=True"):
-        Label("snapkv+qa")  # the display suffix: parse the whole label instead
+        Point("snapkv+qa")  # the display suffix: parse the whole label instead
     with pytest.raises(ValueError, match="give it once"):
         Point("snapkv@decode8", 0.5, mode=Mode(16))
     assert Point("snapkv@decode8", 0.5) == Point("snapkv", 0.5, mode=Mode(8))  # a stored label names its mode
@@ -198,7 +197,7 @@ def offending_lines() -> list[str]:
 
 def test_only_the_label_module_reads_labels_and_policy_names_as_text():
     found = offending_lines()
-    assert not found, "use kvsieve.policies.label.Label instead:\n" + "\n".join(found)
+    assert not found, "use kvsieve.policies.label.Point instead:\n" + "\n".join(found)
 
 
 def test_the_grep_finds_what_it_forbids(tmp_path, monkeypatch):
@@ -227,4 +226,4 @@ def test_one_order_of_labels_for_every_table_and_legend():
     names = ["snapkv", "oracle", "tova+qa", "full@decode64", "knorm", "full", "snapkv", "unregistered_family"]
     assert display_order(names) == ["full", "full@decode64", "knorm", "snapkv", "unregistered_family", "oracle",
                                     "tova+qa"]
-    assert Label.parse("oracle").sort_key == (True, True, "oracle")
+    assert Point.parse("oracle").sort_key == (True, True, "oracle")

@@ -10,8 +10,8 @@ import pytest
 
 from kvsieve.harness.store import CellKey, CellResult, ResultsStore
 from kvsieve.policies import parse
+from kvsieve.policies.label import Point
 from kvsieve.risk import (
-    Candidate,
     CertifiedPolicy,
     Contract,
     ContractFile,
@@ -111,54 +111,54 @@ def test_contract_rejects_bad_values(bad):
         Contract(**bad)
 
 
-def _table(risks: dict[Candidate, float], n: int, rng: np.random.Generator) -> LossTable:
+def _table(risks: dict[Point, float], n: int, rng: np.random.Generator) -> LossTable:
     losses = {c: (rng.random(n) < r).astype(float) for c, r in risks.items()}
     return LossTable([("t", 1, str(i)) for i in range(n)], losses, {c: c.retention for c in risks})
 
 
-CHAIN = {Candidate("snapkv", 0.25): 0.0, Candidate("snapkv", 0.5): 0.02, Candidate("snapkv", 0.75): 0.3,
-         Candidate("knorm", 0.25): 0.05, Candidate("knorm", 0.5): 0.12}
+CHAIN = {Point("snapkv", 0.25): 0.0, Point("snapkv", 0.5): 0.02, Point("snapkv", 0.75): 0.3,
+         Point("knorm", 0.25): 0.05, Point("knorm", 0.5): 0.12}
 
 
 def test_certify_picks_least_cache_certified_point():
     table = _table(CHAIN, 400, np.random.default_rng(0))
     cert = certify(table, Contract(alpha=0.1, delta=0.1))
-    assert cert.chosen == Candidate("snapkv", 0.5)
+    assert cert.chosen == Point("snapkv", 0.5)
     by = {r.candidate: r for r in cert.candidates}
-    assert not by[Candidate("snapkv", 0.75)].certified and by[Candidate("snapkv", 0.25)].certified
-    assert by[Candidate("snapkv", 0.75)].empirical_risk > 0.2 and cert.n == 400 and not cert.fell_back
+    assert not by[Point("snapkv", 0.75)].certified and by[Point("snapkv", 0.25)].certified
+    assert by[Point("snapkv", 0.75)].empirical_risk > 0.2 and cert.n == 400 and not cert.fell_back
 
 
 def test_fixed_sequence_within_a_compressor_blocks_later_points():
     # 0.5 fails, so 0.75 is never certified even though its losses are all zero
-    losses = {Candidate("p", 0.25): np.zeros(100), Candidate("p", 0.5): np.ones(100),
-              Candidate("p", 0.75): np.zeros(100)}
+    losses = {Point("p", 0.25): np.zeros(100), Point("p", 0.5): np.ones(100),
+              Point("p", 0.75): np.zeros(100)}
     table = LossTable([("t", 1, str(i)) for i in range(100)], losses)
     cert = certify(table, Contract(alpha=0.1, delta=0.1))
-    assert cert.chosen == Candidate("p", 0.25)
+    assert cert.chosen == Point("p", 0.25)
     assert [r.certified for r in cert.candidates] == [True, False, False]
 
 
 def test_falls_back_to_full_kv_when_nothing_certifies():
-    table = _table({Candidate("snapkv", 0.5): 0.5, Candidate("knorm", 0.5): 0.4}, 100, np.random.default_rng(1))
+    table = _table({Point("snapkv", 0.5): 0.5, Point("knorm", 0.5): 0.4}, 100, np.random.default_rng(1))
     cert = certify(table, Contract(alpha=0.1, delta=0.1))
     assert cert.fell_back and cert.chosen is None and "full KV" in cert.reason
     assert empirical_threshold(table, 0.1) is None
 
 
 def test_too_few_requests_is_refused_with_the_number():
-    table = _table({Candidate("snapkv", 0.5): 0.0}, 21, np.random.default_rng(2))
+    table = _table({Point("snapkv", 0.5): 0.0}, 21, np.random.default_rng(2))
     with pytest.raises(InsufficientCalibrationError, match="22"):
         certify(table, Contract(alpha=0.1, delta=0.1))
-    table = _table({Candidate("snapkv", 0.5): 0.0}, 22, np.random.default_rng(2))
-    assert certify(table, Contract(alpha=0.1, delta=0.1)).chosen == Candidate("snapkv", 0.5)
+    table = _table({Point("snapkv", 0.5): 0.0}, 22, np.random.default_rng(2))
+    assert certify(table, Contract(alpha=0.1, delta=0.1)).chosen == Point("snapkv", 0.5)
 
 
 @pytest.mark.parametrize("n", [22, 43])
 def test_too_few_requests_counts_every_compressor(n):
     # 10 compressors under Bonferroni: the first candidate of each is tested at delta / 10, so zero failures
     # need (1 - alpha)^n <= 0.01, n >= log(0.01) / log(0.9) = 43.7 -> 44
-    zero = {Candidate(f"p{i}", 0.5): 0.0 for i in range(10)}
+    zero = {Point(f"p{i}", 0.5): 0.0 for i in range(10)}
     with pytest.raises(InsufficientCalibrationError, match="44"):
         certify(_table(zero, n, np.random.default_rng(3)), Contract(alpha=0.1, delta=0.1))
     assert certify(_table(zero, 44, np.random.default_rng(3)), Contract(alpha=0.1, delta=0.1)).chosen is not None
@@ -168,8 +168,8 @@ def test_too_few_requests_counts_every_compressor(n):
 def test_violation_rate_is_at_most_delta_in_simulation(correction):
     # true risks are known; a violation is choosing a point whose true risk exceeds alpha
     alpha, delta, n, trials = 0.1, 0.1, 150, 300
-    risks = {Candidate("a", 0.25): 0.04, Candidate("a", 0.5): 0.09, Candidate("a", 0.75): 0.13,
-             Candidate("b", 0.5): 0.11, Candidate("b", 0.75): 0.2}
+    risks = {Point("a", 0.25): 0.04, Point("a", 0.5): 0.09, Point("a", 0.75): 0.13,
+             Point("b", 0.5): 0.11, Point("b", 0.75): 0.2}
     rng = np.random.default_rng(3)
     contract = Contract(alpha=alpha, delta=delta, correction=correction)
     violations = empirical_violations = certified_any = 0
@@ -187,7 +187,7 @@ def test_violation_rate_is_at_most_delta_in_simulation(correction):
 
 
 def test_bounded_losses_use_hoeffding_bentkus():
-    cand = Candidate("snapkv", 0.5)
+    cand = Point("snapkv", 0.5)
     full, drop = np.full(200, 100.0), np.full(200, 100.0)
     drop[:10] = 50.0  # 10 requests lose half their utility
     losses = candidate_losses(drop, full, 0.0, "bounded")
@@ -228,32 +228,32 @@ def store(tmp_path):
 
 def test_loss_table_from_store_and_mismatch_errors(store):
     with ResultsStore(store) as s:
-        table = loss_table(s, "m", [Candidate("snapkv", 0.5)])
-        assert table.n == 120 and table.kept_fraction[Candidate("snapkv", 0.5)] == pytest.approx(0.5)
+        table = loss_table(s, "m", [Point("snapkv", 0.5)])
+        assert table.n == 120 and table.kept_fraction[Point("snapkv", 0.5)] == pytest.approx(0.5)
         with pytest.raises(ValueError, match="no rows for candidate knorm@0.5"):
-            loss_table(s, "m", [Candidate("knorm", 0.5)])
+            loss_table(s, "m", [Point("knorm", 0.5)])
         with pytest.raises(ValueError, match="no full-KV rows"):
-            loss_table(s, "other-model", [Candidate("snapkv", 0.5)])
+            loss_table(s, "other-model", [Point("snapkv", 0.5)])
         s.add(_row("vt", 999, "snapkv", 0.5, 100.0))  # a candidate row without full KV
         s.add(_row("vt", 1000, "full", 0.0, 100.0))  # a full-KV row without the candidate
         s.add(_row("qa_2", 1, "full", 0.0, 0.0))
-        table = loss_table(s, "m", [Candidate("snapkv", 0.5)])
+        table = loss_table(s, "m", [Point("snapkv", 0.5)])
         assert table.n == 120 and table.left_out == [("qa_2", 1024, "1"), ("vt", 1024, "1000"), ("vt", 1024, "999")]
         assert table.left_out_summary().endswith("have: qa_2 (1), vt (2)")
         s.add(_row("cwe", 1, "full", 0.0, 100.0))
         s.add(_row("cwe", 2, "snapkv", 0.5, 100.0))
         with pytest.raises(ValueError, match="share no request"):
-            loss_table(s, "m", [Candidate("snapkv", 0.5)], tasks=["cwe"])
+            loss_table(s, "m", [Point("snapkv", 0.5)], tasks=["cwe"])
 
 
 def test_conditional_contract_round_trip_and_runtime(store, tmp_path):
     with ResultsStore(store) as s:
-        table = loss_table(s, "m", [Candidate("snapkv", 0.5)])
+        table = loss_table(s, "m", [Point("snapkv", 0.5)])
     contract = Contract(alpha=0.1, delta=0.1)
     out = certify_buckets(table, contract, "m", by="task_family")
     assert set(out.buckets) == {"retrieval", "multi_hop"}
     assert all(c.delta == pytest.approx(0.05) for c in out.buckets.values())  # Bonferroni over 2 buckets
-    assert out.buckets["retrieval"].chosen == Candidate("snapkv", 0.5)
+    assert out.buckets["retrieval"].chosen == Point("snapkv", 0.5)
     assert out.buckets["multi_hop"].fell_back
     path = out.write(tmp_path / "contract.json")
     assert json.loads(path.read_text())["buckets"]["multi_hop"]["fell_back"] is True
@@ -270,7 +270,7 @@ def test_conditional_contract_round_trip_and_runtime(store, tmp_path):
 
 def test_conditional_bucket_with_too_few_requests_falls_back(store):
     with ResultsStore(store) as s:
-        table = loss_table(s, "m", [Candidate("snapkv", 0.5)])
+        table = loss_table(s, "m", [Point("snapkv", 0.5)])
     out = certify_buckets(table.subset(list(range(0, 120, 4))), Contract(alpha=0.1, delta=0.1), "m",
                           by="task_family")
     assert all(c.fell_back and "too few requests" in c.reason for c in out.buckets.values())
@@ -288,7 +288,7 @@ def test_contract_file_errors(tmp_path):
 
 def test_split_validity_counts_violations():
     rng = np.random.default_rng(5)
-    risks = {Candidate("a", 0.5): 0.08, Candidate("a", 0.75): 0.12}
+    risks = {Point("a", 0.5): 0.08, Point("a", 0.75): 0.12}
     table = _table(risks, 400, rng)
     result = split_validity(table, Contract(alpha=0.1, delta=0.1), splits=50, seed=0)
     assert result.n_calibration == 200 and result.certified.splits == 50
@@ -328,7 +328,7 @@ def test_certify_run_evaluates_then_refuses_too_few_requests(tmp_path, capsys):
 
 def test_length_and_task_buckets(store):
     with ResultsStore(store) as s:
-        table = loss_table(s, "m", [Candidate("snapkv", 0.5)])
+        table = loss_table(s, "m", [Point("snapkv", 0.5)])
     assert {k: len(v) for k, v in table.buckets("task").items()} == {"niah_single_1": 60, "vt": 60}
     assert list(table.buckets("length", [512, 2048])) == ["<=2048"]
     with pytest.raises(ValueError, match="length_edges"):
@@ -371,15 +371,15 @@ def test_candidates_for_checks_ratios_and_reads_decode_labels():
         candidates_for(["snapkv"], [0.5, 1.0])
     spec = "learned(checkpoint='smollm2-135m-instruct')@decode128"
     cands = candidates_for(["full", "full@decode128", spec], [0.5])
-    assert cands == [Candidate.parse(spec, 0.5)]
+    assert cands == [Point.parse(spec, 0.5)]
     cand = cands[0]
     assert (cand.spec, cand.chunk_size, cand.mode.name, cand.reference.stored) == (spec[:-10], 128, "decode",
                                                                               "full@decode128")
     assert "question read under eviction" in cand.setting
-    assert Candidate("snapkv", 0.5).setting == "query-agnostic prefill"
-    assert Candidate("snapkv", 0.5, True).setting == "question-aware prefill"
+    assert Point("snapkv", 0.5).setting == "query-agnostic prefill"
+    assert Point("snapkv", 0.5, True).setting == "question-aware prefill"
     with pytest.raises(ValueError, match="question is read under eviction anyway"):
-        Candidate.parse("snapkv@decode64", 0.5, True)  # no question-aware decode-time point is made
+        Point.parse("snapkv@decode64", 0.5, True)  # no question-aware decode-time point is made
     with pytest.raises(ValueError, match="question is read under eviction anyway"):
         candidates_for(["snapkv@decode64"], [0.5], question_aware=True)
 
@@ -400,7 +400,7 @@ def test_decode_rows_certify_against_full_decode_with_an_honest_label(tmp_path):
     with ResultsStore(tmp_path / "d.sqlite") as s:
         s.add_many(rows)
         table = loss_table(s, "m", candidates_for([spec], [0.5]))
-    cand = Candidate.parse(spec, 0.5)
+    cand = Point.parse(spec, 0.5)
     assert table.references == {cand: "full@decode128"} and table.losses[cand].sum() == 0
     cert = certify(table, Contract(alpha=0.1, delta=0.1))
     assert cert.chosen == cand
@@ -415,7 +415,7 @@ def test_decode_rows_certify_against_full_decode_with_an_honest_label(tmp_path):
 
 def test_least_cache_is_measured_in_bytes():
     # b@0.5 keeps fewer bytes than a@0.75 (a protects more tokens): b wins though its ratio is lower
-    a, b = Candidate("a", 0.75), Candidate("b", 0.5)
+    a, b = Point("a", 0.75), Point("b", 0.5)
     table = LossTable([("t", 1, str(i)) for i in range(60)], {a: np.zeros(60), b: np.zeros(60)},
                       kept_fraction={a: 0.55, b: 0.52})
     assert certify(table, Contract(alpha=0.1, delta=0.1)).chosen == b
@@ -432,11 +432,11 @@ def test_loss_table_resolves_aliases_and_lists_the_stored_models(tmp_path):
     with ResultsStore(tmp_path / "a.sqlite") as s:
         s.add_many(rows)
         for name in (alias, canonical):
-            table = loss_table(s, name, [Candidate("snapkv", 0.5)])
+            table = loss_table(s, name, [Point("snapkv", 0.5)])
             assert table.n == 30 and table.model == canonical
         with pytest.raises(ValueError, match=r"no full-KV rows for model 'smollm2'; it holds full-KV rows for: "
                                              r"qwen2.5-0.5b, qwen2.5-coder-0.5b-instruct, smollm2-135m-instruct"):
-            loss_table(s, "smollm2", [Candidate("snapkv", 0.5)])
+            loss_table(s, "smollm2", [Point("snapkv", 0.5)])
 
 
 def test_certify_refuses_rows_computed_from_other_bytes_than_the_file_now_holds(tmp_path, capsys):
@@ -459,10 +459,10 @@ def test_certify_refuses_rows_computed_from_other_bytes_than_the_file_now_holds(
         with pytest.raises(ValueError, match=rf"1 of 40 rows of candidate {label}@0.5 were computed from other "
                                              rf"file contents \(sha256 unrecorded; first: task vt, length 1024, "
                                              rf"sample 0\), but its files now have sha256 {digest[:12]}"):
-            loss_table(s, "m", [Candidate(label, 0.5)])
+            loss_table(s, "m", [Point(label, 0.5)])
     with ResultsStore(tmp_path / "s.sqlite") as s:
         s.add_many(rows(digest))
-        assert loss_table(s, "m", [Candidate(label, 0.5)]).n == 40
+        assert loss_table(s, "m", [Point(label, 0.5)]).n == 40
     program.write_text(program.read_text() + "# edited after the rows were computed\n")
     args = ["certify", "--store", str(tmp_path / "s.sqlite"), "--model", "m", "--policies", label, "--ratios", "0.5",
             "--out", str(tmp_path / "c.json")]

@@ -13,19 +13,20 @@ from conftest import CharTokenizer, tiny_model
 from kvsieve.engine.generate import generate
 from kvsieve.harness.store import CellKey, CellResult, ResultsStore
 from kvsieve.policies import get
+from kvsieve.policies.label import Point
 from kvsieve.prompt import build_prompt
-from kvsieve.risk import Candidate, Certification, CertifiedPolicy, Contract, ContractFile, certify_buckets, loss_table
+from kvsieve.risk import Certification, CertifiedPolicy, Contract, ContractFile, certify_buckets, loss_table
 from kvsieve.risk.contract import request_context_tokens
 
 
-def _contract(chosen: Candidate | None, model: str = "smollm2-135m-instruct", by: str = "none",
+def _contract(chosen: Point | None, model: str = "smollm2-135m-instruct", by: str = "none",
               edges: list[int] | None = None, buckets: tuple[str, ...] = ("all",)) -> ContractFile:
     cert = Certification(0.1, 0.1, 0.0, "binary", "bonferroni", 60, [], chosen, "" if chosen else "none certified")
     return ContractFile(Contract(), model, by, edges or [], {b: cert for b in buckets})
 
 
 def test_contract_for_another_model_is_refused(tmp_path):
-    path = _contract(Candidate("knorm", 0.5)).write(tmp_path / "c.json")
+    path = _contract(Point("knorm", 0.5)).write(tmp_path / "c.json")
     with pytest.raises(ValueError, match="certified for model 'smollm2-135m-instruct', not 'qwen2.5-0.5b'"):
         CertifiedPolicy.from_contract(path, model="qwen2.5-0.5b")
     with pytest.raises(ValueError, match="not 'qwen2.5-coder-0.5b-instruct'"):
@@ -42,7 +43,7 @@ def test_contract_for_another_model_is_refused(tmp_path):
     ("policy", "snapkv(window=", r"policy 'snapkv\(window='"),
 ])
 def test_contract_with_an_impossible_point_does_not_load(tmp_path, field, value, message):
-    path = _contract(Candidate("knorm", 0.5)).write(tmp_path / "c.json")
+    path = _contract(Point("knorm", 0.5)).write(tmp_path / "c.json")
     data = json.loads(path.read_text())
     data["buckets"]["all"]["chosen"][field] = value
     path.write_text(json.dumps(data))
@@ -52,7 +53,7 @@ def test_contract_with_an_impossible_point_does_not_load(tmp_path, field, value,
 
 
 def test_contract_with_bad_bucketing_does_not_load(tmp_path):
-    path = _contract(Candidate("knorm", 0.5)).write(tmp_path / "c.json")
+    path = _contract(Point("knorm", 0.5)).write(tmp_path / "c.json")
     data = json.loads(path.read_text())
     for key, value, message in (("by", "model", "by='model' is not one of none, task, task_family, length"),
                                 ("length_edges", [4096, 2048], "length_edges must be increasing"),
@@ -72,7 +73,7 @@ def test_certified_attach_honours_question_awareness():
     prompt = build_prompt(tok, "k" * 150, "which key?")
     n, m, ratio = prompt.context_ids.shape[1], prompt.question_ids.shape[1], 0.5
     ids = torch.cat([prompt.context_ids, prompt.question_ids], dim=1)
-    certified = CertifiedPolicy(_contract(Candidate("knorm", ratio, question_aware=True)))
+    certified = CertifiedPolicy(_contract(Point("knorm", ratio, question_aware=True)))
     with torch.no_grad(), certified.attach(model, question_tokens=m) as run:
         assert run.prefill_question
         model(input_ids=ids, use_cache=True)
@@ -82,7 +83,7 @@ def test_certified_attach_honours_question_awareness():
     assert kept == [round(n * (1 - ratio)) + m] * 3
     assert set(range(n, n + m)) <= set(positions[0, 0].tolist())
     # a query-agnostic point compresses the context alone and asks for it first
-    agnostic = CertifiedPolicy(_contract(Candidate("knorm", ratio)))
+    agnostic = CertifiedPolicy(_contract(Point("knorm", ratio)))
     with torch.no_grad(), agnostic.attach(model, question_tokens=m) as run:
         assert not run.prefill_question
         model(input_ids=prompt.context_ids, use_cache=True)
@@ -91,7 +92,7 @@ def test_certified_attach_honours_question_awareness():
 
 def test_certified_generate_equals_the_engine_at_the_question_aware_point():
     model, tok = tiny_model("llama"), CharTokenizer()
-    certified = CertifiedPolicy(_contract(Candidate("knorm", 0.5, question_aware=True)))
+    certified = CertifiedPolicy(_contract(Point("knorm", 0.5, question_aware=True)))
     got = certified.generate(model, tok, "k" * 150, "which key?", max_new_tokens=4)
     want = generate(model, tok, "k" * 150, "which key?", get("knorm"), ratio=0.5, question_aware=True, max_new_tokens=4)
     agnostic = generate(model, tok, "k" * 150, "which key?", get("knorm"), ratio=0.5, max_new_tokens=4)
@@ -105,7 +106,7 @@ def test_a_decode_time_point_runs_with_the_chunk_and_eviction_interval_it_was_ce
     runs it so, not at the engine's default interval (32)."""
     model, tok = tiny_model("llama"), CharTokenizer()
     for label, every in (("knorm@decode16", 1), ("knorm@decode16e4", 4)):
-        certified = CertifiedPolicy(_contract(Candidate.parse(label, 0.5)))
+        certified = CertifiedPolicy(_contract(Point.parse(label, 0.5)))
         with torch.no_grad(), certified.attach(model, question_tokens=3) as run:
             assert not run.prefill_question
             assert (run.session.mode, run.session.chunk_size, run.session.evict_every) == ("decode", 16, every)
@@ -117,7 +118,7 @@ def test_a_decode_time_point_runs_with_the_chunk_and_eviction_interval_it_was_ce
 
 def test_a_point_certified_at_ratio_0_runs_as_full_kv_not_as_a_fallback():
     """Ratio 0 evicts nothing: the request runs full KV, which is what the contract chose (not a fallback)."""
-    chosen = CertifiedPolicy(_contract(Candidate("knorm", 0.0))).operating_point()
+    chosen = CertifiedPolicy(_contract(Point("knorm", 0.0))).operating_point()
     assert chosen.point.is_full and not chosen.point.compresses and chosen.policy.name == "full"
     assert not chosen.fell_back and "evicts nothing" in chosen.reason
 
@@ -133,7 +134,7 @@ def test_length_buckets_count_context_tokens_at_both_ends(tmp_path):
     rows = [r for i in range(30) for r in (_row(i, "full", 0.0, 100.0, 990), _row(i, "knorm", 0.5, 100.0, 990))]
     with ResultsStore(tmp_path / "r.sqlite") as store:
         store.add_many(rows)
-        table = loss_table(store, "m", [Candidate("knorm", 0.5)])
+        table = loss_table(store, "m", [Point("knorm", 0.5)])
         tokens = request_context_tokens(store, "m", table.requests)
     assert set(tokens.values()) == {990}
     out = certify_buckets(table, Contract(alpha=0.1, delta=0.1), "m", by="length", length_edges=[1000],
@@ -161,7 +162,7 @@ def test_request_context_tokens_names_rows_without_them(tmp_path):
 
 
 def test_old_contract_files_read_as_nominal(tmp_path):
-    path = _contract(Candidate("knorm", 0.5), by="length", edges=[1000], buckets=("<=1000",)).write(tmp_path / "c.json")
+    path = _contract(Point("knorm", 0.5), by="length", edges=[1000], buckets=("<=1000",)).write(tmp_path / "c.json")
     data = json.loads(path.read_text())
     del data["length_quantity"]
     path.write_text(json.dumps(data))

@@ -22,7 +22,8 @@ from conftest import CharTokenizer, tiny_model
 
 from kvsieve.engine.generate import generate
 from kvsieve.policies import from_spec, get
-from kvsieve.risk import Candidate, Certification, CertifiedPolicy, Contract, ContractFile
+from kvsieve.policies.label import Point
+from kvsieve.risk import Certification, CertifiedPolicy, Contract, ContractFile
 from kvsieve.serve.chat_prompt import chat_prompt
 from kvsieve.serve.command import build_state, point_source, serve
 from kvsieve.serve.points import PointSource
@@ -42,14 +43,14 @@ class ChatTokenizer(CharTokenizer):
         return body + ("\x05A:" if add_generation_prompt else "")
 
 
-def _cert(chosen: Candidate | None, reason: str = "") -> Certification:
+def _cert(chosen: Point | None, reason: str = "") -> Certification:
     return Certification(0.1, 0.1, 0.0, "binary", "bonferroni", 60, [], chosen, reason)
 
 
 def length_contract(qa: bool = False) -> ContractFile:
     """<=64 context tokens: fell back; <=256: knorm@0.5 certified; beyond: never calibrated."""
     buckets = {"<=64": _cert(None, "no candidate certified: falling back to full KV"),
-               "<=256": _cert(Candidate("knorm", 0.5, qa))}
+               "<=256": _cert(Point("knorm", 0.5, qa))}
     return ContractFile(Contract(), NAME, "length", [64, 256], buckets)
 
 
@@ -455,7 +456,7 @@ def test_smollm2_chat_end_to_end_with_a_contract_from_the_shipped_store(smollm2,
 
     store = Path(__file__).parents[2] / "results" / "smollm2-2k.sqlite"
     with ResultsStore(store) as s:
-        table = loss_table(s, "smollm2-135m-instruct", [Candidate("knorm", 0.25), Candidate("tova", 0.25)])
+        table = loss_table(s, "smollm2-135m-instruct", [Point("knorm", 0.25), Point("tova", 0.25)])
     contract = certify_buckets(table, Contract(alpha=0.3, delta=0.1), "smollm2-135m-instruct")
     chosen = contract.buckets["all"].chosen
     assert chosen is not None

@@ -15,7 +15,8 @@ import pytest
 from conftest import tiny_model
 from test_serve import DOC, NAME, _cert, _wait, client, hook, make_state, running
 
-from kvsieve.risk import Candidate, CertifiedPolicy, Contract, ContractFile
+from kvsieve.policies.label import Point
+from kvsieve.risk import CertifiedPolicy, Contract, ContractFile
 from kvsieve.serve.points import PointSource
 from kvsieve.serve.schemas import ChatCompletionRequest, CompletionRequest, json_depth, parse_body
 
@@ -104,7 +105,7 @@ def test_a_lone_surrogate_is_refused_naming_its_field(model, body, field):
 
 
 def _task_state(model):
-    buckets = {"niah_single_1": _cert(Candidate("knorm", 0.5)), "vt": _cert(None, "no candidate certified")}
+    buckets = {"niah_single_1": _cert(Point("knorm", 0.5)), "vt": _cert(None, "no candidate certified")}
     return make_state(model, PointSource(CertifiedPolicy(ContractFile(Contract(), NAME, "task", [], buckets), NAME)))
 
 

@@ -25,7 +25,8 @@ import kvsieve.policies.program as program_module
 from kvsieve.engine.generate import generate
 from kvsieve.policies import get, parse
 from kvsieve.policies.kvzap import KVzap
-from kvsieve.risk import Candidate, CertifiedPolicy, Contract, ContractFile
+from kvsieve.policies.label import Point
+from kvsieve.risk import CertifiedPolicy, Contract, ContractFile
 from kvsieve.serve.command import point_source
 
 SURROGATE_PROGRAM = '''SELECTION = {'chunk_size': 1, 'sink': 0, 'allocation': 'global', 'normalization': 'none'}
@@ -64,7 +65,7 @@ def surrogate(model, tmp_path, monkeypatch):
 
 
 def _contract(spec: str, ratio: float = 0.5) -> ContractFile:
-    return ContractFile(Contract(), NAME, "none", [], {"all": _cert(Candidate(spec, ratio))})
+    return ContractFile(Contract(), NAME, "none", [], {"all": _cert(Point(spec, ratio))})
 
 
 def test_the_contract_records_each_points_spec_and_file_digest(tmp_path):
@@ -344,7 +345,7 @@ def test_the_shipped_surrogate_best_serves_on_smollm2_under_a_contract(smollm2, 
 
     program = Path(__file__).parents[2] / "results" / "evolve" / "smollm2-surrogate-best.py"
     spec = f"program:{program}"
-    contract = ContractFile(Contract(), "smollm2-135m-instruct", "none", [], {"all": _cert(Candidate(spec, 0.75))})
+    contract = ContractFile(Contract(), "smollm2-135m-instruct", "none", [], {"all": _cert(Point(spec, 0.75))})
     path = contract.write(tmp_path / "contract.json")
     model, tokenizer = smollm2
     state = build_state(model, tokenizer, "smollm2-135m-instruct", point_source("smollm2-135m", contract=str(path)),
