@@ -41,6 +41,7 @@ CELLS = {
     "pick+r2.5-c32": (PICK, Recall(0.025, chunk=32), False),
     "pick+r2.5-s32": (PICK, Recall(0.025, chunk=32, pool="span"), False),
     "pick+r2.5-s48": (PICK, Recall(0.025, chunk=48, pool="span"), False),
+    "pick+r2.5-s48-shared": (PICK, Recall(0.025, chunk=48, pool="span", heads="shared"), False),
     "pick+r5-c16": (PICK, Recall(0.05, chunk=16), False),
     "pick+r2.5-c16-sign": (PICK, Recall(0.025, chunk=16, sketch="sign"), False),
     "pick+r2.5-c16-lowrank": (PICK, Recall(0.025, chunk=16, sketch="lowrank"), False),

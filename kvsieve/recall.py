@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 from kvsieve.spec import parse_spec
 
-__all__ = ["COLD_FORMATS", "POOLS", "SKETCHES", "Recall"]
+__all__ = ["COLD_FORMATS", "HEADS", "POOLS", "SKETCHES", "Recall"]
 
 POOLS = ("chunk", "span")  # how entries share a best score: aligned chunks, or a span after each entry
+HEADS = ("own", "shared")  # each KV head ranks by its own scores, or a layer's heads by their best at a position
 
 SKETCHES = ("exact", "sign", "lowrank")  # how cold entries are scored: their own keys, or a sketch kept hot
 COLD_FORMATS = ("exact", "int8", "int4", "disk")  # how the cold tier holds them (engine/cold.py)
@@ -32,6 +33,7 @@ class Recall:
     sketch: str = "exact"
     chunk: int = 16
     pool: str = "chunk"
+    heads: str = "own"
     cold: str = "exact"
     rank: int = 8
 
@@ -41,6 +43,8 @@ class Recall:
             raise ValueError(f"recall fraction {f!r} is not in [0, 1): it is the share of the context recalled")
         if self.pool not in POOLS:
             raise ValueError(f"recall pool {self.pool!r} is not one of {', '.join(POOLS)}")
+        if self.heads not in HEADS:
+            raise ValueError(f"recall heads {self.heads!r} is not one of {', '.join(HEADS)}")
         if self.sketch not in SKETCHES:
             raise ValueError(f"recall sketch {self.sketch!r} is not one of {', '.join(SKETCHES)}")
         if self.cold not in COLD_FORMATS:
@@ -77,7 +81,7 @@ class Recall:
     def text(self) -> str:
         """The stored form, ``recall(fraction=F, ...)`` with every setting that is not the default."""
         defaults = Recall(0.0)
-        extra = [f"{name}={getattr(self, name)!r}" for name in ("chunk", "pool", "sketch", "cold", "rank")
+        extra = [f"{name}={getattr(self, name)!r}" for name in ("chunk", "pool", "heads", "sketch", "cold", "rank")
                  if getattr(self, name) != getattr(defaults, name)]
         return f"recall({', '.join([f'fraction={self.fraction:g}', *extra])})"
 
@@ -98,11 +102,11 @@ class Recall:
         except ValueError as err:
             raise ValueError(f"bad recall {text!r}: {err}") from None
         if name != "recall":
-            raise ValueError(f"bad recall {text!r}: it reads recall(fraction=F, chunk=N, pool=P, sketch=S, cold=C, "
-                             "rank=R)")
-        unknown = set(params) - {"fraction", "chunk", "pool", "sketch", "cold", "rank"}
+            raise ValueError(f"bad recall {text!r}: it reads recall(fraction=F, chunk=N, pool=P, heads=H, sketch=S, "
+                             "cold=C, rank=R)")
+        unknown = set(params) - {"fraction", "chunk", "pool", "heads", "sketch", "cold", "rank"}
         if unknown or "fraction" not in params:
-            raise ValueError(f"bad recall {text!r}: give fraction=, and only chunk, pool, sketch, cold, rank "
+            raise ValueError(f"bad recall {text!r}: give fraction=, and only chunk, pool, heads, sketch, cold, rank "
                              "besides "
                              f"(unknown: {', '.join(sorted(unknown)) or 'none'})")
         return cls(**params)

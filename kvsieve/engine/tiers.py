@@ -87,6 +87,7 @@ class LayerRecall:
     tokens: int  # entries per (row, KV head) to bring back
     chunk: int
     pool: str = "chunk"
+    heads: str = "own"
     recalled: int = 0  # entries brought back (all rows and heads)
     moved_bytes: int = 0
 
@@ -120,6 +121,11 @@ class LayerRecall:
         cold = self.cold
         scores = self.scores(queries).masked_fill(~cold.valid, float("-inf"))
         pooled = self.pooled(scores).masked_fill(~cold.valid, float("-inf"))
+        if self.heads == "shared":  # each position's best over the layer's heads, wherever it is cold
+            b, h, _ = pooled.shape
+            at = torch.full((b, h, int(cold.positions.max()) + 1), float("-inf"))
+            at = at.scatter_reduce(2, cold.positions, pooled, "amax").amax(1, keepdim=True).expand(b, h, -1)
+            pooled = at.gather(2, cold.positions).masked_fill(~cold.valid, float("-inf"))
         k = min(self.tokens, scores.shape[-1])
         order = torch.sort(pooled, dim=-1, descending=True, stable=True).indices[..., :k]  # ties: earlier first
         index = order.sort(-1).values  # back in position order
@@ -182,7 +188,7 @@ class TieredContext:
         self.armed = []
         for idx, layer in sieve_layers(cache):
             armed = LayerRecall(self.cold[idx], self.sketches.get(idx), self.recall_tokens, self.recall.chunk,
-                                self.recall.pool)
+                                self.recall.pool, self.recall.heads)
             layer.recall = armed
             self.armed.append(armed)
         return cache

@@ -40,9 +40,9 @@ def _tiers(model, ids, ratio=0.75, **recall):
     return read.tiered(policy, ratio, Recall(**recall))
 
 
-@pytest.mark.parametrize("pool", ["chunk", "span"])
+@pytest.mark.parametrize(("pool", "heads"), [("chunk", "own"), ("span", "own"), ("span", "shared")])
 @torch.no_grad()
-def test_a_question_recalls_the_chunks_its_own_queries_attend_to_most(pool):
+def test_a_question_recalls_the_chunks_its_own_queries_attend_to_most(pool, heads):
     """One layer, so the question's queries are the model's from scratch: q_proj of the normed embeddings, rotated
     at the question's positions; the cold keys are a plain transformers prefill's. In plain Python: each evicted
     entry's best q . k over its group's queries, pooled (its chunk's best, or the best in its span), the top entries
@@ -50,7 +50,7 @@ def test_a_question_recalls_the_chunks_its_own_queries_attend_to_most(pool):
     model = _one_layer()
     ids, question = header_ids(3, 120), torch.randint(32, 127, (1, 6), generator=torch.Generator().manual_seed(4))
     n, m, chunk, fraction = ids.shape[1], question.shape[1], 4, 0.1
-    tiers = _tiers(model, ids, fraction=fraction, chunk=chunk, pool=pool)
+    tiers = _tiers(model, ids, fraction=fraction, chunk=chunk, pool=pool, heads=heads)
     hot = _held(sieve_layers(tiers.hot)[0][1])
     cache = tiers.question_cache()
     with attach(model, FullCache()):
@@ -72,20 +72,26 @@ def test_a_question_recalls_the_chunks_its_own_queries_attend_to_most(pool):
     cos, sin = model.model.rotary_emb(q, positions)
     q, _ = apply_rotary_pos_emb(q, q, cos, sin)
     q = q[0].float().numpy()  # (hq, m, d)
-    heads, group = keys.shape[0], q.shape[0] // keys.shape[0]
+    kv_heads, group = keys.shape[0], q.shape[0] // keys.shape[0]
     recall = int(round(fraction * n))
-    for h in range(heads):
+    best = []
+    for h in range(kv_heads):
         cold = sorted(set(range(n)) - hot[h])
         scores = (q[h * group:(h + 1) * group].reshape(-1, d) @ keys[h, cold].T).max(0)
         score_at = dict(zip(cold, scores))
         if pool == "chunk":  # an aligned chunk's best entry
-            best = {p: max(s for q, s in score_at.items() if q // chunk == p // chunk) for p in cold}
+            best.append({p: max(s for q, s in score_at.items() if q // chunk == p // chunk) for p in cold})
         else:  # the best entry from chunk positions before to chunk // 4 after
-            best = {p: max(s for q, s in score_at.items() if p - chunk <= q <= p + chunk // 4) for p in cold}
-        ranked = sorted(cold, key=lambda p: (-best[p], p))
+            best.append({p: max(s for q, s in score_at.items() if p - chunk <= q <= p + chunk // 4) for p in cold})
+    for h in range(kv_heads):
+        if heads == "shared":  # a position's best over the heads where it is cold
+            rank = {p: max(b[p] for b in best if p in b) for p in best[h]}
+        else:
+            rank = best[h]
+        ranked = sorted(rank, key=lambda p: (-rank[p], p))
         assert got[h] == set(ranked[:recall]), h
-    assert tiers.recalled == heads * recall
-    assert tiers.moved_bytes == heads * recall * 2 * d * 4  # exact float32 keys and values
+    assert tiers.recalled == kv_heads * recall
+    assert tiers.moved_bytes == kv_heads * recall * 2 * d * 4  # exact float32 keys and values
 
 
 @torch.no_grad()
