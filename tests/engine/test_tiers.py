@@ -40,16 +40,17 @@ def _tiers(model, ids, ratio=0.75, **recall):
     return read.tiered(policy, ratio, Recall(**recall))
 
 
-@pytest.mark.parametrize(("pool", "heads"), [("chunk", "own"), ("span", "own"), ("span", "shared")])
+@pytest.mark.parametrize(("pool", "heads", "fraction"), [("chunk", "own", 0.1), ("span", "own", 0.1),
+                                                       ("span", "shared", 0.1), ("chunk", "shared", 0.2)])
 @torch.no_grad()
-def test_a_question_recalls_the_chunks_its_own_queries_attend_to_most(pool, heads):
+def test_a_question_recalls_the_chunks_its_own_queries_attend_to_most(pool, heads, fraction):
     """One layer, so the question's queries are the model's from scratch: q_proj of the normed embeddings, rotated
     at the question's positions; the cold keys are a plain transformers prefill's. In plain Python: each evicted
     entry's best q . k over its group's queries, pooled (its chunk's best, or the best in its span), the top entries
     by pooled score then position."""
     model = _one_layer()
     ids, question = header_ids(3, 120), torch.randint(32, 127, (1, 6), generator=torch.Generator().manual_seed(4))
-    n, m, chunk, fraction = ids.shape[1], question.shape[1], 4, 0.1
+    n, m, chunk = ids.shape[1], question.shape[1], 4
     tiers = _tiers(model, ids, fraction=fraction, chunk=chunk, pool=pool, heads=heads)
     hot = _held(sieve_layers(tiers.hot)[0][1])
     cache = tiers.question_cache()
