@@ -122,8 +122,9 @@ def _check_types(d: dict[str, Any]) -> None:
 
 
 def write_jsonl(samples: Iterable[Sample], path: str | Path) -> int:
-    """Write samples as one JSON object per line; returns how many were written."""
+    """Write samples as one JSON object per line (the folder made if missing); returns how many were written."""
     n = 0
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as fh:
         for sample in samples:
             fh.write(json.dumps(sample.to_dict(), ensure_ascii=False))

@@ -237,7 +237,7 @@ def _sample(**kw) -> Sample:
 
 def test_sample_round_trip(tmp_path):
     samples = [_sample(), generate("qa_2", 600, 1, words), generate("niah_multivalue", 600, 1, words)]
-    path = tmp_path / "s.jsonl"
+    path = tmp_path / "runs" / "s.jsonl"  # a folder nothing made yet (the README's export writes into runs/)
     assert write_jsonl(samples, path) == 3
     back = read_jsonl(path)
     assert [s.to_dict() for s in back] == [s.to_dict() for s in samples]
