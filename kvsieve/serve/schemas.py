@@ -193,6 +193,9 @@ def parse_body(raw: bytes, schema: type[_Common]) -> _Common:
         data = json.loads(text) if text else None
     except json.JSONDecodeError as err:
         raise APIError(400, f"the request body is not valid JSON: {err}") from None
+    if not text:
+        raise APIError(400, "the request body is empty: send a JSON object such as {\"model\": ..., \"messages\": "
+                            "[...]}")
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
     lone = _surrogate(data)

@@ -220,3 +220,12 @@ def test_echoed_client_values_are_cut_to_a_short_prefix(model):
     assert stops.status_code == 400 and len(stops.content) < 500
     assert "stop must be up to 4 non-empty strings, got 100 strings" in stops.json()["error"]["message"]
     assert field.status_code == 422 and len(field.content) < 1000 and "(100000 characters)" in field.text
+
+
+def test_an_empty_body_is_named_empty(model):
+    """An empty body was answered "must be a JSON object, got NoneType" (issue 70): it says what is missing now."""
+    state = make_state(model)
+    with running(state) as url:
+        reply = _post(url, b"")
+    assert reply.status_code == 400 and "the request body is empty" in reply.json()["error"]["message"]
+    assert "NoneType" not in reply.json()["error"]["message"]
