@@ -31,11 +31,10 @@ REPRODUCERS = {
     "where": (body("return torch.where(f.key_norm)"), 2, "'torch.where' is not an operation"),
     "stack": (body("return torch.stack([f.key_norm] * 4096).mean(0)"), 2, "is not an operation"),
     "power_tower": (body("return group_mean(f.attn) * 10 ** 10 ** 6"), 2, "the exponent of ** must be"),
-    # issue 72: stage 0 raised something other than a refusal on each (a traceback in eval, a raise in the sandbox)
+    # issue 72: stage 0 raised something other than a refusal on each (a traceback in eval, a raise in the sandbox);
+    # the hex SELECTION value and key, and the rest, in tests/language/test_values.py
     "wide_literal": (body("x = group_mean(f.attn)", "return x * " + "9" * 401), 3, "an integer of 1333 bits"),
     "hex_exponent": (body("return group_mean(f.attn) ** 0x" + "f" * 4000), 2, "an integer of 16000 bits"),
-    "hex_selection": ('SELECTION = {"sink": 0x' + "f" * 4000 + "}\n" + body("return group_mean(f.attn)"), 1,
-                      "an integer of 16000 bits"),
     "unhashable_selection": ("SELECTION = {[]: 1}\n" + body("return group_mean(f.attn)"), 1,
                              "SELECTION must be a literal dict"),
 }
