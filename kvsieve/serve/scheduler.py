@@ -364,17 +364,15 @@ class Scheduler:
                 self._finish(job, stopped=True)
                 continue
             self._token(job, token)
-            text = self.tokenizer.decode(job.tokens, skip_special_tokens=True) if job.stops else ""
-            if job.stops and any(s in text for s in job.stops):
+            delta = job.stream.add(token)  # the token decoded once, in its short window; what it made visible
+            if job.on_text is not None and delta:  # is sent before a finish (the stream marks it sent)
+                job.on_text(delta)
+            if job.stream.stopped:
                 self._finish(job, stopped=True)
                 continue
             if len(job.tokens) >= job.max_tokens:
                 self._finish(job, stopped=False)
                 continue
-            if job.on_text is not None:
-                delta = job.stream.push(job.tokens)
-                if delta:
-                    job.on_text(delta)
             keep.append(i)
         if not keep:
             self._rows, self._cache, self._logits = [], None, None

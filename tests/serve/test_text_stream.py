@@ -16,7 +16,7 @@ class ByteTokenizer:
 
 def stream(tokenizer, ids, stops=()):
     text = IncrementalText(tokenizer, stops)
-    deltas = [text.push(ids[: i + 1]) for i in range(len(ids))]
+    deltas = [text.add(token) for token in ids]
     final, _ = cut_at_stop(tokenizer.decode(ids), stops)
     return deltas, deltas and "".join(deltas) + text.finish(final), final
 
@@ -51,3 +51,33 @@ def test_a_multibyte_character_is_sent_whole():
     deltas, joined, final = stream(ByteTokenizer(), ids)
     assert joined == final == "π = 3.14"
     assert "\ufffd" not in "".join(deltas) and deltas[0] == "" and deltas[1] == "π"
+
+
+class CountingTokenizer(CharTokenizer):
+    """Counts the token ids decoded: the whole answer per step was quadratic in its length."""
+
+    def __init__(self) -> None:
+        self.decoded = 0
+
+    def decode(self, ids, **kwargs):
+        self.decoded += len(ids)
+        return super().decode(ids, **kwargs)
+
+
+def test_each_token_is_decoded_in_a_short_window_not_the_whole_answer():
+    tokenizer = CountingTokenizer()
+    ids = [ord(c) for c in "x" * 400]
+    deltas, joined, final = stream(tokenizer, ids, stops=("END",))
+    assert joined == final
+    assert tokenizer.decoded - len(ids) <= 4 * len(ids)  # a window of a token or two per step (was ~n^2 / 2 = 80k)
+
+
+def test_a_real_tokenizer_streams_to_its_own_full_decode(smollm2):
+    _, tokenizer = smollm2
+    text = "Résumé: the café's naïve π-day plan costs 3.14 €, see https://example.com/a_b?c=d. 数字 42!\n  Done."
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    stream_text = IncrementalText(tokenizer)
+    deltas = [stream_text.add(token) for token in ids]
+    final = tokenizer.decode(ids, skip_special_tokens=True)
+    assert "".join(deltas) + stream_text.finish(final) == final
+    assert stream_text.text == final
