@@ -27,7 +27,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from kvsieve.engine.attach import attach
-from kvsieve.engine.cache import clone_cache, reserve_room, sieve_layers
+from kvsieve.engine.cache import clone_cache, reserve_room
 from kvsieve.engine.compress import CompressionReport
 from kvsieve.engine.prune import prune_prompt
 from kvsieve.engine.reconstruct import Reconstruction, reconstruction_prompt, reconstruction_scores
@@ -203,7 +203,3 @@ class PromptRead:
             reconstruction = self.reconstruction(policy)
         return TieredContext.split(self.model, self.cache, self.ids, policy, ratio, recall, self.protected_tail,
                                    reconstruction, cold_folder)
-
-    @property
-    def kept_tokens(self) -> list[int]:
-        return [layer.physical_length for _, layer in sieve_layers(self.cache)]
