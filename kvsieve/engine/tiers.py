@@ -10,10 +10,10 @@ Here a prompt read once (``PromptRead.tiered``, or ``attach``'s first forward) i
 **cold** tier (:mod:`kvsieve.engine.cold`) holds every entry the policy evicted. A question is read on a copy of the
 hot tier armed for recall (:meth:`TieredContext.question_cache`): in each layer, before its attention, the question's
 own queries of that layer score the layer's cold entries (exactly on the cold keys, or on a small **sketch** kept hot:
-1-bit key signs with a scale, or a rank-r key projection), whole chunks of ``chunk`` consecutive positions are
-ranked by their best entry (a uuid spans 20-30 tokens; per-token top-k keeps its most-attended pieces), and the best
-``fraction`` of the context per KV head goes back into the hot copy at its original positions, ahead of the
-question's tokens. Once per question: the copy is dropped with the answer, and the compressed context (hot and cold)
+1-bit key signs with a scale, or a rank-r key projection), entries are ranked by spans, not one by one (aligned
+chunks by their best entry, or each entry by the best one shortly before it: a uuid spans 20-30 tokens and per-token
+top-k keeps its most-attended pieces), optionally with a layer's heads ranking together, and the best ``fraction`` of
+the context per KV head goes back into the hot copy at its original positions, ahead of the question's tokens. Once per question: the copy is dropped with the answer, and the compressed context (hot and cold)
 is bit for bit what it was, ready for the next question (KVzip's premise: compress once, reuse across queries).
 
 How a question recalls (:class:`~kvsieve.recall.Recall`: the fraction, chunk, sketch and cold format) is a point's
@@ -56,6 +56,9 @@ class KeySketch:
     def of(cls, keys: torch.Tensor, valid: torch.Tensor, kind: str, rank: int = 8) -> KeySketch:
         keys = keys.float().masked_fill(~valid[..., None], 0.0)
         if kind == "sign":
+            if keys.shape[-1] % 8:
+                raise ValueError(f"the sign sketch packs 8 channels a byte: head dim {keys.shape[-1]} is not a "
+                                 "multiple of 8 (use sketch='lowrank' or 'exact')")
             bits = (keys > 0).to(torch.uint8).reshape(*keys.shape[:-1], -1, 8)
             weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
             return cls(kind, (bits * weights).sum(-1).to(torch.uint8), keys.abs().mean(-1).half())

@@ -237,3 +237,18 @@ def test_attach_with_recall_answers_as_the_tiers_of_a_read_do():
     with pytest.raises(ValueError, match="recall runs a prefill point"):
         with attach(model, get("knorm"), kept=10, recall=Recall(0.1)):
             pass
+
+
+def test_the_sketches_estimate_q_dot_k_as_their_formulas_say():
+    """sign: mean |k| x (q . sign(k)), the best over the queries; lowrank at full rank: q . k exactly (numpy)."""
+    g = torch.Generator().manual_seed(0)
+    keys, queries = torch.randn(1, 2, 9, 16, generator=g), torch.randn(1, 2, 5, 16, generator=g)
+    valid = torch.ones(1, 2, 9, dtype=torch.bool)
+    k, q = keys.numpy(), queries.numpy()
+    scale = np.abs(k).mean(-1).astype(np.float16).astype(np.float32)
+    want = np.einsum("bhqd,bhed->bhqe", q, np.sign(k)).max(2) * scale
+    np.testing.assert_allclose(KeySketch.of(keys, valid, "sign").dot(queries).numpy(), want, rtol=1e-5, atol=1e-5)
+    exact = np.einsum("bhqd,bhed->bhqe", q, k).max(2)
+    np.testing.assert_allclose(KeySketch.of(keys, valid, "lowrank", rank=16).dot(queries).numpy(), exact, atol=0.05)
+    with pytest.raises(ValueError, match="head dim 12 is not a multiple of 8"):
+        KeySketch.of(torch.randn(1, 1, 3, 12), torch.ones(1, 1, 3, dtype=torch.bool), "sign")
