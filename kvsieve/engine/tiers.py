@@ -13,8 +13,9 @@ own queries of that layer score the layer's cold entries (exactly on the cold ke
 1-bit key signs with a scale, or a rank-r key projection), entries are ranked by spans, not one by one (aligned
 chunks by their best entry, or each entry by the best one shortly before it: a uuid spans 20-30 tokens and per-token
 top-k keeps its most-attended pieces), optionally with a layer's heads ranking together, and the best ``fraction`` of
-the context per KV head goes back into the hot copy at its original positions, ahead of the question's tokens. Once per question: the copy is dropped with the answer, and the compressed context (hot and cold)
-is bit for bit what it was, ready for the next question (KVzip's premise: compress once, reuse across queries).
+the context per KV head goes back into the hot copy at its original positions, ahead of the question's tokens.
+Once per question: the copy is dropped with the answer, and the compressed context (hot and cold) is bit for bit
+what it was, ready for the next question (KVzip's premise: compress once, reuse across queries).
 
 How a question recalls (:class:`~kvsieve.recall.Recall`: the fraction, chunk, sketch and cold format) is a point's
 setting, parsed at floor 0; the budget holds the sketches and the recalled entries too: at a point keeping

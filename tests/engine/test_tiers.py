@@ -15,6 +15,7 @@ from kvsieve.engine.attach import attach
 from kvsieve.engine.cache import cache_bytes, sieve_layers
 from kvsieve.engine.cold import ColdLayer, dequantize, group_size, quantize
 from kvsieve.engine.reader import Capture, read_prompt
+from kvsieve.engine.tiers import KeySketch
 from kvsieve.policies import get
 from kvsieve.policy import FullCache
 from kvsieve.recall import Recall
