@@ -43,10 +43,10 @@ CELLS = {
     "pick+r2.5-s48": (PICK, Recall(0.025, chunk=48, pool="span"), False),
     "pick+r2.5-s48-shared": (PICK, Recall(0.025, chunk=48, pool="span", heads="shared"), False),
     "pick+r5-c16": (PICK, Recall(0.05, chunk=16), False),
-    "pick+r2.5-c16-sign": (PICK, Recall(0.025, chunk=16, sketch="sign"), False),
-    "pick+r2.5-c16-lowrank": (PICK, Recall(0.025, chunk=16, sketch="lowrank"), False),
-    "pick+r2.5-c16-int8": (PICK, Recall(0.025, chunk=16, cold="int8"), False),
-    "pick+r2.5-c16-int4": (PICK, Recall(0.025, chunk=16, cold="int4"), False),
+    "pick+r2.5-s48-sign": (PICK, Recall(0.025, chunk=48, pool="span", sketch="sign"), False),
+    "pick+r2.5-s48-lowrank": (PICK, Recall(0.025, chunk=48, pool="span", sketch="lowrank"), False),
+    "pick+r2.5-s48-int8": (PICK, Recall(0.025, chunk=48, pool="span", cold="int8"), False),
+    "pick+r2.5-s48-int4": (PICK, Recall(0.025, chunk=48, pool="span", cold="int4"), False),
     "snapkv+qa": ("snapkv", None, True),
 }
 
