@@ -440,6 +440,16 @@ def plot_curve(rows: list[dict], path: Path, title: str = "", heldout: list[dict
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig = curve_figure(rows, title, heldout, best_step)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def curve_figure(rows: list[dict], title: str = "", heldout: list[dict] | None = None, best_step: int | None = None):
+    """The figure :func:`plot_curve` saves (matplotlib's, not closed)."""
+    import matplotlib.pyplot as plt
+
     steps = [r["step"] for r in rows]
 
     def smooth(values: list[float], width: int = 10) -> list[float]:
@@ -460,6 +470,8 @@ def plot_curve(rows: list[dict], path: Path, title: str = "", heldout: list[dict
     top.set_title(title or "learned eviction: training curve")
     bottom.plot(steps, [r["entropy"] for r in rows], color="C2")
     bottom.set_ylabel("first-draw entropy / log n")
+    for linear in (top, bottom):  # values near 1 would read as "1e-5+9.999e-1" with an offset
+        linear.ticklabel_format(axis="y", useOffset=False, style="plain")
     if heldout:
         panel = axes[2]
         for i, ratio in enumerate(sorted({r["ratio"] for r in heldout})):
@@ -475,9 +487,7 @@ def plot_curve(rows: list[dict], path: Path, title: str = "", heldout: list[dict
         panel.legend(loc="upper right", fontsize=7)
     axes[-1].set_xlabel("step")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def reinforce(config: TrainConfig, model, episodes: list[Episode], progress: bool = True,

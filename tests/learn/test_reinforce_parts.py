@@ -4,13 +4,18 @@ sequence) and the paired interval (numpy mean)."""
 
 from __future__ import annotations
 
+import matplotlib
 import numpy as np
 import pytest
 import torch
 
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402 - after choosing the headless backend
+
 from kvsieve.learn.baselines import leave_one_out
 from kvsieve.learn.curriculum import active_ratios
 from kvsieve.learn.heldout import mean_by_step, paired_interval
+from kvsieve.learn.reinforce import curve_figure
 from kvsieve.learn.stopping import StoppingRule
 from kvsieve.learn.trust_region import first_draw_kl
 
@@ -111,3 +116,13 @@ def test_mean_by_step_and_the_paired_interval():
     assert mean == pytest.approx(float((a - b).mean()))
     assert low < mean < high < 0  # a shift of 0.5 with unit noise over 30 pairs is resolved
     assert paired_interval([1.0, 2.0], [0.5, 1.5])[1:] == (0.5, 0.5)  # a constant difference has no spread
+
+
+def test_the_training_curve_prints_plain_tick_labels():
+    """An entropy near 1 was labelled "1e-5+9.999e-1" (an axis offset; issue 70): the labels are plain numbers."""
+    rows = [{"step": i, "reward": -0.5 + 1e-6 * i, "entropy": 0.99999 + 1e-7 * i} for i in range(20)]
+    fig = curve_figure(rows)
+    fig.canvas.draw()
+    offsets = [ax.yaxis.get_offset_text().get_text() for ax in fig.axes]
+    plt.close(fig)
+    assert offsets == ["", ""]
