@@ -13,33 +13,22 @@ printed with them (a loaded machine slows every figure alike; compare within one
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 
 import torch
+from recall_multikey import PICK
 
 from kvsieve.engine.attach import attach
 from kvsieve.engine.cache import cache_bytes, clone_cache, full_cache_bytes
 from kvsieve.engine.reader import Capture, read_prompt
+from kvsieve.harness.provenance import current
 from kvsieve.models import load
 from kvsieve.policies import from_spec
 from kvsieve.prompt import build_prompt
 from kvsieve.recall import Recall
 from kvsieve.selection import Budget
 from kvsieve.tasks.load import SampleSpec, load_samples
-
-PICK = "program:results/evolve/picked-floor-high-qwen-4k/qwen2.5-coder-0.5b-instruct-picked.py"
-
-
-def _cpu() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 @torch.no_grad()
@@ -88,7 +77,8 @@ def main() -> None:
     read = read_prompt(model, prompt.context_ids, capture)
     prefill = time.perf_counter() - start
     full = full_cache_bytes(read.cache)
-    print(f"{_cpu()}; torch {torch.__version__}, {torch.get_num_threads()} thread(s), {model.dtype}; {args.model}, "
+    print(f"{current(str(model.dtype))['machine']}; torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
+          f"{model.dtype}; {args.model}, "
           f"{prompt.context_ids.shape[1]} context + {prompt.question_ids.shape[1]} question tokens; prefill "
           f"{prefill:.1f} s; point: {args.policy.rsplit('/', 1)[-1]} at ratio {args.ratio}, recall {args.fraction}")
     alone, _ = read.pruned(policy, Budget(ratio=args.ratio))

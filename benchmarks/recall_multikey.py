@@ -24,6 +24,7 @@ from kvsieve.engine.attach import attach
 from kvsieve.engine.cache import cache_bytes, full_cache_bytes
 from kvsieve.engine.generate import greedy_decode
 from kvsieve.engine.reader import Capture, read_prompt
+from kvsieve.harness.provenance import current
 from kvsieve.models import load
 from kvsieve.policies import from_spec
 from kvsieve.prompt import build_prompt
@@ -117,7 +118,7 @@ def run(args) -> None:
                    "prediction": text, "answers": list(sample.answers), "hot_bytes": hot, "cold_bytes": cold,
                    "moved_bytes": moved, "full_bytes": full_bytes, "read_seconds": read_s, "split_seconds": split_s,
                    "answer_seconds": answer_s, "context_tokens": prompt.context_ids.shape[1], "ratio": args.ratio,
-                   "dtype": str(model.dtype), "threads": torch.get_num_threads()}
+                   "provenance": current(str(model.dtype))}
             with out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             print(f"{sample.id} {name}: {row['score']:.0f} hot {hot / full_bytes:.3f} of full, "

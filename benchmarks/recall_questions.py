@@ -16,7 +16,7 @@ Per question position: accuracy, the hot bytes, the bytes moved from the cold ti
 One JSON line per (request, cell, question), appended as it lands; a killed run resumes (``--out``).
 
     OMP_NUM_THREADS=1 python benchmarks/recall_questions.py --samples 8 --out runs/recall-questions-qwen-4k.jsonl \\
-        --recall "recall(fraction=0.025, chunk=32, pool='span')"
+        --recall "recall(fraction=0.025, chunk=48, pool='span')"
     python benchmarks/recall_questions.py --report runs/recall-questions-qwen-4k.jsonl
 """
 
@@ -30,12 +30,14 @@ import time
 from pathlib import Path
 
 import torch
+from recall_multikey import PICK
 
 from kvsieve.bootstrap import bootstrap_interval
 from kvsieve.engine.attach import attach
 from kvsieve.engine.cache import cache_bytes, clone_cache, full_cache_bytes, sieve_layers
 from kvsieve.engine.generate import greedy_decode
 from kvsieve.engine.reader import Capture, read_prompt
+from kvsieve.harness.provenance import current
 from kvsieve.models import load
 from kvsieve.policies import from_spec
 from kvsieve.prompt import build_prompt
@@ -44,7 +46,6 @@ from kvsieve.selection import Budget
 from kvsieve.tasks.load import SampleSpec, load_samples
 from kvsieve.tasks.metrics import score
 
-PICK = "program:results/evolve/picked-floor-high-qwen-4k/qwen2.5-coder-0.5b-instruct-picked.py"
 CELLS = ("full", "pick", "pick+recall", "reread")
 NEEDLE = re.compile(r"One of the special magic uuids for (\S+) is: (\S+)\.")
 
@@ -133,8 +134,7 @@ def run(args) -> None:
                        "cold_bytes": tiers.cold_nbytes() if cell == "pick+recall" else 0, "full_bytes": full_bytes,
                        "prefills": prefills, "seconds": time.perf_counter() - start + setup_s,
                        "read_seconds": read_s, "compress_seconds": compress_s, "tiers_seconds": tiers_s,
-                       "ratio": args.ratio, "recall": recall.text, "dtype": str(model.dtype),
-                       "threads": torch.get_num_threads()}
+                       "ratio": args.ratio, "recall": recall.text, "provenance": current(str(model.dtype))}
                 with out.open("a") as f:
                     f.write(json.dumps(row) + "\n")
                 print(f"{sample.id} q{position} {cell}: {row['score']:.0f} {row['seconds']:.1f} s {text[:50]!r}",
@@ -174,7 +174,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=100)
     parser.add_argument("--questions", type=int, default=5)
     parser.add_argument("--ratio", type=float, default=0.875)
-    parser.add_argument("--recall", default="recall(fraction=0.025, chunk=32, pool='span')")
+    parser.add_argument("--recall", default="recall(fraction=0.025, chunk=48, pool='span')")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="runs/recall-questions-qwen-4k.jsonl")

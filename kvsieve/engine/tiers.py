@@ -61,7 +61,7 @@ class KeySketch:
                 raise ValueError(f"the sign sketch packs 8 channels a byte: head dim {keys.shape[-1]} is not a "
                                  "multiple of 8 (use sketch='lowrank' or 'exact')")
             bits = (keys > 0).to(torch.uint8).reshape(*keys.shape[:-1], -1, 8)
-            weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+            weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=keys.device)
             return cls(kind, (bits * weights).sum(-1).to(torch.uint8), keys.abs().mean(-1).half())
         rank = min(rank, keys.shape[-1], max(keys.shape[2], 1))
         _, _, vh = torch.linalg.svd(keys, full_matrices=False)  # (b, h, min(e, d), d)
@@ -72,7 +72,7 @@ class KeySketch:
         """(b, h, e) the largest estimated q . k over ``queries`` (b, h, n, d) for every entry."""
         q = queries.float()
         if self.kind == "sign":
-            shifts = torch.arange(8, dtype=torch.uint8)
+            shifts = torch.arange(8, dtype=torch.uint8, device=self.codes.device)
             signs = ((self.codes[..., None] >> shifts) & 1).reshape(*self.codes.shape[:-1], -1).float() * 2 - 1
             return (q @ signs.transpose(-1, -2)).amax(-2) * self.scale.float()
         return ((q @ self.scale.float()) @ self.codes.float().transpose(-1, -2)).amax(-2)
@@ -110,11 +110,11 @@ class LayerRecall:
         cold, width = self.cold, self.chunk
         if self.pool == "chunk":
             chunk_of = torch.div(cold.positions, width, rounding_mode="floor")
-            best = torch.full((*scores.shape[:2], int(chunk_of.max()) + 1), float("-inf"))
+            best = torch.full((*scores.shape[:2], int(chunk_of.max()) + 1), float("-inf"), device=scores.device)
             return best.scatter_reduce(2, chunk_of, scores, "amax").gather(2, chunk_of)
         b, h, _ = scores.shape
         after = width // 4
-        dense = torch.full((b, h, int(cold.positions.max()) + 1), float("-inf"))
+        dense = torch.full((b, h, int(cold.positions.max()) + 1), float("-inf"), device=scores.device)
         dense = dense.scatter_reduce(2, cold.positions, scores, "amax")  # by position; gaps stay -inf
         padded = torch.nn.functional.pad(dense.reshape(b * h, 1, -1), (width, after), value=float("-inf"))
         best = torch.nn.functional.max_pool1d(padded, width + after + 1, stride=1).reshape(b, h, -1)
@@ -127,7 +127,7 @@ class LayerRecall:
         pooled = self.pooled(scores).masked_fill(~cold.valid, float("-inf"))
         if self.heads == "shared":  # each position's best over the layer's heads, wherever it is cold
             b, h, _ = pooled.shape
-            at = torch.full((b, h, int(cold.positions.max()) + 1), float("-inf"))
+            at = torch.full((b, h, int(cold.positions.max()) + 1), float("-inf"), device=pooled.device)
             at = at.scatter_reduce(2, cold.positions, pooled, "amax").amax(1, keepdim=True).expand(b, h, -1)
             pooled = at.gather(2, cold.positions).masked_fill(~cold.valid, float("-inf"))
         k = min(self.tokens, scores.shape[-1])
@@ -222,16 +222,17 @@ def _evicted(full: SieveLayer, kept: SieveLayer) -> tuple[torch.Tensor, ...]:
     """The entries of ``full`` (a layer read whole: entry i at position i) that ``kept`` no longer holds, per
     (row, head), sorted by position and padded: (keys, values, positions, valid)."""
     b, h, n = full.positions.shape
-    held = torch.zeros(b, h, n, dtype=torch.long)
+    held = torch.zeros(b, h, n, dtype=torch.long, device=full.positions.device)
     positions, valid = kept.positions, kept.valid
     held.scatter_add_(2, positions, torch.ones_like(positions) if valid is None else valid.long())
     evicted = held == 0
     count = evicted.sum(-1)
     width = int(count.max()) if count.numel() else 0
-    order = ((~evicted).long() * n + torch.arange(n)).argsort(-1)[..., :width]  # evicted first, by position
+    at = torch.arange(n, device=evicted.device)
+    order = ((~evicted).long() * n + at).argsort(-1)[..., :width]  # evicted first, by position
 
     def take(t: torch.Tensor) -> torch.Tensor:
         return t.gather(2, order[..., None].expand(-1, -1, -1, t.shape[-1]))
 
     return take(full.keys), take(full.values), full.positions.gather(2, order), \
-        torch.arange(width)[None, None, :] < count[..., None]
+        torch.arange(width, device=count.device)[None, None, :] < count[..., None]
