@@ -31,6 +31,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV-cache bytes requests are admitted against, with a unit: B, KiB, MiB, GiB, TiB "
                              "(195035136B, 186MiB, 2GiB), or a share of the free memory after the model loads "
                              "(default 50%%); at most the machine's memory")
+    parser.add_argument("--context-cache", action=argparse.BooleanOptionalAction, default=True,
+                        help="keep each context a query-agnostic point compressed (and a full-KV one whole) for later "
+                             "requests whose prompt begins with it: their prefill reads only the rest; stored contexts "
+                             "count in --kv-budget and go least recently used first (default on)")
+    parser.add_argument("--cold-budget", default="25%",
+                        help="bytes the stored contexts' cold tiers (points with recall) may take, as --kv-budget is "
+                             "given (2GiB, 25%%; 0B: such contexts are not kept); disk cold tiers count here too, "
+                             "their files under $TMPDIR (default 25%%)")
+    parser.add_argument("--context-scope", choices=("shared", "api-key"), default="shared",
+                        help="reuse a stored context for every client with the same prefix, or only for requests "
+                             "with the same API key (Authorization: Bearer), so no client can time another's "
+                             "documents (default shared)")
     parser.add_argument("--prefill-chunk", type=int, default=512,
                         help="prompt tokens one scheduler step prefills at most, beside one decode step of every "
                              "running request: bounds the gap between two tokens of a stream (default 512)")

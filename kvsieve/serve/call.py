@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvsieve.prompt import Prompt
+from kvsieve.serve.contexts import scope_of
 from kvsieve.serve.errors import APIError, draining
 from kvsieve.serve.generation import Cancelled, Completion
 from kvsieve.serve.points import ChosenPoint
@@ -54,7 +55,9 @@ class Call:
         state = self.state
         job = Job(self.prompt, self.chosen, self.max_tokens, self.stops,
                   on_prefilled=lambda i: self._put(("prefilled", i)),
-                  on_text=(lambda d: self._put(("text", d))) if self.req.stream else None, arrived=self.arrived)
+                  on_text=(lambda d: self._put(("text", d))) if self.req.stream else None, arrived=self.arrived,
+                  scope=scope_of(state.context_scope, None if self.request is None
+                                 else self.request.headers.get("authorization")))
         try:
             self.job = state.scheduler.submit(job)
         except TooLarge as big:

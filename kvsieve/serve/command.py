@@ -21,6 +21,7 @@ from kvsieve.risk.contract import ContractFile
 from kvsieve.risk.runtime import CertifiedPolicy
 from kvsieve.serve.app import create_app
 from kvsieve.serve.arguments import add_arguments
+from kvsieve.serve.contexts import ContextCache
 from kvsieve.serve.errors import quoted
 from kvsieve.serve.points import PointSource
 from kvsieve.serve.scheduler import DEFAULT_PREFILL_CHUNK, Draining, Scheduler
@@ -92,10 +93,11 @@ _BUDGET = re.compile(r"(?P<number>[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)(?P<unit>[a-z
 BUDGET_FORMS = "bytes with a unit (195035136B, 512KiB, 186MiB, 2GiB, 1TiB) or a share of free memory (50%)"
 
 
-def parse_budget(text: str | int, model=None) -> int:
+def parse_budget(text: str | int, model=None, name: str = "--kv-budget", minimum: int = 1) -> int:
     """``--kv-budget``: bytes with an explicit unit (``B``, ``KiB``, ``MiB``, ``GiB``, ``TiB``), or ``P%`` of the free
     memory where the model's cache lives once it is loaded; a Python int is bytes. A number without a unit is
-    refused (is 195035136 bytes or GiB?), as are non-finite values and budgets above the machine's memory."""
+    refused (is 195035136 bytes or GiB?), as are non-finite values, budgets below ``minimum`` and budgets above the
+    machine's memory; errors name the option ``name``."""
     if isinstance(text, int) and not isinstance(text, bool):
         value = text
     else:
@@ -103,28 +105,28 @@ def parse_budget(text: str | int, model=None) -> int:
         match = _BUDGET.fullmatch(raw)
         if match is None:
             why = "is not a finite number" if raw.lstrip("+-").startswith(("inf", "nan")) else "is not a budget"
-            raise ValueError(f"--kv-budget {quoted(str(text))} {why}: give {BUDGET_FORMS}")
+            raise ValueError(f"{name} {quoted(str(text))} {why}: give {BUDGET_FORMS}")
         number, unit = float(match["number"]), match["unit"]
         if not math.isfinite(number):
-            raise ValueError(f"--kv-budget {quoted(str(text))} is not a finite number: give {BUDGET_FORMS}")
+            raise ValueError(f"{name} {quoted(str(text))} is not a finite number: give {BUDGET_FORMS}")
         if unit == "":
-            raise ValueError(f"--kv-budget {quoted(str(text))} has no unit: give {BUDGET_FORMS}")
+            raise ValueError(f"{name} {quoted(str(text))} has no unit: give {BUDGET_FORMS}")
         if unit == "%":
             if not 0 < number <= 100:
-                raise ValueError(f"--kv-budget {quoted(str(text))}: a share of free memory is in (0, 100]%")
+                raise ValueError(f"{name} {quoted(str(text))}: a share of free memory is in (0, 100]%")
             if model is None:
-                raise ValueError(f"--kv-budget {quoted(str(text))}: a share of free memory needs the loaded model")
+                raise ValueError(f"{name} {quoted(str(text))}: a share of free memory needs the loaded model")
             value = int(number / 100 * free_memory(model))
         elif unit in _UNITS:
             value = int(number * _UNITS[unit])
         else:
-            raise ValueError(f"--kv-budget {quoted(str(text))} has an unknown unit {unit!r}: give {BUDGET_FORMS}")
-    if value < 1:
-        raise ValueError(f"--kv-budget {quoted(str(text))} is not a positive number of bytes")
+            raise ValueError(f"{name} {quoted(str(text))} has an unknown unit {unit!r}: give {BUDGET_FORMS}")
+    if value < minimum:
+        raise ValueError(f"{name} {quoted(str(text))} is {value} bytes: give at least {minimum} ({BUDGET_FORMS})")
     memory = total_memory(model)
     if value > memory:
         where = "this GPU's memory" if _device(model).type == "cuda" else "this machine's memory"
-        raise ValueError(f"--kv-budget {quoted(str(text))} is {value} bytes, more than {where} ({memory} bytes, "
+        raise ValueError(f"{name} {quoted(str(text))} is {value} bytes, more than {where} ({memory} bytes, "
                          f"{memory / 2**30:.1f} GiB): give {BUDGET_FORMS}")
     return value
 
@@ -132,14 +134,20 @@ def parse_budget(text: str | int, model=None) -> int:
 def build_state(model, tokenizer, model_name: str, points: PointSource, max_queue: int = 16,
                 context: int | None = None, max_tokens_limit: int = 2048, default_max_tokens: int = 256,
                 kv_budget: str | int = "50%", max_body_bytes: int = 4 << 20,
-                prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> ServerState:
-    """The server's state: points model-checked, a scheduler admitting requests against ``kv_budget``."""
+                prefill_chunk: int = DEFAULT_PREFILL_CHUNK, cold_budget: str | int | None = None,
+                context_scope: str = "shared") -> ServerState:
+    """The server's state: points model-checked, a scheduler admitting requests against ``kv_budget``;
+    ``cold_budget`` (bytes, or a budget's text): keep compressed contexts for later questions, their cold tiers in
+    that many bytes (None: no context cache), reused by every client or only within one API key (``context_scope``)."""
     context = context or context_length(model_name) or int(getattr(model.config, "max_position_embeddings", 2048))
     points.bind(model, model_name)  # every point model-checked once (a program's surrogate bound), before serving
     metrics = Metrics()
-    scheduler = Scheduler(model, tokenizer, parse_budget(kv_budget, model), max_queue, prefill_chunk, metrics)
+    contexts = None if cold_budget is None else ContextCache(parse_budget(cold_budget, model, "--cold-budget", 0),
+                                                             metrics)
+    scheduler = Scheduler(model, tokenizer, parse_budget(kv_budget, model), max_queue, prefill_chunk, metrics,
+                          contexts)
     return ServerState(model, tokenizer, model_name, points, scheduler, context, max_tokens_limit,
-                       default_max_tokens, max_body_bytes=max_body_bytes, metrics=metrics)
+                       default_max_tokens, max_body_bytes=max_body_bytes, metrics=metrics, context_scope=context_scope)
 
 
 class _DrainingServer(uvicorn.Server):
@@ -187,6 +195,8 @@ def run(args) -> int:
                               args.allow_override, args.evict_every, args.recall)
         if not str(args.kv_budget).strip().endswith("%"):
             parse_budget(args.kv_budget)  # a budget in bytes is checked before the model loads
+        if args.context_cache and not str(args.cold_budget).strip().endswith("%"):
+            parse_budget(args.cold_budget, None, "--cold-budget", 0)
         if args.drain_timeout is not None and not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):
             raise ValueError(f"--drain-timeout must be a finite number of seconds >= 0, got {args.drain_timeout!r}")
         if args.prefill_chunk < 1:
@@ -199,7 +209,7 @@ def run(args) -> int:
     try:
         state = build_state(model, tokenizer, name, points, args.max_queue, None, args.max_tokens_limit,
                             args.default_max_tokens, args.kv_budget, int(args.max_body_mb * (1 << 20)),
-                            args.prefill_chunk)
+                            args.prefill_chunk, args.cold_budget if args.context_cache else None, args.context_scope)
     except ValueError as err:  # a point that cannot run on this model, a budget that cannot be read
         print(f"kvsieve serve: error: {err}", file=sys.stderr)
         return 2

@@ -19,6 +19,11 @@ a row that also evicts while it decodes (``ChosenPoint.room``; its intrinsic sco
 (``b x (prompt + max_tokens)``, ``b`` one token's bytes in every layer): every segment's capacity is at most its
 longest segment's need, which is at most the prompt plus ``max_tokens``.
 
+With the server's context cache (``serve/contexts.py``), a query-agnostic point's prefill whose context begins with a
+stored one skips steps 1 and 2: the rest of its prompt is read on a copy of the stored context (recall's armed copy
+of the hot tier); one that reads its context itself hands the compressed context over to be stored
+(:attr:`Prefill.to_store`) once it joins the batch.
+
 A policy that fails (a program stopped by the interpreter's limits, a checkpoint that raises) does not fail the
 request: the prefill starts again at full KV and is answered with ``status: "fallback"`` and the reason.
 """
@@ -31,10 +36,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import DynamicCache
 
-from kvsieve.engine.cache import cache_bytes, full_cache_bytes, reserve_room, sieve_layers
+from kvsieve.engine.cache import cache_bytes, clone_cache, full_cache_bytes, reserve_room, sieve_layers
 from kvsieve.engine.reader import Capture, PromptReader, first_part
-from kvsieve.engine.tiers import TieredContext
+from kvsieve.engine.tiers import LayerRecall
 from kvsieve.prompt import Prompt
+from kvsieve.serve.contexts import StoredContext
 from kvsieve.serve.points import ChosenPoint
 
 __all__ = ["Cancelled", "CacheInfo", "Completion", "Prefill", "bytes_per_token"]
@@ -57,6 +63,7 @@ class CacheInfo:
     chosen: ChosenPoint | None = None  # the point that ran: the request's, or full KV after a policy failure
     cold_bytes: int = 0  # with recall: the evicted entries in the cold tier
     moved_bytes: int = 0  # with recall: what the question brought back from it (known once the prompt is read)
+    context_cache: str | None = None  # "hit": the context came from the server's context cache; "miss": read whole
 
 
 @dataclass
@@ -84,24 +91,32 @@ def bytes_per_token(model) -> int:
 class Prefill:
     """One request's prefill, advanced by :meth:`advance` a bounded number of tokens at a time (module doc)."""
 
-    def __init__(self, model, prompt: Prompt, chosen: ChosenPoint, max_tokens: int) -> None:
+    def __init__(self, model, prompt: Prompt, chosen: ChosenPoint, max_tokens: int,
+                 context: StoredContext | None = None, scope: str | None = None) -> None:
+        """``context``: a stored context the prompt's context begins with (read the rest on a copy of it);
+        ``scope``: with a context cache, the scope a context this prefill reads is stored under (None: not kept)."""
         self.model, self.prompt, self.max_tokens = model, prompt, max_tokens
         self.room = max_tokens
         self.seconds = 0.0
-        self._start(chosen)
+        self.scope = scope
+        self.to_store: StoredContext | None = None  # the compressed context, for the server's context cache
+        self._start(chosen, context)
 
-    def _start(self, chosen: ChosenPoint) -> None:
+    def _start(self, chosen: ChosenPoint, context: StoredContext | None = None) -> None:
         self.chosen = chosen
         self.room = chosen.room(self.max_tokens)
         self.question_aware = chosen.setting.protects_question
         self.capture = Capture.of([chosen.point.policy]) if chosen.setting.compresses else Capture()
-        self.reader: PromptReader | None = PromptReader(self.model, first_part(self.prompt, self.question_aware),
-                                                        self.capture)
         self.question: PromptReader | None = None  # a query-agnostic point's question, read on the pruned cache
         self.pruned: DynamicCache | None = None
-        self.tiers: TieredContext | None = None  # a recalling point's two tiers
+        self.armed: list[LayerRecall] = []  # this request's recalls into its copy of the hot tier
         self.logits: torch.Tensor | None = None
         self.info: CacheInfo | None = None
+        self.reader: PromptReader | None = None
+        if context is not None:
+            self._continue(context)
+        else:
+            self.reader = PromptReader(self.model, first_part(self.prompt, self.question_aware), self.capture)
 
     @property
     def cache(self) -> DynamicCache | None:
@@ -156,19 +171,51 @@ class Prefill:
         read = self.reader.finished(m if self.question_aware else 0)
         budget = chosen.setting.budget if chosen.setting.compresses else None
         recall = chosen.setting.mode.recall
+        tiers = None
         if recall is not None:  # two tiers: the question's first chunk recalls into this armed copy of the hot tier
-            self.tiers = read.tiered(chosen.point.policy, chosen.setting.ratio, recall)
-            cache, hot = self.tiers.question_cache(), self.tiers.hot_nbytes()
+            tiers = read.tiered(chosen.point.policy, chosen.setting.ratio, recall)
+            cache, hot = tiers.question_cache(), tiers.hot_nbytes()
+            self.armed = list(tiers.armed)
         else:  # a row evicting while it decodes keeps an intrinsic policy's scores with the entries
             cache, _ = read.pruned(chosen.point.policy, budget, remember_scores=self.evicts)
             hot = cache_bytes(cache)
         kept = [layer.physical_length for _, layer in sieve_layers(cache)]
         self.info = CacheInfo(n, n + m, full_cache_bytes(cache), hot, kept, 0.0, self.chosen,
-                              0 if recall is None else self.tiers.cold_nbytes())
+                              0 if tiers is None else tiers.cold_nbytes(),
+                              context_cache=None if self.scope is None or self.question_aware else "miss")
+        if self.scope is not None and not self.question_aware:  # kept as read: the question goes on a copy
+            stored = None
+            if tiers is None:
+                stored, cache = cache, clone_cache(cache)
+                for _, layer in sieve_layers(stored):
+                    layer.hidden_states = None  # a question reads its own; a stored context needs none
+            self.to_store = StoredContext(self.scope, str(chosen.setting), p.context_ids, kept, self.info.bytes_full,
+                                          hot=stored, tiers=tiers)
         reserve_room(cache, (0 if self.question_aware else m) + self.room)
         self.reader, self.pruned, self.logits = None, cache, read.logits  # the full cache goes
         if not self.question_aware:
             self.question = PromptReader(self.model, p.question_ids, self.capture, cache)
+
+    def _continue(self, context: StoredContext) -> None:
+        """The prompt's context begins with a stored ``context``: read what follows it (the rest of the context, then
+        the question) on a copy of it, recalling from its cold tier when it has one; the stored context is left as
+        it was."""
+        p = self.prompt
+        n, m = p.context_ids.shape[1], p.question_ids.shape[1]
+        rest = torch.cat([p.context_ids[:, context.length:], p.question_ids], dim=1)
+        if context.tiers is not None:
+            cache = context.tiers.question_cache()
+            self.armed = list(context.tiers.armed)
+            hot = context.tiers.hot_nbytes()
+        else:
+            cache = clone_cache(context.hot)
+            hot = cache_bytes(cache)
+        full = context.bytes_full * n // context.length  # every layer holds one entry a token at full KV
+        self.info = CacheInfo(n, n + m, full, hot, list(context.kept), 0.0, self.chosen, context.cold_bytes,
+                              context_cache="hit")
+        reserve_room(cache, rest.shape[1] + self.room)
+        self.pruned = cache
+        self.question = PromptReader(self.model, rest, self.capture, cache)
 
     @property
     def evicts(self) -> bool:
@@ -180,8 +227,8 @@ class Prefill:
         if not self.done:
             raise RuntimeError(f"the prefill has {self.remaining} prompt tokens left to read")
         self.info.prefill_seconds = self.seconds
-        if self.tiers is not None:  # attention reads the hot tier and what the question recalled
-            self.info.moved_bytes = self.tiers.moved_bytes
-            self.info.bytes_kept = self.tiers.hot_nbytes() + self.info.moved_bytes
+        if self.armed:  # attention reads the hot tier and what the question recalled
+            self.info.moved_bytes = sum(a.moved_bytes for a in self.armed)
+            self.info.bytes_kept += self.info.moved_bytes
         logits = self.question.logits if self.question is not None else self.logits
         return self.cache, logits[0], self.info

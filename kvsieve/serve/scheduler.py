@@ -33,6 +33,13 @@ makes of the layer it prunes.
 
 A request arriving when the budget (counting those already waiting) cannot hold it waits, at most ``max_queue`` of
 them; beyond that it is refused at once with a Retry-After (the app answers 429).
+
+**The context cache** (``serve/contexts.py``, when the server keeps one): the compressed contexts it holds count in
+the same budget, beside the charges (their sum never exceeds it), and are evicted whole, least recently used first,
+when a request needs the room. A request whose context begins with a stored one is admitted for what it can allocate
+on a copy of it: the stored context's bytes, the rest of its prompt, ``max_tokens`` and what its question recalls.
+A query-agnostic request that read its context itself stores it when it joins the batch, if it fits beside the
+charges.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from kvsieve.engine.cache import cache_allocated_bytes
 from kvsieve.engine.generate import eos_ids
 from kvsieve.policy import FullCache
 from kvsieve.prompt import Prompt
+from kvsieve.serve.contexts import ContextCache, StoredContext
 from kvsieve.serve.decode_eviction import BudgetViolation, RowCap, evict_rows, hold_room, row_cap, stack_rows
 from kvsieve.serve.generation import CacheInfo, Cancelled, Completion, Prefill, bytes_per_token
 from kvsieve.serve.points import ChosenPoint
@@ -90,6 +98,7 @@ class Job:
     future: Future = field(default_factory=Future)
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.perf_counter)  # when the request arrived (TTFT counts from here)
+    scope: str = ""  # which stored contexts it may reuse (serve/contexts.py)
     need: int = 0  # bytes it is admitted for: the most it can ever allocate (set by the scheduler)
     charge: int = 0  # bytes charged now
     started_at: float | None = None  # admitted
@@ -114,7 +123,7 @@ class Scheduler:
     """Admits jobs against ``budget`` bytes and runs them in steps of bounded prefill plus one decode step."""
 
     def __init__(self, model, tokenizer, budget: int, max_queue: int = 16, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, contexts: ContextCache | None = None) -> None:
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an int >= 0, got {max_queue!r}")
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
@@ -124,6 +133,7 @@ class Scheduler:
         self.model, self.tokenizer = model, tokenizer
         self.budget, self.max_queue, self.prefill_chunk = budget, max_queue, prefill_chunk
         self.metrics = metrics if metrics is not None else Metrics()
+        self.contexts = contexts  # compressed contexts kept for later questions; None: every prompt is read whole
         self.token_bytes = bytes_per_token(model)
         self.eos = eos_ids(model, tokenizer)
         self._cond = threading.Condition()
@@ -133,7 +143,7 @@ class Scheduler:
         self._cache = None
         self._logits: torch.Tensor | None = None
         self.charged = 0  # bytes charged to admitted jobs now
-        self.peak_charged = 0  # the most ever charged at once (never above the budget)
+        self.peak_charged = 0  # the most ever charged at once, stored contexts included (never above the budget)
         self.peak_rows = 0  # the most rows one decode step ran
         self.steps = self.row_steps = 0  # decode steps, and rows summed over them (mean rows in flight)
         self.prefill_seconds = self.decode_seconds = 0.0  # time spent in each part of the steps
@@ -170,6 +180,17 @@ class Scheduler:
         reserve = self.token_bytes * max_tokens
         return prefill_bytes + reserve, reserve
 
+    def need_on(self, context: StoredContext, prompt: Prompt, max_tokens: int) -> int:
+        """Bytes a request is admitted for when its context begins with the stored ``context``: the copy's, and one
+        entry a token for the rest of its prompt, ``max_tokens`` and what its question recalls."""
+        rest = prompt.context_ids.shape[1] - context.length + prompt.question_ids.shape[1]
+        return context.hot_bytes + self.token_bytes * (rest + max_tokens + context.recall_tokens)
+
+    @property
+    def stored_bytes(self) -> int:
+        """The hot tiers of the stored contexts: charged to the budget beside the requests."""
+        return 0 if self.contexts is None else self.contexts.hot_bytes
+
     def submit(self, job: Job) -> Job:
         job.need, reserve = self.need_of(job.prompt, job.chosen, job.max_tokens)
         if job.need > self.budget:
@@ -199,10 +220,11 @@ class Scheduler:
         """Move ``job``'s charge to ``charge`` bytes; the invariant (sum of charges <= budget) is checked here."""
         with self._cond:
             total = self.charged - job.charge + charge
-            if total > self.budget:
-                raise BudgetViolation(f"charging {charge} bytes would admit {total} of a {self.budget}-byte budget")
+            if total + self.stored_bytes > self.budget:
+                raise BudgetViolation(f"charging {charge} bytes would admit {total} of a {self.budget}-byte budget "
+                                      f"beside {self.stored_bytes} bytes of stored contexts")
             self.charged, job.charge = total, charge
-            self.peak_charged = max(self.peak_charged, self.charged)
+            self.peak_charged = max(self.peak_charged, self.charged + self.stored_bytes)
             self._cond.notify_all()
 
     def _release(self, job: Job) -> None:
@@ -225,13 +247,34 @@ class Scheduler:
                 job.future.set_exception(Cancelled())
             while (self._waiting and self.charged + self._waiting[0].need <= self.budget
                    and sum(j.prefill.remaining for j in self._prefilling) < self.prefill_chunk):
-                job = self._waiting.popleft()
+                job = self._waiting[0]
+                context = self._stored_context(job)
+                need = job.need if context is None else self.need_on(context, job.prompt, job.max_tokens)
+                if context is not None and need + context.hot_bytes > self.budget:  # copy and original never fit
+                    context, need = None, job.need
+                if self.contexts is not None and not self.contexts.make_room(self.budget - self.charged - need,
+                                                                             keep=context):
+                    break  # the stored context it reuses and the running requests leave no room yet
+                self._waiting.popleft()
                 if not job.future.set_running_or_notify_cancel():
                     continue
+                if self._may_store(job.chosen):
+                    self.contexts.used(context)
+                job.need = need
                 self._set_charge(job, job.need)
                 job.started_at = time.perf_counter()
-                job.prefill = Prefill(self.model, job.prompt, job.chosen, job.max_tokens)
+                scope = job.scope if self._may_store(job.chosen) else None
+                job.prefill = Prefill(self.model, job.prompt, job.chosen, job.max_tokens, context, scope)
                 self._prefilling.append(job)
+
+    def _may_store(self, chosen: ChosenPoint) -> bool:
+        """Whether a request at ``chosen`` reuses and stores contexts: a query-agnostic one's, with a context cache."""
+        return self.contexts is not None and not chosen.setting.protects_question
+
+    def _stored_context(self, job: Job) -> StoredContext | None:
+        if not self._may_store(job.chosen):
+            return None
+        return self.contexts.match(job.scope, str(job.chosen.setting), job.prompt.context_ids)
 
     def _idle(self) -> bool:
         """Wait while there is nothing to do; False once the scheduler is closed and empty."""
@@ -315,6 +358,8 @@ class Scheduler:
             raise BudgetViolation(f"the request's cache allocated {allocated} bytes, more than the {job.need} it was "
                                   "admitted for")
         self._set_charge(job, allocated if job.cap is None else job.cap.charge)
+        if prefill.to_store is not None:  # beside the charges, in the room they leave
+            self.contexts.put(prefill.to_store, self.budget - self.charged)
         job.info = info
         job.position = info.prompt_tokens
         job.stream = IncrementalText(self.tokenizer, job.stops)

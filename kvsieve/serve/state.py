@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from kvsieve.serve.contexts import CONTEXT_SCOPES
 from kvsieve.serve.points import PointSource
 from kvsieve.serve.scheduler import Scheduler
 from kvsieve.serve.server_metrics import Metrics
@@ -26,8 +27,11 @@ class ServerState:
     metrics: Metrics = field(default_factory=Metrics)
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
+    context_scope: str = "shared"  # stored contexts reused by every client, or only by the client's API key
 
     def __post_init__(self) -> None:
+        if self.context_scope not in CONTEXT_SCOPES:
+            raise ValueError(f"context_scope {self.context_scope!r} is not one of {', '.join(CONTEXT_SCOPES)}")
         for name in ("context_length", "max_tokens_limit", "default_max_tokens", "max_body_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -2,7 +2,8 @@
 
 Every answer carries the policy and ratio it ran, whether that point is the contract's certified one, a fallback to
 full KV (and why), or the client's choice, the cache bytes the prompt would have held and held (the hot tier), the
-cold tier's bytes and what the question recalled from it (points with recall), and the tokens kept per layer.
+cold tier's bytes and what the question recalled from it (points with recall), the tokens kept per layer, and
+whether its context came from the server's context cache (``context_cache``: hit, or miss; None when not kept).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def kv_cache_usage(state: ServerState, chosen: ChosenPoint, info: CacheInfo) -> 
         "recall": None if setting.mode.recall is None else setting.mode.recall.text,
         "bytes_cold": info.cold_bytes,
         "bytes_moved": info.moved_bytes,
+        "context_cache": info.context_cache,
     }
 
 
@@ -53,5 +55,5 @@ def kv_headers(kv: dict) -> dict[str, str]:
             "x-kvsieve-status": kv["status"], "x-kvsieve-bucket": _header(kv["bucket"]),
             "x-kvsieve-bytes-full": str(kv["bytes_full"]),
             "x-kvsieve-bytes-kept": str(kv["bytes_kept"]), "x-kvsieve-bytes-cold": str(kv["bytes_cold"]),
-            "x-kvsieve-bytes-moved": str(kv["bytes_moved"]),
+            "x-kvsieve-bytes-moved": str(kv["bytes_moved"]), "x-kvsieve-context-cache": str(kv["context_cache"]),
             "x-kvsieve-kept-tokens": ",".join(str(t) for t in kv["kept_tokens_per_layer"])}
