@@ -296,7 +296,10 @@ def cmd_train(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from kvsieve.serve.command import run
+    if args.replicas:  # on Ray Serve: only then is Ray imported
+        from kvsieve.serve.replicas import run
+    else:
+        from kvsieve.serve.command import run
 
     return run(args)
 

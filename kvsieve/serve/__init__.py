@@ -9,4 +9,7 @@ one batched decode step of every running request) -> ``generation`` (each reques
 its own ``attach`` and compressed at its point) and ``decode_eviction`` (a compressing row held at its cap while it
 decodes) -> ``text_stream`` (detokenizing, stop strings) -> ``usage`` (what a reply reports about its cache) and
 ``server_metrics`` (Prometheus text).
+
+``replicas`` (``kvsieve serve --replicas N``, the one module that imports Ray) runs N such servers on Ray Serve:
+``routing`` picks a request's replica by its document, ``asgi_call`` runs it through that replica's app.
 """

@@ -56,3 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=120.0,
                         help="seconds SIGTERM waits for in-flight requests (default 120)")
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--replicas", type=int, default=0,
+                        help="N > 0: N servers on Ray Serve, each with its own model, scheduler and context cache, "
+                             "--threads threads each (default 1), behind one HTTP entry at --host/--port "
+                             "(pip install 'kvsieve[replicas]'; docs/scale-out.md); 0: one server in this process "
+                             "(default)")
+    parser.add_argument("--routing", choices=("context", "random"), default="context",
+                        help="with --replicas: context sends the requests about one document (the text before the "
+                             "first question) to one replica, where its compressed context is kept; random spreads "
+                             "them (default context)")
+    parser.add_argument("--ray-address", help="with --replicas: auto (the cluster this machine is a node of) or "
+                             "HOST:PORT of a Ray head; default: a local Ray instance")

@@ -230,7 +230,11 @@ def run(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvsieve serve", description=__doc__)
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    if args.replicas:
+        parser.error("--replicas runs through the kvsieve command (kvsieve serve --replicas N); this entry point "
+                     "serves one process")
+    return run(args)
 
 
 if __name__ == "__main__":
