@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
@@ -125,3 +127,11 @@ def test_a_request_runs_through_the_app_and_its_answer_streams_back():
         assert missing[0].status == 404
 
     asyncio.run(scenario())
+
+
+def test_one_server_never_imports_ray():
+    """Ray is optional: ``kvsieve serve`` without --replicas (its flags, the server, the routing) imports none of it."""
+    code = ("import sys, kvsieve.cli_arguments, kvsieve.serve.command, kvsieve.serve.routing, kvsieve.serve.asgi_call; "
+            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
