@@ -17,7 +17,7 @@ from kvsieve.engine.generate import generate
 from kvsieve.engine.reader import Capture, read_prompt
 from kvsieve.policies import get
 from kvsieve.recall import Recall
-from kvsieve.serve.command import point_source
+from kvsieve.serve.command import build_state, point_source
 from kvsieve.serve.contexts import ContextCache, StoredContext, scope_of
 
 RECALL = "recall(fraction=0.1, chunk=8, pool='span')"
@@ -141,3 +141,30 @@ def test_without_a_context_cache_nothing_is_kept(model):
     with running(state) as url:
         kv = [_ask(url, DOC, QUESTIONS[0]).parse().usage.kv_cache for _ in range(2)]
     assert [k["context_cache"] for k in kv] == [None, None] and state.scheduler.contexts is None
+
+
+@pytest.mark.model
+def test_smollm2_answers_two_questions_about_one_document_from_its_compressed_context(smollm2):
+    """The bundled SmolLM2 through the HTTP API: the document is read once, the second question recalls from its cold
+    tier, and both answers are ``generate``'s with the same recall (which reads the document again each time)."""
+    model, tokenizer = smollm2
+    recall = "recall(fraction=0.1, chunk=16, pool='span')"
+    state = build_state(model, tokenizer, "smollm2-135m-instruct",
+                        point_source("smollm2-135m", policy="knorm", ratio=0.75, recall=recall), max_tokens_limit=24,
+                        kv_budget="256MiB", cold_budget="64MiB")
+    document = ("Notes from the archive. " * 10 + "The special magic number for the blue door is 7423. "
+                + "The records continue without change. " * 10 + "The special magic number for the red gate is 5190. "
+                + "Nothing else happened that day. " * 10)
+    questions = ["What is the special magic number for the blue door?",
+                 "What is the special magic number for the red gate?"]
+    with running(state) as url:
+        replies = [client(url).with_options(timeout=600).chat.completions.with_raw_response.create(
+            model="smollm2-135m", max_tokens=24, messages=[{"role": "user", "content": document + "\n" + q}])
+            for q in questions]
+    assert [r.headers["x-kvsieve-context-cache"] for r in replies] == ["miss", "hit"]
+    for question, raw in zip(questions, replies):
+        want = generate(model, tokenizer, document, question, get("knorm"), ratio=0.75, max_new_tokens=24,
+                        recall=Recall.parse(recall))
+        reply = raw.parse()
+        assert reply.choices[0].message.content == want.text
+        assert reply.usage.kv_cache["bytes_moved"] == want.moved_bytes > 0
