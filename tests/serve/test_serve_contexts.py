@@ -51,7 +51,8 @@ def _stored(model, ids: list[int], scope: str = "", point: str = "knorm@0.5") ->
 def test_the_longest_stored_prefix_matches_only_in_its_scope_and_at_its_point(model):
     contexts = ContextCache(cold_budget=0)
     short, long = _stored(model, [5, 6, 7]), _stored(model, [5, 6, 7, 8, 9])
-    for entry in (short, long, _stored(model, [5, 6, 7, 8, 9], scope="key:x"), _stored(model, [5, 6], point="tova@0.5")):
+    others = _stored(model, [5, 6, 7, 8, 9], scope="key:x"), _stored(model, [5, 6], point="tova@0.5")
+    for entry in (short, long, *others):
         assert contexts.put(entry, hot_room=1 << 30)
     assert contexts.match("", "knorm@0.5", torch.tensor([[5, 6, 7, 8, 9, 10]])) is long
     assert contexts.match("", "knorm@0.5", torch.tensor([[5, 6, 7, 8, 4]])) is short
