@@ -38,6 +38,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -173,7 +174,9 @@ class Ingress:
         if root and path.startswith(root):
             path = path[len(root):] or "/"
         body = await _body(request, self.max_body_bytes)
-        key = context_key(path, body) if self.routing == "context" and request.method == "POST" else None
+        # parsing a large body takes time: off the event loop, so the streams this ingress carries go on
+        key = (await run_in_threadpool(context_key, path, body) if self.routing == "context"
+               and request.method == "POST" else None)
         call = HttpRequest(request.method, path, request.scope.get("query_string", b""),
                            list(request.scope["headers"]), body)
         stream = self.replicas.answer.remote(call, route=key)
