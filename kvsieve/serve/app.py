@@ -2,29 +2,35 @@
 
 A request is read and validated (``schemas``), its prompt built (``chat_prompt``), its point decided
 (``PointSource.decide``), then run by :class:`~kvsieve.serve.call.Call` (the scheduler, the answer or the stream).
-What a reply reports about its cache is ``usage.py``; the body limit is ``body_limit.py``.
+What a reply reports about its cache is ``usage.py``; the body limit is ``body_limit.py``, the read timeouts
+``reading.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kvsieve.bundled import canonical_name
 from kvsieve.prompt import Prompt
 from kvsieve.serve.body_limit import BodyLimit, endpoint_of
 from kvsieve.serve.call import Call
 from kvsieve.serve.chat_prompt import chat_prompt, completion_prompt
-from kvsieve.serve.errors import APIError, draining, error_body, quoted
+from kvsieve.serve.errors import CLIENT_CLOSED_REQUEST, APIError, draining, error_body, quoted
+from kvsieve.serve.reading import read_body
 from kvsieve.serve.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 from kvsieve.serve.state import ServerState
 
 __all__ = ["create_app"]
+
+_log = logging.getLogger("uvicorn.error")  # uvicorn's own logger: shown at its --log-level, in its format
 
 
 def _check_model(state: ServerState, name: str) -> None:
@@ -87,6 +93,14 @@ def create_app(state: ServerState) -> FastAPI:
         count(request, err.status_code)
         return JSONResponse(error_body(str(err.detail), "invalid_request_error"), status_code=err.status_code)
 
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(request: Request, _err: ClientDisconnect) -> Response:
+        # the client's doing, not the server's: no 500, no traceback (the catch-all below re-raises to uvicorn)
+        count(request, CLIENT_CLOSED_REQUEST)
+        _log.info("%s %s: the client disconnected before its request body was read (counted as %d)",
+                  request.method, request.url.path, CLIENT_CLOSED_REQUEST)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
     @app.exception_handler(Exception)
     async def unexpected(request: Request, err: Exception) -> JSONResponse:
         count(request, 500)
@@ -96,7 +110,7 @@ def create_app(state: ServerState) -> FastAPI:
         if state.draining:
             raise draining()
         schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
-        raw = await request.body()
+        raw = await read_body(request, state.read_timeout)
         # parsing and tokenizing a large body take time: off the event loop, so /health and streams go on
         req = await run_in_threadpool(parse_body, raw, schema)
         _check_model(state, req.model)

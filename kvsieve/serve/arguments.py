@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests waiting for room in the KV budget before new ones get 429 (default 16)")
     parser.add_argument("--max-body-mb", type=float, default=4.0,
                         help="largest request body accepted, in MiB (default 4); larger ones get 413")
+    parser.add_argument("--read-timeout", type=float, default=30.0,  # reading.DEFAULT_READ_TIMEOUT (no uvicorn here)
+                        help="seconds a request's head, and then its body, may take to arrive; a slower one gets 408 "
+                             "and its connection is closed, as is one that sends nothing (default 30)")
     parser.add_argument("--max-tokens-limit", type=int, default=2048, help="most tokens one request may generate")
     parser.add_argument("--default-max-tokens", type=int, default=256, help="when a request names no max_tokens")
     parser.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32")

@@ -24,6 +24,7 @@ from kvsieve.serve.arguments import add_arguments
 from kvsieve.serve.contexts import ContextCache
 from kvsieve.serve.errors import quoted
 from kvsieve.serve.points import PointSource
+from kvsieve.serve.reading import DEFAULT_READ_TIMEOUT, head_deadline_protocol
 from kvsieve.serve.scheduler import DEFAULT_PREFILL_CHUNK, Draining, Scheduler
 from kvsieve.serve.server_metrics import Metrics
 from kvsieve.serve.state import ServerState
@@ -135,7 +136,7 @@ def build_state(model, tokenizer, model_name: str, points: PointSource, max_queu
                 context: int | None = None, max_tokens_limit: int = 2048, default_max_tokens: int = 256,
                 kv_budget: str | int = "50%", max_body_bytes: int = 4 << 20,
                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, cold_budget: str | int | None = None,
-                context_scope: str = "shared") -> ServerState:
+                context_scope: str = "shared", read_timeout: float = DEFAULT_READ_TIMEOUT) -> ServerState:
     """The server's state: points model-checked, a scheduler admitting requests against ``kv_budget``;
     ``cold_budget`` (bytes, or a budget's text): keep compressed contexts for later questions, their cold tiers in
     that many bytes (None: no context cache), reused by every client or only within one API key (``context_scope``)."""
@@ -147,7 +148,8 @@ def build_state(model, tokenizer, model_name: str, points: PointSource, max_queu
     scheduler = Scheduler(model, tokenizer, parse_budget(kv_budget, model), max_queue, prefill_chunk, metrics,
                           contexts)
     return ServerState(model, tokenizer, model_name, points, scheduler, context, max_tokens_limit,
-                       default_max_tokens, max_body_bytes=max_body_bytes, metrics=metrics, context_scope=context_scope)
+                       default_max_tokens, max_body_bytes=max_body_bytes, metrics=metrics, context_scope=context_scope,
+                       read_timeout=read_timeout)
 
 
 class _DrainingServer(uvicorn.Server):
@@ -182,7 +184,9 @@ def serve(state: ServerState, host: str = "127.0.0.1", port: int = 8000, sock: s
     """A uvicorn server for ``state`` (call ``.run()``; from the main thread SIGTERM/SIGINT drain it)."""
     if drain_timeout is not None and not (math.isfinite(drain_timeout) and drain_timeout >= 0):
         raise ValueError(f"--drain-timeout must be a finite number of seconds >= 0, got {drain_timeout!r}")
+    # h11 with a deadline on each request's head (the body's is the app's): uvicorn itself bounds neither
     config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level, lifespan="on",
+                            http=head_deadline_protocol(state.read_timeout),
                             timeout_graceful_shutdown=None if drain_timeout is None else drain_timeout + DRAIN_GRACE)
     server = _DrainingServer(config, state, drain_timeout)
     server.kvsieve_socket = sock
@@ -199,6 +203,8 @@ def run(args) -> int:
             parse_budget(args.cold_budget, None, "--cold-budget", 0)
         if args.drain_timeout is not None and not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):
             raise ValueError(f"--drain-timeout must be a finite number of seconds >= 0, got {args.drain_timeout!r}")
+        if not (math.isfinite(args.read_timeout) and args.read_timeout > 0):
+            raise ValueError(f"--read-timeout must be a finite number of seconds > 0, got {args.read_timeout!r}")
         if args.prefill_chunk < 1:
             raise ValueError(f"--prefill-chunk must be a positive number of tokens, got {args.prefill_chunk}")
     except (ValueError, FileNotFoundError) as err:
@@ -209,7 +215,8 @@ def run(args) -> int:
     try:
         state = build_state(model, tokenizer, name, points, args.max_queue, None, args.max_tokens_limit,
                             args.default_max_tokens, args.kv_budget, int(args.max_body_mb * (1 << 20)),
-                            args.prefill_chunk, args.cold_budget if args.context_cache else None, args.context_scope)
+                            args.prefill_chunk, args.cold_budget if args.context_cache else None, args.context_scope,
+                            read_timeout=args.read_timeout)
     except ValueError as err:  # a point that cannot run on this model, a budget that cannot be read
         print(f"kvsieve serve: error: {err}", file=sys.stderr)
         return 2

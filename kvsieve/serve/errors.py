@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["DRAIN_RETRY_AFTER", "APIError", "draining", "error_body", "quoted"]
+__all__ = ["CLIENT_CLOSED_REQUEST", "DRAIN_RETRY_AFTER", "APIError", "draining", "error_body", "quoted"]
 
 
 class APIError(Exception):
@@ -34,6 +34,9 @@ def quoted(value: object, limit: int = 60) -> str:
         return repr(text) if isinstance(value, str) else text
     return f"{text[:limit]!r}... ({len(text)} characters)"
 
+
+# nginx's "client closed request": counted for a client that left before its answer, never sent (no one reads it)
+CLIENT_CLOSED_REQUEST = 499
 
 DRAIN_RETRY_AFTER = 10  # seconds a client refused while the server shuts down is told to wait
 

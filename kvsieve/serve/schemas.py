@@ -133,26 +133,40 @@ _OPEN[[ord("["), ord("{")]] = 1
 _CLOSE[[ord("]"), ord("}")]] = 1
 
 
-def json_depth(raw: bytes) -> int:
+_WINDOW = 1 << 16  # bytes scanned at once: the scan's scratch (~50 bytes a byte) is bounded by it, not the body
+
+
+def json_depth(raw: bytes, window: int = _WINDOW) -> int:
     """How deep ``raw``'s arrays and objects nest (brackets inside strings do not count), without parsing it:
     the parser recurses once per level, so a deep body must be refused before it is parsed.
 
     Linear time, in numpy: a quote opens or closes a string unless an odd run of backslashes precedes it; a
     bracket counts when an even number of such quotes precede it. (A regex that skips strings backtracks
     quadratically on a string that never closes.) Exact on valid JSON; on invalid JSON it may count brackets the
-    parser would never reach, which only refuses a body that fails to parse anyway."""
-    if not raw:
-        return 0
+    parser would never reach, which only refuses a body that fails to parse anyway. The body is scanned ``window``
+    bytes at a time, carrying three numbers across windows, so its scratch memory does not grow with the body."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive number of bytes, got {window!r}")
     data = np.frombuffer(raw, dtype=np.uint8)
-    index = np.arange(data.size)
-    # for each byte, the index of the last byte before it that is not a backslash (-1: none)
-    not_backslash = np.where(data != _BACKSLASH, index, -1)
-    last = np.maximum.accumulate(np.concatenate(([-1], not_backslash[:-1])))
-    escaped = (index - 1 - last) % 2 == 1  # preceded by an odd run of backslashes
-    quotes = (data == _QUOTE) & ~escaped
-    inside = np.cumsum(quotes) % 2 == 1  # a quote's own byte counts as inside: it is no bracket anyway
-    steps = (_OPEN[data] - _CLOSE[data]) * ~inside
-    return max(0, int(np.cumsum(steps, dtype=np.int64).max()))
+    run = 0  # parity of the run of backslashes ending the bytes scanned so far
+    strings = 0  # parity of the unescaped quotes scanned so far: 1 inside a string
+    depth = deepest = 0
+    for start in range(0, data.size, window):
+        part = data[start : start + window]
+        index = np.arange(part.size)
+        # for each byte, the index of the last byte before it that is not a backslash; a run of backslashes that
+        # ends the previous window counts as if that byte were at -1 - run
+        before = -1 - run
+        not_backslash = np.where(part != _BACKSLASH, index, before)
+        last = np.maximum.accumulate(np.concatenate(([before], not_backslash[:-1])))
+        escaped = (index - 1 - last) % 2 == 1  # preceded by an odd run of backslashes
+        run = (part.size - 1 - max(int(not_backslash.max()), before)) % 2
+        quotes = np.cumsum((part == _QUOTE) & ~escaped) + strings
+        inside = quotes % 2 == 1  # a quote's own byte counts as inside: it is no bracket anyway
+        strings = int(quotes[-1]) % 2
+        levels = np.cumsum((_OPEN[part] - _CLOSE[part]) * ~inside, dtype=np.int64) + depth
+        deepest, depth = max(deepest, int(levels.max())), int(levels[-1])
+    return deepest
 
 
 def _surrogate(data, where: str = "") -> tuple[str, int] | None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
 from kvsieve.serve.contexts import CONTEXT_SCOPES
 from kvsieve.serve.points import PointSource
+from kvsieve.serve.reading import DEFAULT_READ_TIMEOUT
 from kvsieve.serve.scheduler import Scheduler
 from kvsieve.serve.server_metrics import Metrics
 
@@ -27,6 +29,7 @@ class ServerState:
     metrics: Metrics = field(default_factory=Metrics)
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
+    read_timeout: float = DEFAULT_READ_TIMEOUT  # seconds a request's head, then its body, may take to arrive (408)
     context_scope: str = "shared"  # stored contexts reused by every client, or only by the client's API key
 
     def __post_init__(self) -> None:
@@ -36,3 +39,7 @@ class ServerState:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        timeout = self.read_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not (math.isfinite(timeout)
+                                                                                     and timeout > 0):
+            raise ValueError(f"read_timeout must be a finite number of seconds > 0, got {timeout!r}")
