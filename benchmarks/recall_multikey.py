@@ -33,7 +33,7 @@ from kvsieve.selection import Budget
 from kvsieve.tasks.load import SampleSpec, load_samples
 from kvsieve.tasks.metrics import score
 
-PICK = "program:results/evolve/picked-floor-high-qwen-4k/qwen2.5-coder-0.5b-instruct-picked.py"
+PICK = "program:qwen-pick-floor-high"
 # name -> (policy spec, recall or None, question-aware)
 CELLS = {
     "full": ("full", None, False),

@@ -17,7 +17,7 @@ from kvsieve.cli_arguments import build_parser
 from kvsieve.config import load_config
 from kvsieve.spec import split_specs
 
-DEMO_PICK = "program:results/evolve/picked/smollm2-135m-instruct-picked.py"  # `kvsieve pick`'s SmolLM2 program
+DEMO_PICK = "program:smollm2-pick"  # `kvsieve pick`'s SmolLM2 program, shipped by name
 DEMO_KVZAP = "kvzap(checkpoint='smollm2-135m-instruct')"
 DEMO = dict(  # the GridConfig of `kvsieve demo`: published baselines beside what kvsieve adds
     model="smollm2-135m-instruct",

@@ -85,6 +85,13 @@ class Policy:
         """
         return ()
 
+    @classmethod
+    def named_params(cls, **params) -> dict:
+        """``params`` with each file given by a path that a shipped or named file's bytes are (a named program, a
+        checkpoint) given by that name instead: the results store keys rows by the spec's text, so rows of a moved or
+        copied file meet the name's. Unchanged for a policy no file defines."""
+        return params
+
     def check_model(self, model, name: str | None = None) -> None:
         """Refuse a model this policy was not made for (``name``: the name it was loaded under, if known).
 

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 from kvsieve.harness.store import RATIO_DECIMALS, CellKey, CellResult
 from kvsieve.policies.label import Point, display_order
+from kvsieve.policies.registry import parse
 from kvsieve.tasks.ruler_alt import PREFIX as ALT_PREFIX
 from kvsieve.tasks.ruler_alt import is_alt_task
 
@@ -75,8 +76,27 @@ def resolve_label(cells: Cells, name: str, model: str) -> str:
     matches = {label for label in labels if Point.parse(label).stored == name}
     if len(matches) == 1:
         return matches.pop()
+    named = _named(name)
+    if not matches and named is not None:  # a file by path whose rows are keyed by its name
+        try:
+            return resolve_label(cells, named, model)
+        except ValueError:
+            pass
     problem = "has no rows" if not matches else f"is ambiguous ({', '.join(sorted(matches))})"
     raise ValueError(f"policy {name!r} {problem} for model {model}; available: {', '.join(display_order(labels))}")
+
+
+def _named(name: str) -> str | None:
+    """The label ``name`` is stored under when it gives a named program or checkpoint by a file's path (the file is
+    read); None when it is stored as written, or is no spec here."""
+    try:
+        point = Point.parse(name)
+        text = parse(point.spec).text
+    except ValueError:
+        return None
+    if text == point.spec:
+        return None
+    return Point(text, point.ratio, point.question_aware, point.mode).display
 
 
 def pair_ratios(cells: Cells, a: str, b: str) -> list[float]:

@@ -325,6 +325,38 @@ class ResultsStore:
             raise
         return len(rows)
 
+    def rename_policies(self, renames: dict[str, str]) -> int:
+        """Store the rows and failed cells of each label ``old`` of ``renames`` under its ``new`` label, all in one
+        transaction (a migration of keys, ``kvsieve/harness/migrate.py``); each row's config records its point under
+        the new label and the key it had (``renamed_from``). Returns the rows renamed. ``ValueError``, changing
+        nothing, when a cell would be stored twice under a new label."""
+        conn = self.conn
+        failed = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'failed_cells'").fetchone()
+        same = " AND ".join(f"c.{col} = k.{col}" for col in KEY_COLUMNS if col != "policy")
+        renamed = 0
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for old, new in renames.items():
+                conn.execute("UPDATE cells SET config = json_set(config, '$.cell.policy', ?) "
+                             "WHERE policy = ? AND json_extract(config, '$.cell.policy') = ?",
+                             (Point(new).spec, old, Point(old).spec))
+                renamed += conn.execute("UPDATE cells SET policy = ?, config = json_set(config, '$.renamed_from', ?) "
+                                        "WHERE policy = ?", (new, old, old)).rowcount
+                if failed is not None:  # a cell failed under both labels: the new label's failure stays
+                    conn.execute(f"DELETE FROM failed_cells AS k WHERE k.policy = ? AND EXISTS "
+                                 f"(SELECT 1 FROM failed_cells AS c WHERE c.policy = ? AND {same})", (old, new))
+                    conn.execute("UPDATE failed_cells SET policy = ? WHERE policy = ?", (new, old))
+            conn.execute("COMMIT")
+        except sqlite3.IntegrityError as exc:
+            conn.execute("ROLLBACK")
+            raise ValueError(f"results store {self.path}: a cell of {old!r} is already stored under {new!r} ({exc}); "
+                             "nothing was renamed") from None
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        return renamed
+
     # -- reading ------------------------------------------------------------------------------------------
 
     def failed(self, **filters: Any) -> list[FailedCell]:

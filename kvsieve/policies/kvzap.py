@@ -63,7 +63,7 @@ from kvsieve.networks.kvzap_net import (
     shared_positions,
 )
 from kvsieve.networks.model_shape import ModelShape
-from kvsieve.networks.shipped import HOW_TO_TRAIN, resolve_checkpoint, shipped_names
+from kvsieve.networks.shipped import HOW_TO_TRAIN, checkpoint_name, resolve_checkpoint, shipped_names
 from kvsieve.policy import Policy
 from kvsieve.selection import ALLOCATIONS, Selection
 from kvsieve.signals import Signals
@@ -152,6 +152,13 @@ class KVzap(Policy):
     def content_paths(cls, checkpoint: str | None = None, **_) -> tuple[Path, ...]:
         """The checkpoint file: results of ``kvzap`` are keyed by its sha256."""
         return (resolve_checkpoint("kvzap", checkpoint),) if checkpoint is not None else ()
+
+    @classmethod
+    def named_params(cls, **params) -> dict:
+        """A checkpoint given by the path of a shipped or named checkpoint's bytes, given by that name."""
+        if not isinstance(params.get("checkpoint"), str):
+            return params
+        return {**params, "checkpoint": checkpoint_name("kvzap", params["checkpoint"]) or params["checkpoint"]}
 
     def default_selection(self) -> Selection:
         if self.allocation == "uniform":

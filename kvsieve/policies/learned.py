@@ -34,7 +34,7 @@ from kvsieve.networks.checkpoint import load_checkpoint, load_once
 from kvsieve.networks.keep_features import extract
 from kvsieve.networks.keep_net import KeepNet, NetConfig
 from kvsieve.networks.model_shape import ModelShape
-from kvsieve.networks.shipped import HOW_TO_TRAIN, resolve_checkpoint
+from kvsieve.networks.shipped import HOW_TO_TRAIN, checkpoint_name, resolve_checkpoint
 from kvsieve.policy import Policy
 from kvsieve.selection import ALLOCATIONS, Selection
 from kvsieve.signals import Signals
@@ -104,6 +104,13 @@ class LearnedPolicy(Policy):
     @classmethod
     def content_paths(cls, checkpoint: str | None = None, **_) -> tuple[Path, ...]:
         return (resolve_checkpoint("learned", checkpoint),) if checkpoint is not None else ()
+
+    @classmethod
+    def named_params(cls, **params) -> dict:
+        """A checkpoint given by the path of a shipped or named checkpoint's bytes, given by that name."""
+        if not isinstance(params.get("checkpoint"), str):
+            return params
+        return {**params, "checkpoint": checkpoint_name("learned", params["checkpoint"]) or params["checkpoint"]}
 
     def check_model(self, model, name: str | None = None) -> None:
         """Refuse ``model`` unless it is the checkpoint's: same name (aliases resolve), geometry and config

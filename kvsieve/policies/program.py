@@ -1,7 +1,9 @@
-"""A policy read from a program file: what ``kvsieve evolve`` exports (``--policies program:best.py``).
+"""A policy read from a program file: what ``kvsieve evolve`` exports (``--policies program:best.py``), or a named one.
 
-The file is an evolved program (``kvsieve/language/program_source.py`` format). It is never run as Python: it
-passes the same static check as a candidate's stage 0 and is then interpreted
+``program:NAME`` runs a program kvsieve ships by name (``kvsieve/language/shipped_programs.py``: the selection rules'
+picks, such as ``program:qwen-pick-floor-high``); any other value is a file's path, and a file holding a named
+program's bytes is keyed by its name. The file is an evolved program (``kvsieve/language/program_source.py``
+format). It is never run as Python: it passes the same static check as a candidate's stage 0 and is then interpreted
 (``kvsieve/language/interpreter.py``) against the compact interface
 (:class:`kvsieve.language.program_features.Features`), every operation costed against budgets that scale with
 the layer before it runs, so a program that misbehaves on long inputs (a "sleeper") stops with an error
@@ -13,10 +15,10 @@ the wrong shape or not finite) raises one exception type, :class:`~kvsieve.langu
 (a ``ValueError``): a caller (the harness, the server) catches it and fails that cell or request alone.
 
 A program that reads ``f.surrogate`` gets the predictions of a KVzip surrogate (``kvzap``):
-``surrogate=NAME|PATH`` names its checkpoint; without it the harness binds the shipped surrogate of the
-model the cell runs on (:meth:`ProgramPolicy.check_model`), and a program used without either is refused.
-The surrogate reads a cache whose KV heads hold the same positions: prefill compression, not
-decode-time eviction.
+``surrogate=NAME|PATH`` names its checkpoint (a shipped or named kvzap checkpoint's name, or a file); without it the
+harness binds the shipped surrogate of the model the cell runs on (:meth:`ProgramPolicy.check_model`), and a
+program used without either is refused. The surrogate reads a cache whose KV heads hold the same positions: prefill
+compression, not decode-time eviction.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import torch
 from kvsieve.language.interpreter import InterpreterError, Limits, ProgramFailed, ScoreProgram, run_budget
 from kvsieve.language.program_features import Features
 from kvsieve.language.program_source import Program, ProgramError
-from kvsieve.networks.shipped import resolve_checkpoint, shipped_files
+from kvsieve.language.shipped_programs import program_file, program_name
+from kvsieve.networks.shipped import checkpoint_name, resolve_checkpoint, shipped_files
 from kvsieve.policies.kvzap import KVzap, shipped_kvzap_for
 from kvsieve.policy import Policy
 from kvsieve.selection import Selection
@@ -75,10 +78,12 @@ def program_spec(path: str | Path, surrogate: str | None = None) -> str:
 
 
 def _read(path: str) -> str:
-    if not Path(path).is_file():
+    """The text of the program ``path`` names (a named program, else a file)."""
+    file = program_file(path)
+    if not file.is_file():
         raise ValueError(f"program file {path!r} does not exist")
     try:
-        return Path(path).read_text(encoding="utf-8")
+        return file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise ValueError(f"program file {path!r} cannot be read: {err}") from None
 
@@ -137,11 +142,23 @@ class ProgramPolicy(Policy):
         every shipped one (the harness binds the model's), so its rows are recomputed when either changes."""
         if path is None:
             return ()
-        if not _reads_surrogate(Path(path)):
-            return (Path(path),)
+        file = program_file(path)
+        if not _reads_surrogate(file):
+            return (file,)
         if surrogate is not None:
-            return (Path(path), resolve_checkpoint("kvzap", surrogate))
-        return (Path(path), *shipped_files("kvzap"))
+            return (file, resolve_checkpoint("kvzap", surrogate))
+        return (file, *shipped_files("kvzap"))
+
+    @classmethod
+    def named_params(cls, **params) -> dict:
+        """A path to a named program's bytes as its name, a surrogate's path to a shipped or named checkpoint's bytes
+        as that name."""
+        out = dict(params)
+        if isinstance(params.get("path"), str):
+            out["path"] = program_name(program_file(params["path"])) or params["path"]
+        if isinstance(params.get("surrogate"), str):
+            out["surrogate"] = checkpoint_name("kvzap", params["surrogate"]) or params["surrogate"]
+        return out
 
     def default_selection(self) -> Selection:
         return self.program.selection(self.window)

@@ -4,8 +4,10 @@ A spec string (``snapkv``, ``snapkv(window=32)``, ``tova(allocation='layer')``, 
 ``learned(checkpoint='smollm2-135m-instruct')``) is parsed once, at the edge (a grid, a contract, the
 server), into a :class:`PolicySpec`: its family's class, its literal parameters (checked against the
 class's signature, without building anything) and, for a family defined by a file, that file's
-sha256. Everything downstream reads the spec's attributes (is it the reference, does it need the
-answer's spans or the whole context) instead of comparing names.
+sha256. A file given by its path whose bytes are a named program's or checkpoint's is given by that name in the
+spec's text (:meth:`~kvsieve.policy.Policy.named_params`), the key its rows are stored under. Everything downstream
+reads the spec's attributes (is it the reference, does it need the answer's spans or the whole context) instead of
+comparing names.
 
 Any field of :class:`~kvsieve.selection.Selection` that the family does not take itself composes with
 the family's scores: ``tova(allocation='layer')`` is TOVA's scores under AdaKV's allocation,
@@ -24,7 +26,7 @@ from typing import Any
 
 from kvsieve.policy import Policy
 from kvsieve.selection import Selection, check_allocation
-from kvsieve.spec import parse_spec
+from kvsieve.spec import format_spec, parse_spec
 
 __all__ = ["PolicySpec", "parse", "register", "families", "family_class", "names", "get", "from_spec",
            "SELECTION_FIELDS"]
@@ -148,14 +150,19 @@ def parse(text: str) -> PolicySpec:
         raise ValueError(f"bad parameters for policy {text.strip()!r}: unknown {', '.join(map(repr, unknown))}; "
                          f"{family} takes {', '.join(sorted(allowed)) or 'no parameters'}"
                          + (f", and the selection's {', '.join(sorted(composable - allowed))}" if composable else ""))
-    spec = PolicySpec(text.strip(), family, params, None, cls)
     own = {k: v for k, v in params.items() if k in allowed}
+    named = cls.named_params(**own)
+    text = text.strip()
+    if named != own:  # a file given by the path of a named one's bytes: keyed by the name (the text re-written)
+        params = {k: named.get(k, v) for k, v in params.items()}
+        own, text = named, format_spec(family, params)
+    spec = PolicySpec(text, family, params, None, cls)
     if spec.selection_params:
         try:
             replace(Selection(), **spec.selection_params)  # a bad value fails here, before any work
         except (TypeError, ValueError) as err:
             raise ValueError(f"bad selection for policy {text.strip()!r}: {err}") from err
-    return replace(spec, digest=content_digest(text.strip(), cls.content_paths(**own)))
+    return replace(spec, digest=content_digest(text, cls.content_paths(**own)))
 
 
 def content_digest(spec: str, paths: tuple[Path, ...]) -> str | None:

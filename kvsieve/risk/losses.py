@@ -42,12 +42,22 @@ def candidates_for(policies: list[str], ratios: list[float], question_aware: boo
 
     Full-KV labels (``full``, ``full@decodeN``) are the reference, not candidates, and are dropped. Each candidate
     is a :class:`Point`, which refuses a ratio outside [0, 1) or a question-aware decode-time label, before any store
-    is read.
+    is read. A file given by the path of a named program's or checkpoint's bytes is given by the name, as its rows
+    are stored (:func:`kvsieve.policies.registry.parse`).
     """
-    compressing = [p for p in map(Point.parse, policies) if p.compresses]
+    compressing = [_as_stored(p) for p in map(Point.parse, policies) if p.compresses]
     if not compressing or not ratios:
         raise ValueError("give at least one compressing policy (--policies) and one ratio (--ratios)")
-    return [Point(p.spec, r, question_aware, p.mode) for p in compressing for r in ratios]
+    return [Point(p.parsed or p.spec, r, question_aware, p.mode) for p in compressing for r in ratios]
+
+
+def _as_stored(point: Point) -> Point:
+    """``point`` under the label its rows are stored by; unchanged when its spec does not parse here (the store's
+    reading names what is wrong)."""
+    try:
+        return Point(point.policy_spec, point.ratio, point.question_aware, point.mode)
+    except ValueError:
+        return point
 
 
 def model_names(model: str) -> list[str]:

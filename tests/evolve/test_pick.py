@@ -188,11 +188,12 @@ def test_write_pick_without_a_gap(tmp_path):
 def test_the_demo_runs_the_rules_smollm2_pick():
     from kvsieve.cli import DEMO, DEMO_PICK
     from kvsieve.harness.grid import GridConfig
+    from kvsieve.language.shipped_programs import program_file
 
     rule = load_rule(REPO / "configs" / "selection.toml")
     if not all((REPO / d).is_file() for d in rule.databases["smollm2-135m-instruct"]):
         pytest.skip("program databases not in this checkout")
     p = pick(rule, "smollm2-135m-instruct")
-    shipped = (REPO / DEMO_PICK.removeprefix("program:")).read_text()
+    shipped = program_file(DEMO_PICK.removeprefix("program:")).read_text()  # a shipped program, by name
     assert shipped.split("\n", 1)[1].strip() == (p.program.source or "").strip()  # the header aside, the same program
     assert DEMO_PICK in [spec.text for spec in GridConfig(**DEMO).policies]
