@@ -15,7 +15,7 @@ import torch
 from kvsieve.evolve.candidate_executor import LocalExecutor
 from kvsieve.evolve.cascade import DevSet, evaluate_program
 from kvsieve.evolve.database import ProgramDatabase, ProgramRecord, rank_key
-from kvsieve.evolve.evolution_report import write_report
+from kvsieve.evolve.evolution_report import smoke_note, write_report
 from kvsieve.evolve.evolve_config import EvolveConfig, dev_samples
 from kvsieve.evolve.mutators import make_mutator
 from kvsieve.evolve.ray_candidate_executor import RayExecutor
@@ -112,6 +112,9 @@ def _run(config: EvolveConfig, progress: bool, model, tokenizer, threads: int) -
             reference[f"seed {record.operation} (dev)"] = record.score if record.score is not None else float("nan")
         best_path = export_best(best, Path(config.out) / "best.py") if best is not None else None
         report = write_report(db, config, config.out, heldout, reference)
+        note = smoke_note(config)
+        if note:  # as the run ends, just above the best program's scores it is about
+            print(note)
         return EvolveResult(best, best_path, report, heldout)
     finally:
         db.close()

@@ -36,6 +36,7 @@ from kvsieve.bootstrap import two_level_interval
 from kvsieve.bundled import canonical_name
 from kvsieve.config import read_config_file
 from kvsieve.evolve.database import ProgramDatabase, ProgramRecord
+from kvsieve.evolve.seeds import SEEDS
 from kvsieve.policies.kvzap import KVzap
 from kvsieve.policies.label import Point
 from kvsieve.policies.learned import LearnedPolicy
@@ -209,6 +210,13 @@ def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+def _seed_file(r: ProgramRecord) -> bool:
+    """A seed program read from a file (``seed_programs``): its id is this database's next one, whatever number the
+    file's name may carry from the database it came from, so the printout names the file."""
+    return (r.generation == 0 and r.mutator == "seed" and bool(r.operation) and r.operation not in SEEDS
+            and r.operation != "copy")
+
+
 def format_pick(p: Pick) -> str:
     """What ``kvsieve pick`` prints for one model."""
     r = p.program
@@ -217,6 +225,8 @@ def format_pick(p: Pick) -> str:
              f"held-out score {_num(p.heldout)}; {p.candidates} scored programs, {p.tied_on_dev} tied on the best "
              "dev score",
              ]
+    if _seed_file(r):
+        lines.insert(1, f"  a seed program, read from {r.operation}")
     if p.surrogate is not None:
         lines.append(f"  scored over the kvzap surrogate {p.surrogate} (evaluate with program(..., surrogate=...))")
     if p.passed_over is not None:

@@ -197,3 +197,39 @@ def test_the_demo_runs_the_rules_smollm2_pick():
     shipped = program_file(DEMO_PICK.removeprefix("program:")).read_text()  # a shipped program, by name
     assert shipped.split("\n", 1)[1].strip() == (p.program.source or "").strip()  # the header aside, the same program
     assert DEMO_PICK in [spec.text for spec in GridConfig(**DEMO).policies]
+
+
+def test_a_seed_program_read_from_a_file_says_which_file(tmp_path):
+    """A program seeded from a file (``seed_programs``) gets the new database's next id: the file's name may carry
+    its number in the database it came from, so the printout names the file beside the one number it gives."""
+    path = tmp_path / "a.sqlite"
+    db = ProgramDatabase(path)
+    db.set_meta("config", DEV)
+    db.set_meta("dtype", "float32")
+    for slot, (operation, score) in enumerate([("snapkv", 40.0), ("runs/candidates/02-study-s4-38-floor40.py", 60.0)]):
+        db.add(dict(generation=0, island=0, slot=slot, mutator="seed", operation=operation, status="ok", stage=3,
+                    score=score, proxy=0.1, source=f"def score(f):\n    return f.attn  # {slot}", code_hash=str(slot)))
+    db.close()
+    p = pick(load_rule(rule_file(tmp_path, [path])), "smollm2-135m")
+    assert p.program.id == 2
+    lines = format_pick(p).split("\n")
+    assert lines[0] == f"smollm2-135m-instruct: program #2 of {path} (generation 0, island 0)"
+    assert lines[1] == "  a seed program, read from runs/candidates/02-study-s4-38-floor40.py"
+    # a built-in seed (a name) or a child names no file
+    named = pick(load_rule(rule_file(tmp_path, [database(tmp_path / "b.sqlite", [(90.0, 0.1), (80.0, 0.1)])])),
+                 "smollm2-135m")
+    assert "read from" not in format_pick(named)
+
+
+def test_the_readme_names_qwens_pick_as_kvsieve_pick_prints_it():
+    """The README named the floor rule's pick "#38", its id in the 2k study's database, where ``kvsieve pick``
+    prints "#3 of .../floor-high.sqlite": one number, the database's id, with the database it counts in."""
+    rule = load_rule(REPO / "configs" / "selection-floor-high-qwen-4k.toml")
+    if not all((REPO / d).is_file() for d in rule.databases["qwen2.5-coder-0.5b-instruct"]):
+        pytest.skip("program databases not in this checkout")
+    p = pick(rule, "qwen2.5-coder-0.5b-instruct")
+    first = format_pick(p).split("\n")[0]
+    readme = " ".join((REPO / "README.md").read_text().split())  # the README's line breaks as spaces
+    said = f"program #{p.program.id} of {p.database}"
+    assert said in first and f"`{said}`" in readme, said
+    assert "picks #38" not in readme
