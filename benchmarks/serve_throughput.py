@@ -9,8 +9,10 @@ calibration layout):
   (>= 256) new tokens: decode-bound work, where the bytes compression frees become more rows per decode step.
 
 Configurations (``--configs``): ``full``, ``uniform@R`` and ``global@R`` (``--policy`` with that allocation at ratio
-R; its rows also evict while they decode, every ``--evict-every`` tokens, held at their compressed prompt plus that
-room: ``serve/decode_eviction.py``) and ``contract`` (``--contract``; a contract's points compress at prefill only).
+R; with ``--evict-every N`` > 0 the decode-time point ``SPEC@decodeNeN``: its prompt read N tokens at a time under
+eviction and its rows evicted every N generated tokens, held at their budgets plus that room, as ``kvsieve eval
+--mode decode`` runs it: ``serve/decode_prefill.py``; 0: prefill compression) and ``contract`` (``--contract``; its
+points run as certified, a decode-time point ``SPEC@decodeCeE`` evicting while it decodes).
 Every configuration of a workload runs under the same byte budget, ``--budget``
 x N x the largest request's full-KV need (prompt + max_tokens): 0.25 of 8 clients is room for two at full KV. Each
 configuration runs ``--repeats`` times, round robin (repeat 1 of every configuration, then repeat 2, ...), so a drift
@@ -58,6 +60,7 @@ from kvsieve.policy import FullCache
 from kvsieve.serve.chat_prompt import chat_prompt
 from kvsieve.serve.command import build_state, point_source, serve
 from kvsieve.serve.decode_eviction import evict_rows, row_cap, stack_rows
+from kvsieve.serve.decode_prefill import prefill_for
 from kvsieve.serve.generation import Prefill, bytes_per_token
 from kvsieve.serve.points import ChosenPoint
 from kvsieve.serve.schemas import ChatMessage
@@ -175,7 +178,7 @@ def one_run(state, model_name: str, prompts: list[str], answers: list[list[str]]
         kv = usage["kv_cache"]
         return {"ttft": times[0] - start if times else math.nan, "gaps": [b - a for a, b in zip(times, times[1:])],
                 "tokens": usage["completion_tokens"], "kept": kv["kept_fraction"],
-                "point": f"{kv['policy']}@{kv['ratio']:g} ({kv['status']})",
+                "point": f"{kv['point']} ({kv['status']})",  # spec, mode and ratio
                 "right": any(a in text for a in answers[i]), "text": text[:80]}
 
     try:
@@ -248,7 +251,7 @@ def eviction_part(model, tokenizer, prompt_text: str, points, rows: int, max_tok
     taken out, scored, laid out again, the batch stacked again), and one decode step of those rows at their cap."""
     prompt = chat_prompt(tokenizer, [ChatMessage(role="user", content=prompt_text)])
     chosen = points.base(None, prompt.context_ids.shape[1])
-    prefill = Prefill(model, prompt, chosen, max_tokens)
+    prefill = prefill_for(model, prompt, chosen, max_tokens)
     while not prefill.done:
         prefill.advance(4096)
     cache, logits, info = prefill.finished()
@@ -348,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contract", help="a contract (kvsieve certify) for the contract configuration")
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--evict-every", type=int, default=32,
-                        help="uniform@R and global@R rows also evict while they decode, every N tokens (0: never)")
+                        help="uniform@R and global@R run the decode-time point SPEC@decodeNeN, evicting every N "
+                             "tokens, read or generated (0: prefill compression)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--out", default="results/serve/throughput.jsonl", help="one JSON line per finished run")

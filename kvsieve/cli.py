@@ -60,7 +60,7 @@ def _grid(args):
         "recalls": args.recalls and split_specs(args.recalls),
         "ratios": args.ratios and _csv(args.ratios, float, "--ratios"), "samples": args.samples, "seed": args.seed,
         "store": args.store, "data": args.data, "dtype": args.dtype, "mode": args.mode, "chunk_size": args.chunk_size,
-        "program_budget_s": args.program_budget,
+        "evict_every": args.evict_every, "program_budget_s": args.program_budget,
     }
     if args.question_aware:
         flags["question_aware"] = True
@@ -192,16 +192,28 @@ def cmd_certify(args) -> int:
         if not tasks or not lengths:
             raise ValueError("--run needs --tasks and --lengths to know which calibration cells to evaluate")
         from kvsieve.harness.grid import GridConfig
+        from kvsieve.policies.label import DECODE
 
-        # a candidate with recall runs as its policy with the grid's recalls (stored SPEC@recall(...) again)
-        plain = list(dict.fromkeys(c.spec if c.mode.recall else c.stored for c in candidates))
-        recalls = list(dict.fromkeys(c.mode.recall for c in candidates if c.mode.recall))
-        grid = GridConfig(model=args.model, tasks=tasks, lengths=lengths, policies=[FULL_CACHE, *plain],
-                          ratios=ratios, samples=args.samples, seed=args.seed, store=args.store,
-                          question_aware=args.question_aware, recalls=recalls)
-        if args.question_aware:  # only the question-aware variants are candidates
-            grid.policies, grid.qa_policies = [FULL_CACHE], compressing
-        _run_grid(grid, args).close()
+        common = dict(model=args.model, tasks=tasks, lengths=lengths, ratios=ratios, samples=args.samples,
+                      seed=args.seed, store=args.store)
+        grids = []
+        prefill = [c for c in candidates if not c.mode.is_decode]
+        if prefill:
+            # a candidate with recall runs as its policy with the grid's recalls (stored SPEC@recall(...) again)
+            plain = list(dict.fromkeys(c.spec for c in prefill))
+            recalls = list(dict.fromkeys(c.mode.recall for c in prefill if c.mode.recall))
+            grid = GridConfig(policies=[FULL_CACHE, *plain], question_aware=args.question_aware, recalls=recalls,
+                              **common)
+            if args.question_aware:  # only the question-aware variants are candidates
+                grid.policies, grid.qa_policies = [FULL_CACHE], compressing
+            grids.append(grid)
+        # a decode-time candidate (SPEC@decodeNeE) runs in a grid of its mode, beside full KV read the same way
+        for mode in dict.fromkeys(c.mode for c in candidates if c.mode.is_decode):
+            specs = list(dict.fromkeys(c.spec for c in candidates if c.mode == mode))
+            grids.append(GridConfig(policies=[FULL_CACHE, *specs], mode=DECODE, chunk_size=mode.chunk_size,
+                                    evict_every=mode.evict_every, **common))
+        for grid in grids:
+            _run_grid(grid, args).close()
     if not Path(args.store).is_file():
         raise ValueError(f"results store {args.store} does not exist (add --run to evaluate the calibration cells)")
     with ResultsStore(args.store) as store:

@@ -30,6 +30,9 @@ def add_grid_flags(parser: argparse.ArgumentParser) -> None:
                         "context) or decode (evict while the context is read in chunks; stored as SPEC@decodeN)")
     parser.add_argument("--chunk-size", type=int, help="decode mode: context tokens read between evictions "
                         "(default 128)")
+    parser.add_argument("--evict-every", type=int, help="decode mode: generated tokens between evictions (default 1: "
+                        "after every token; stored as SPEC@decodeNeE, and kvsieve serve evicts such a point's rows "
+                        "the same way)")
     parser.add_argument("--samples", type=int, help="samples per task and length (default 5 generated; with "
                         "--data, every sample of the file)")
     parser.add_argument("--seed", type=int)

@@ -9,8 +9,9 @@ import sys
 import pytest
 
 import kvsieve.cli as cli
+from kvsieve.cli_arguments import build_parser
 from kvsieve.harness.content import check_store
-from kvsieve.harness.grid import GridConfig
+from kvsieve.harness.grid import GridConfig, cells_for
 from kvsieve.harness.store import CellKey, CellResult, ResultsStore
 from kvsieve.harness.validate import validate
 from kvsieve.models import check_length
@@ -75,6 +76,15 @@ def test_a_config_value_of_the_wrong_kind_is_named(capsys, tmp_path):
     path.write_text("[tasks]\nniah = 1\n")
     code, err = _run(capsys, "eval", "--config", str(path))
     assert code == 2 and "tasks must be a list" in err and str(path) in err
+
+
+def test_eval_flags_set_the_decode_mode_the_cells_are_stored_under():
+    """--mode decode --chunk-size 64 --evict-every 16: every compressing cell is SPEC@decode64e16 (what kvsieve serve
+    runs for that label), full KV read the same way."""
+    args = build_parser().parse_args(["eval", "--policies", "full,tova", "--ratios", "0.5", "--mode", "decode",
+                              "--chunk-size", "64", "--evict-every", "16"])
+    cells = [cell.stored for cell in cells_for(cli._grid(args))]
+    assert cells == ["full@decode64e16", "tova@decode64e16"]
 
 
 def test_aliases_resolve_to_the_canonical_name_the_store_uses():

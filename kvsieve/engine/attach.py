@@ -13,6 +13,12 @@ Two modes:
   bounds peak memory (PyramidKV's layer budgets vary by depth around the mean; AdaKV's heads vary
   around it, stored ragged). ``Session.peak_cache_bytes`` is the largest cache any forward held
   (measured before its eviction), ``Session.peak_tokens`` the most entries one head attended over.
+
+A session may span several blocks: :func:`open_session` makes one and :func:`resume` runs the model under it, so a
+reader that spreads one prompt over several calls (the server's decode-time prefill, a chunk a scheduler step,
+``serve/decode_prefill.py``) evicts exactly where one ``attach`` block reading it at once would
+(``Session.context_tokens``: the budget is taken of the whole context, not of the first forward's tokens;
+``Session.reading``: every forward reads prompt tokens, evicted at once).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from kvsieve.policy import Policy
 from kvsieve.recall import Recall
 from kvsieve.selection import Budget
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "DEFAULT_EVICT_EVERY", "Session", "attach"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "DEFAULT_EVICT_EVERY", "Session", "attach", "open_session", "resume"]
 
 # Generated tokens between decode-time evictions. At 32 the learned policy's eviction over SmolLM2's 30
 # layers (~170 ms) costs ~5 ms per token instead of 170; the cache grows by at most 32 entries a head.
@@ -65,6 +71,12 @@ class Session:
     peak_cache_bytes: int = 0  # largest cache held at the end of a forward, before its eviction
     recall: Recall | None = None  # prefill mode: what the prompt's policy evicts goes cold; the next forward recalls
     tiers: TieredContext | None = None  # with recall: the prompt's two tiers, once it is read
+    # decode mode: the context tokens a ratio's budget is taken of (None: the first forward's tokens, the context
+    # when the prompt is read in one call); a reader spreading the context over several calls gives it
+    context_tokens: int | None = None
+    # decode mode: every forward reads prompt tokens, a chunk evicted at once even when it is one token (False: a
+    # one-token forward is a generated token, evicted every ``evict_every`` of them)
+    reading: bool = False
 
     def layer(self, idx: int):
         return None if self.cache is None else self.cache.layers[idx]
@@ -109,11 +121,26 @@ def attach(
             the prompt is kept cold, and the next forward (the question) recalls into the cache, in each layer,
             the entries its queries attend to most; ``session.tiers`` holds both tiers and what was moved.
     """
+    session = open_session(policy, ratio, kept, mode, chunk_size, protected_tail, evict_every, recall)
+    with resume(model, session):
+        yield session
+
+
+def open_session(
+    policy: Policy,
+    ratio: float | None = None,
+    kept: int | None = None,
+    mode: Literal["prefill", "decode"] = "prefill",
+    chunk_size: int = 512,
+    protected_tail: int = 0,
+    evict_every: int = DEFAULT_EVICT_EVERY,
+    recall: Recall | None = None,
+    context_tokens: int | None = None,
+) -> Session:
+    """The session :func:`attach` runs under, its arguments checked (see ``attach``); ``context_tokens``: decode
+    mode, the context a ratio's budget is taken of when the prompt is read over several calls (:func:`resume`)."""
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a kvsieve Policy (see kvsieve.policies.get), got {type(policy).__name__}")
-    model_type = _model_type(model)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if mode not in ("prefill", "decode"):
         raise ValueError(f"mode {mode!r} is not one of 'prefill', 'decode'")
     if mode == "decode" and policy.needs_reconstruction:  # KVzip
@@ -125,11 +152,25 @@ def attach(
         raise ValueError(f"evict_every must be a positive int, got {evict_every!r}")
     if isinstance(protected_tail, bool) or not isinstance(protected_tail, int) or protected_tail < 0:
         raise ValueError(f"protected_tail must be an int >= 0, got {protected_tail!r}")
+    if context_tokens is not None and (isinstance(context_tokens, bool) or not isinstance(context_tokens, int)
+                                       or context_tokens < 1 or mode != "decode"):
+        raise ValueError(f"context_tokens is a decode-mode count of context tokens >= 1, got {context_tokens!r} "
+                         f"in mode {mode!r}")
     if recall is not None and (mode != "prefill" or kept is not None or ratio is None or not policy.evicts):
         raise ValueError("recall runs a prefill point of an evicting policy given by ratio: not with decode mode, "
                          "kept or a policy that evicts nothing")
     budget = Budget(ratio=ratio, kept=kept) if policy.evicts else Budget(ratio=0.0)
-    session = Session(policy, budget, mode, chunk_size, protected_tail, evict_every=evict_every, recall=recall)
+    return Session(policy, budget, mode, chunk_size, protected_tail, evict_every=evict_every, recall=recall,
+                   context_tokens=context_tokens)
+
+
+@contextlib.contextmanager
+def resume(model, session: Session) -> Iterator[Session]:
+    """Run ``model`` under ``session`` for a block (what :func:`attach` does with the session it opens); a session
+    carried over several blocks goes on where the last left it (its cache, budgets and count of generated tokens)."""
+    model_type = _model_type(model)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     modules = attention_modules(model)
     configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in modules)] if c is not None}
     saved_impl = {key: c._attn_implementation for key, c in configs.items()}
@@ -219,11 +260,14 @@ def _compressing_forward(model, forward, session: Session):
         if fresh:
             # a kept count may exceed the prompt: nothing is evicted until the cache grows past it
             budget = session.budget
-            session.budget_tokens = budget.kept if budget.kept is not None else budget.resolve(q_len)
+            context = session.context_tokens or q_len
+            session.budget_tokens = budget.kept if budget.kept is not None else budget.resolve(context)
             selection = session.policy.selection
             # every layer keeps its sinks, window and the latest chunk; PyramidKV varies the rest by depth
             floor = selection.sink + max(selection.recent, session.chunk_size)
             session.layer_budgets = selection.layer_budgets_for(session.budget_tokens, None, len(cache.layers), floor)
+        for idx, layer in layers:  # what each layer is evicted back to, with the layer (a server's row cap reads it)
+            layer.budget = session.layer_budgets[idx]
         return _forward_in_chunks(forward, args, kwargs, input_ids is not None, q_len, session, layers)
 
     wrapped.kvsieve_unwrapped = forward
@@ -251,7 +295,7 @@ def _forward_in_chunks(forward, args, kwargs, by_ids: bool, q_len: int, session:
             logits.append(outputs.logits)
         read = stop - start
         # a prompt chunk is evicted at once; generated tokens (one-token forwards) every evict_every of them
-        if q_len == 1:
+        if q_len == 1 and not session.reading:
             session.pending += 1
             if session.pending < session.evict_every:
                 continue

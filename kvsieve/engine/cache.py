@@ -88,6 +88,8 @@ class SieveLayer(DynamicLayer):
             in place; ragged when they differ in length).
         spare: entries of spare room a segment gets when it must grow (``None``: an eighth of its length, at
             least 64); decode-time eviction sets it to ``evict_every``, the most it grows between evictions.
+        budget: decode-time eviction: the entries per head (their mean over the heads) an eviction keeps the layer
+            at, set by the reader that holds it there (``attach(mode="decode")``); ``None`` otherwise.
         grow_in_place: whether an update of a dense layer that already holds entries moves it into a store
             (kvsieve's attention reads stores); KVzip's reconstruction turns it off on its throwaway copies,
             whose attention function wants every key returned by ``update``.
@@ -110,6 +112,7 @@ class SieveLayer(DynamicLayer):
         self.track_attention = track_attention
         self.grow_in_place = True
         self.spare: int | None = None
+        self.budget: int | None = None
         self.seen = 0
         self.recent_queries: torch.Tensor | None = None
         self.query_stats = None  # kvsieve.engine.query_hooks fills it (pre-RoPE query statistics)
@@ -462,6 +465,7 @@ def stack_caches(caches: list[DynamicCache], keep_scores: bool = False) -> Dynam
         layer.store = store
         layer.recent_queries = layer.query_stats = layer.hidden_states = None
         layer.track_attention = False
+        layer.budget = None  # a row's own, not the batch's
     return stacked
 
 

@@ -14,11 +14,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", help="an uncertified fixed policy spec instead of a contract (needs --ratio)")
     parser.add_argument("--ratio", type=float, help="compression ratio in [0, 1) with --policy")
     parser.add_argument("--question-aware", action="store_true", help="with --policy: keep the question out of it")
-    parser.add_argument("--evict-every", type=int, default=32,
-                        help="with --policy: a row also evicts while it generates, every N tokens, back to its "
-                             "compressed prompt (its cache held at that plus N entries a head, and charged that once "
-                             "its prompt is read instead of room for max_tokens); 0: prefill compression only "
-                             "(default 32). A contract's points never do: their guarantee is for prefill compression")
+    parser.add_argument("--evict-every", type=int, default=0,
+                        help="with --policy SPEC: serve the decode-time point SPEC@decodeNeN, evicting every N tokens "
+                             "as kvsieve eval --mode decode does (the prompt read N tokens at a time, evicted after "
+                             "each chunk; each row evicted every N generated tokens, held at its budgets plus N "
+                             "entries a head). A label carries its own mode instead (--policy 'tova@decode64e32'), as "
+                             "a contract's points do. 0 (default): the point as its spec says")
     parser.add_argument("--recall", help="with --policy: two tiers, what the policy evicts kept cold and each "
                              "question recalling what it attends to most, within the ratio's bytes: a fraction "
                              "(0.025) or recall(fraction=0.025, chunk=32, pool='span', sketch=..., cold=...); such a "

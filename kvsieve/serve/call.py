@@ -83,6 +83,8 @@ class Call:
         m = self.state.metrics
         ran = completion.cache.chosen if completion is not None and completion.cache.chosen else self.chosen
         m.inc("kvsieve_requests_total", endpoint=self.kind, status=str(status), kv_cache=ran.status)
+        # by the point's spec and mode, the server's own labels (with a client's ratio they would be unbounded)
+        m.inc("kvsieve_point_requests_total", point=ran.setting.stored, kv_cache=ran.status)
         m.observe("kvsieve_request_seconds", time.perf_counter() - self.arrived)
         if completion is None:
             return

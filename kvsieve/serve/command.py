@@ -22,10 +22,11 @@ from kvsieve.risk.runtime import CertifiedPolicy
 from kvsieve.serve.app import create_app
 from kvsieve.serve.arguments import add_arguments
 from kvsieve.serve.contexts import ContextCache
+from kvsieve.serve.decode_prefill import Scheduler  # decode-time points read by DecodePrefill
 from kvsieve.serve.errors import quoted
 from kvsieve.serve.points import PointSource
 from kvsieve.serve.reading import DEFAULT_READ_TIMEOUT, head_deadline_protocol
-from kvsieve.serve.scheduler import DEFAULT_PREFILL_CHUNK, Draining, Scheduler
+from kvsieve.serve.scheduler import DEFAULT_PREFILL_CHUNK, Draining
 from kvsieve.serve.server_metrics import Metrics
 from kvsieve.serve.state import ServerState
 
@@ -36,8 +37,9 @@ __all__ = ["add_arguments", "run", "point_source", "build_state", "parse_budget"
 def point_source(model: str, contract: str | None = None, policy: str | None = None, ratio: float | None = None,
                  question_aware: bool = False, allow_override: bool = False, evict_every: int = 0,
                  recall: str | None = None) -> PointSource:
-    """The server's points, every check done before the model is loaded; ``evict_every`` > 0: a ``--policy`` point
-    also evicts while it decodes (``serve/decode_eviction.py``)."""
+    """The server's points, every check done before the model is loaded; ``evict_every`` N > 0 makes a plain
+    ``--policy`` spec the decode-time point ``SPEC@decodeNeN`` (a label may carry its own mode: ``SPEC@decode64e32``;
+    ``serve/decode_prefill.py``)."""
     if contract and policy:
         raise ValueError("give --contract or --policy/--ratio, not both")
     if policy is None and (ratio is not None or question_aware or recall is not None):

@@ -1,34 +1,34 @@
-"""Decode-time eviction in the running batch: a compressing row held at a cap while it generates.
+"""Decode-time eviction in the running batch: a row at a decode-time point held at a cap while it generates.
 
-Prefill compression alone leaves a row's cache growing by one entry a token: a request is admitted for its
-compressed prompt plus ``max_tokens``. A row that also evicts while it decodes is held at a **cap** instead:
+A decode-time point (``SPEC@decodeCeE``) reads its prompt under eviction (``serve/decode_prefill.py``, as
+``attach(mode="decode")`` does in the grid) and then evicts every ``E`` generated tokens back to the same per-layer
+budgets. Once its prompt is read the row joins the decode batch held at a **cap**:
 
-* its **budget** per layer, fixed when its prompt is read: the entries every head of the layer holds then, on
-  average (the compressed context and the question), at least the policy's protected entries (sinks and the
-  recent ones, and the newest token);
-* its **room**: ``evict_every`` entries a segment (one KV head of one layer) may grow before the next eviction.
+* its **budget** per layer: what ``attach(mode="decode")`` evicts the layer back to (the ratio's share of the whole
+  context, spread over layers by the policy's selection), carried with the cache's layers (``SieveLayer.budget``);
+* its **room**: ``E`` entries a segment (one KV head of one layer) may grow before the next eviction.
 
-Once a row has taken ``evict_every`` tokens since its join or its last eviction, the scheduler evicts it back to
-its budget before the step that would take one more (:func:`evict_rows`): the row is taken out of the batch, its
-policy scores it (``compress_cache`` in decode mode: a layer over its budget keeps its best entries, the newest
-always; the policy's allocation moves the layer's budget between its heads, never between layers), each segment is
-laid out with exactly ``evict_every`` entries of room, and the batch is stacked again (one rebuild for all the rows
-due at that step). Each row counts its own tokens, so what it keeps never depends on what else runs.
+Once a row has taken ``E`` tokens since its join or its last eviction, the scheduler evicts it back to its budgets
+before the step that would take one more (:func:`evict_rows`): the row is taken out of the batch, its policy scores
+it (``compress_cache`` in decode mode: a layer over its budget keeps its best entries, the newest always; the policy's
+allocation moves the layer's budget between its heads, never between layers), each segment is laid out with exactly
+``E`` entries of room, and the batch is stacked again (one rebuild for all the rows due at that step). That is the
+grid's eviction of a generated token, entry for entry: the same budgets, the same protected newest entry, after the
+same ``E`` tokens. Each row counts its own tokens, so what it keeps never depends on what else runs.
 
 **What the row can ever hold** (:attr:`RowCap.charge`, bytes) is therefore the larger of its layout when it joined
-(every segment its entries plus ``evict_every``) and ``e x heads x (budget + evict_every)`` summed over layers
-(``e`` one entry's key and value): after an eviction a layer holds at most ``heads x budget`` entries, and the
-layout gives every segment exactly ``evict_every`` of room, no rounding. The scheduler charges that from the join
-on, checks every eviction's result against it, and so the sum of charges stays an upper bound of what the batch
-allocates. Not charged: the copies an eviction makes while it works (the rows taken out, the batch stacked again),
-as the batch's other rebuilds are not.
+(every segment its entries plus ``E``) and ``e x heads x (budget + E)`` summed over layers (``e`` one entry's key
+and value): after an eviction a layer holds at most ``heads x budget`` entries, and the layout gives every segment
+exactly ``E`` of room, no rounding. The scheduler charges that from the join on, checks every eviction's result
+against it, and so the sum of charges stays an upper bound of what the batch allocates. Not charged: the copies an
+eviction makes while it works (the rows taken out, the batch stacked again), as the batch's other rebuilds are not.
 
-Which policies can: those whose scores read what the batch keeps: keys, values, positions, the last queries (the
-stacked batch keeps the window of every row, cut to the shortest when a row joins) and an intrinsic policy's
-remembered scores (kvzap: the prefill keeps them, new entries are scored when evicted). Not KVzip (it repeats the
-whole context), nor policies reading hidden states, accumulated attention or query statistics, which the batch
-does not collect; nor a selection giving a share of the budget to recent entries. Those rows keep prefill
-compression, charged their prompt plus ``max_tokens``.
+Which policies can (:func:`evicts_in_decode`; the server refuses a decode-time point of any other at start): those
+whose scores read what the batch keeps: keys, values, positions, the last queries (the stacked batch keeps the window
+of every row, cut to the shortest when a row joins) and an intrinsic policy's remembered scores (kvzap: scored as they
+are appended, new entries scored when evicted). Not KVzip (it repeats the whole context), nor policies reading hidden
+states, accumulated attention or query statistics, which the batch does not collect; nor a selection giving a share
+of the budget to recent entries.
 """
 
 from __future__ import annotations
@@ -48,10 +48,9 @@ from kvsieve.engine.cache import (
 from kvsieve.engine.compress import compress_cache
 from kvsieve.policy import Policy
 
-__all__ = ["DEFAULT_EVICT_EVERY", "BudgetViolation", "RowCap", "evict_rows", "evicts_in_decode", "hold_room", "row_cap",
+__all__ = ["BudgetViolation", "RowCap", "evict_rows", "evicts_in_decode", "hold_room", "row_cap",
            "stack_rows"]
 
-DEFAULT_EVICT_EVERY = 32  # decode steps between evictions: the room a row's segments keep
 NEWEST = 1  # the newest entry (its token's query reads it next step) is protected at an eviction
 
 
@@ -72,25 +71,21 @@ class RowCap:
     charge: int
 
 
-def _entries(layer) -> int:
-    """Entries one row's layer holds, summed over its heads."""
-    return layer.nbytes() // layer.entry_bytes() if layer.physical_length else 0
-
-
 def row_cap(cache: DynamicCache, policy: Policy, room: int) -> RowCap:
-    """The cap of a one-row ``cache`` whose prompt was just read and laid out with ``room`` (module docstring)."""
+    """The cap of a one-row ``cache`` whose prompt was read at a decode-time point (each layer's ``budget`` set by
+    its read) and laid out with ``room`` (module docstring)."""
     if isinstance(room, bool) or not isinstance(room, int) or room < 1:
         raise ValueError(f"room must be a positive number of entries, got {room!r}")
-    selection = policy.selection
-    protected = selection.sink + max(selection.recent, NEWEST)
     budgets = [0] * len(cache.layers)
     evicted = 0
     for idx, layer in sieve_layers(cache):
         if not layer.physical_length:
             continue
-        heads = layer.num_heads()
-        budgets[idx] = max(_entries(layer) // heads, protected)
-        evicted += layer.entry_bytes() * heads * (budgets[idx] + room)
+        if layer.budget is None:
+            raise ValueError(f"layer {idx} has no decode-time budget: a row that evicts while it decodes is read at "
+                             "a decode-time point (serve/decode_prefill.py), which sets it")
+        budgets[idx] = layer.budget
+        evicted += layer.entry_bytes() * layer.num_heads() * (budgets[idx] + room)
     return RowCap(budgets, room, max(cache_allocated_bytes(cache), evicted))
 
 

@@ -43,6 +43,8 @@ class _Histogram:
 class Metrics:
     HELP = {
         "kvsieve_requests_total": ("counter", "Requests answered, by endpoint, HTTP status and kv-cache status."),
+        "kvsieve_point_requests_total": ("counter", "Requests answered, by the point that ran (its spec and mode: "
+                                                    "tova@decode64e32, knorm, full) and kv-cache status."),
         "kvsieve_prompt_tokens_total": ("counter", "Prompt tokens of answered requests."),
         "kvsieve_completion_tokens_total": ("counter", "Generated tokens."),
         "kvsieve_kv_bytes_full_total": ("counter", "KV-cache bytes the prompts would have held uncompressed."),

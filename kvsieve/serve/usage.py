@@ -22,6 +22,8 @@ def kv_cache_usage(state: ServerState, chosen: ChosenPoint, info: CacheInfo) -> 
     return {
         "policy": setting.spec,
         "ratio": setting.ratio,
+        "point": str(setting),  # spec, mode and ratio: tova@decode64e32@0.5
+        "evict_every": chosen.evict_every,  # generated tokens between the row's evictions (0: it never evicts then)
         "question_aware": setting.question_aware,
         "status": chosen.status,
         "certified": chosen.certified,
@@ -53,6 +55,7 @@ def _header(value: object, limit: int = 256) -> str:
 def kv_headers(kv: dict) -> dict[str, str]:
     return {"x-kvsieve-policy": _header(kv["policy"]), "x-kvsieve-ratio": f"{kv['ratio']:g}",
             "x-kvsieve-status": kv["status"], "x-kvsieve-bucket": _header(kv["bucket"]),
+            "x-kvsieve-point": _header(kv["point"]), "x-kvsieve-evict-every": str(kv["evict_every"]),
             "x-kvsieve-bytes-full": str(kv["bytes_full"]),
             "x-kvsieve-bytes-kept": str(kv["bytes_kept"]), "x-kvsieve-bytes-cold": str(kv["bytes_cold"]),
             "x-kvsieve-bytes-moved": str(kv["bytes_moved"]), "x-kvsieve-context-cache": str(kv["context_cache"]),

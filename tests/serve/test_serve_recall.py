@@ -23,7 +23,7 @@ def model():
 
 
 def test_a_recalling_point_answers_as_generate_does_and_counts_its_tiers(model):
-    points = point_source(NAME, policy="knorm", ratio=0.75, recall=RECALL, evict_every=32)
+    points = point_source(NAME, policy="knorm", ratio=0.75, recall=RECALL)
     assert points.evict_every == 0  # a recalling point answers from its recalled copy as it is
     state = make_state(model, points)
     question = "which letter?"
