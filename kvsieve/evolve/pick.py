@@ -192,18 +192,27 @@ def exploratory(store_path: str | Path, model: str) -> dict[str, list[str]]:
     """The policies scored on a results store's requests of ``model``: published baselines, and found or
     learned ones (families ``program``, ``learned``, ``kvzap``), each listed once (labels as the store keys them);
     the full cache is neither."""
-    labels = {p: Point.parse(p) for p in _policies(store_path, canonical_name(model))}
-    found = sorted(p for p, label in labels.items() if label.family in FOUND_OR_LEARNED)
+    labels = _policies(store_path, canonical_name(model))
+    found = sorted(p for p, spec in labels.items() if spec.family in FOUND_OR_LEARNED)
     return {"found_or_learned": found,
-            "baselines": sorted(p for p, label in labels.items() if p not in found and not label.is_full)}
+            "baselines": sorted(p for p, spec in labels.items() if p not in found and not spec.is_full)}
 
 
-def _policies(store_path: str | Path, model: str) -> list[str]:
+def _policies(store_path: str | Path, model: str) -> dict[str, Point]:
+    """Each stored label of ``model``'s rows, with a point of its stored spec (the store's ``spec`` column: what the
+    family is; the label's text is not read)."""
     # read as a plain file, read-only: evolve/ sits below harness/ and does not import its store
     if not Path(store_path).is_file():
         raise ValueError(f"results store {store_path} does not exist")
     with sqlite3.connect(f"file:{store_path}?mode=ro", uri=True) as conn:
-        return [r[0] for r in conn.execute("SELECT DISTINCT policy FROM cells WHERE model = ?", (model,))]
+        try:
+            rows = conn.execute("SELECT DISTINCT policy, spec FROM cells WHERE model = ?", (model,)).fetchall()
+        except sqlite3.OperationalError as err:
+            if "spec" not in str(err):
+                raise
+            raise ValueError(f"results store {store_path} was written before rows kept their point in structured "
+                             f"form: migrate it once with `python -m kvsieve.harness.migrate {store_path}`") from None
+    return {policy: Point(spec) for policy, spec in rows}
 
 
 def _num(value: float | None) -> str:

@@ -53,7 +53,7 @@ from kvsieve.harness.pairing import (
 )
 from kvsieve.harness.provenance import check_one_machine, describe
 from kvsieve.harness.store import RATIO_DECIMALS, TIMING_CONFIG_KEYS, CellResult
-from kvsieve.policies.label import FULL_CACHE, Point
+from kvsieve.policies.label import FULL_CACHE
 from kvsieve.tasks.ruler_alt import PREFIX as ALT_PREFIX
 
 __all__ = ["NOT_DISTINGUISHABLE", "Comparison", "Headline", "HeadlineRow", "compare", "headline"]
@@ -176,8 +176,9 @@ def headline(rows: Iterable[CellResult], resamples: int = DEFAULT_RESAMPLES,
                 table.unpaired.append(f"{label} @ {ratio:g}")
             else:
                 built.append(row)
-        built.sort(key=lambda r: (not Point.parse(r.policy).is_full, r.ratio, Point.parse(r.policy).is_reference,
-                                  -r.mean, r.policy))
+        points = cells.points
+        built.sort(key=lambda r: (not points[r.policy].is_full, r.ratio, points[r.policy].is_reference, -r.mean,
+                                  r.policy))
         table.rows = built
         table.unpaired.sort()
         out.append(table)
@@ -217,7 +218,7 @@ def compare(rows: Iterable[CellResult], a: str, b: str, ratio: float, model: str
     picked = []
     for name in (a, b):
         label = resolve_label(cells, name, m)
-        at = reference_cells(cells, label) if Point.parse(label).is_full else cells.get((label, ratio))
+        at = reference_cells(cells, label) if cells.points[label].is_full else cells.get((label, ratio))
         if not at:
             ratios = sorted(r for lab, r in cells if lab == label)
             raise ValueError(f"policy {label!r} has no rows at ratio {ratio:g} for model {m}; "

@@ -4,10 +4,11 @@ A table shows one model: rows of several models are refused (split them with :fu
 does it for a whole store), and every heading names the model and the number of requests (task, length, sample)
 behind it.
 
-Policy names are the labels' display form (:class:`~kvsieve.policies.label.Point`: ``+qa`` appended when the
-cell's key is question-aware). Reference policies (a family whose class says ``is_reference``, the answer-span
-oracle, and question-aware rows) are drawn dashed in the plots. The full-cache policy ``full`` is evaluated only at
-ratio 0; it is shown as a column in every ratio's table.
+Policy names are the labels' display form (:class:`~kvsieve.policies.label.Point`: ``+qa`` appended when the cell's key
+is question-aware); what each is (reference or not, its place in a table) is read from its rows' points
+(:attr:`ScoreTable.points`), never from the name's text. Reference policies (a family whose class says ``is_reference``,
+the answer-span oracle, and question-aware rows) are drawn dashed in the plots. The full-cache policy ``full`` is
+evaluated only at ratio 0; it is shown as a column in every ratio's table.
 """
 
 from __future__ import annotations
@@ -21,17 +22,21 @@ from kvsieve.harness.provenance import check_one_machine, describe
 from kvsieve.harness.store import RATIO_DECIMALS, CellResult, FailedCell
 from kvsieve.policies.label import FULL_CACHE, Point, display_order
 
-__all__ = ["ScoreTable", "by_model", "one_model", "is_reference", "full_reference", "score_table", "format_table",
+__all__ = ["ScoreTable", "by_model", "one_model", "full_reference", "score_table", "format_table",
            "format_summary", "format_failures", "report_text", "requests"]
 
 MISSING = "-"
 
-# table[ratio][task][policy] = (mean score, number of cells)
-ScoreTable = dict[float, dict[str, dict[str, tuple[float, int]]]]
+FULL_POINT = Point(FULL_CACHE)  # the full cache at prefill: the reference whose scores every ratio's table shows
 
 
-def is_reference(name: str) -> bool:
-    return Point.parse(name).is_reference
+class ScoreTable(dict[float, dict[str, dict[str, tuple[float, int]]]]):
+    """``table[ratio][task][policy] = (mean score, number of cells)``, and :attr:`points`: each policy's (display
+    label's) point, as its rows' keys hold it."""
+
+    def __init__(self, *args, points: dict[str, Point] | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.points: dict[str, Point] = dict(points or {})
 
 
 def by_model(results: Iterable[CellResult]) -> dict[str, list[CellResult]]:
@@ -62,12 +67,14 @@ def score_table(results: Iterable[CellResult]) -> ScoreTable:
     The rows must be of one model (``ValueError`` otherwise)."""
     results, _ = one_model(results)
     sums: dict[tuple[float, str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    table = ScoreTable()
     for r in results:
         k = r.key
-        acc = sums[(round(float(k.ratio), RATIO_DECIMALS), k.task, display_label(k))]
+        label = display_label(k)
+        table.points.setdefault(label, k.point)
+        acc = sums[(round(float(k.ratio), RATIO_DECIMALS), k.task, label)]
         acc[0] += float(r.score)
         acc[1] += 1
-    table: ScoreTable = {}
     for (ratio, task, policy), (total, n) in sorted(sums.items()):
         table.setdefault(ratio, {}).setdefault(task, {})[policy] = (total / n, n)
     return table
@@ -77,7 +84,7 @@ def full_reference(table: ScoreTable) -> dict[str, tuple[float, int]]:
     """Per-task ``full`` scores, from the rows :func:`~kvsieve.harness.pairing.reference_key` names (the lowest ratio
     where ``full`` was evaluated, normally 0)."""
     keys = {(policy, ratio) for ratio, by_task in table.items() for row in by_task.values() for policy in row}
-    key = reference_key(keys, FULL_CACHE)
+    key = reference_key(keys, FULL_POINT)
     if key is None:
         return {}
     name, ratio = key
@@ -93,7 +100,7 @@ def _columns(table: ScoreTable, ratio: float) -> tuple[list[str], list[str], dic
     for task, by_policy in table.get(ratio, {}).items():
         for policy, (mean, _) in by_policy.items():
             cells[task][policy] = mean
-    policies = display_order(p for row in cells.values() for p in row)
+    policies = display_order(table.points[p] for row in cells.values() for p in row)
     return tasks, policies, cells
 
 
@@ -154,7 +161,7 @@ def format_summary(table: ScoreTable, digits: int = 1) -> str:
             value = _average(cells, tasks, policy)
             rows.setdefault(policy, [MISSING] * len(ratios))[i] = MISSING if value is None else f"{value:.{digits}f}"
     lines = ["| policy | " + " | ".join(f"{r:g}" for r in ratios) + " |", "|---|" + "---:|" * len(ratios)]
-    lines += [f"| {p} | " + " | ".join(rows[p]) + " |" for p in display_order(rows)]
+    lines += [f"| {p} | " + " | ".join(rows[p]) + " |" for p in display_order(table.points[p] for p in rows)]
     return "\n".join(lines) + "\n"
 
 
@@ -165,10 +172,13 @@ def format_failures(failures: Iterable[FailedCell], results: Iterable[CellResult
     for r in results:
         scored[(display_label(r.key), round(float(r.key.ratio), RATIO_DECIMALS))] += 1
     groups: dict[tuple[str, float], list[FailedCell]] = defaultdict(list)
+    points: dict[str, Point] = {}
     for f in failures:
-        groups[(display_label(f.key), round(float(f.key.ratio), RATIO_DECIMALS))].append(f)
+        label = display_label(f.key)
+        points.setdefault(label, f.key.point)
+        groups[(label, round(float(f.key.ratio), RATIO_DECIMALS))].append(f)
     lines = ["| policy | ratio | failed | scored | first reason |", "|---|---:|---:|---:|---|"]
-    for (policy, ratio), items in sorted(groups.items(), key=lambda kv: (Point.parse(kv[0][0]).sort_key, kv[0][1])):
+    for (policy, ratio), items in sorted(groups.items(), key=lambda kv: (points[kv[0][0]].sort_key, kv[0][1])):
         reason = items[0].reason.replace("|", "/")[:200]
         lines.append(f"| {policy} | {ratio:g} | {len(items)} | {scored.get((policy, ratio), 0)} | {reason} |")
     return "\n".join(lines) + "\n"

@@ -14,9 +14,9 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from kvsieve.harness.report import ScoreTable, by_model, full_reference, is_reference, one_model, requests, score_table
+from kvsieve.harness.report import ScoreTable, by_model, full_reference, one_model, requests, score_table
 from kvsieve.harness.store import CellResult
-from kvsieve.policies.label import FULL_CACHE, display_order
+from kvsieve.policies.label import FULL_CACHE, Point, display_order
 
 __all__ = ["line_styles", "plot_scores", "plot_task_panels", "scores_figure", "task_panels_figure", "write_plots"]
 
@@ -52,18 +52,21 @@ _REFERENCE_STYLE = "--"
 Style = tuple[str, str, str]  # (colour, line style, marker)
 
 
-def line_styles(policies: Iterable[str]) -> dict[str, Style]:
-    """A distinct (colour, line style, marker) per policy, in :func:`~kvsieve.policies.label.display_order`;
-    reference policies dashed."""
+def line_styles(points: Iterable[Point]) -> dict[str, Style]:
+    """A distinct (colour, line style, marker) per policy (its points' display label), in
+    :func:`~kvsieve.policies.label.display_order`; reference policies dashed."""
+    points = list(points)
+    reference = {p.display for p in points if p.is_reference}
     styles: dict[str, Style] = {}
-    for i, policy in enumerate(display_order(policies)):
-        linestyle = _REFERENCE_STYLE if is_reference(policy) else _LINESTYLES[(i // len(_COLORS)) % len(_LINESTYLES)]
+    for i, policy in enumerate(display_order(points)):
+        linestyle = _REFERENCE_STYLE if policy in reference else _LINESTYLES[(i // len(_COLORS)) % len(_LINESTYLES)]
         styles[policy] = (_COLORS[i % len(_COLORS)], linestyle, _MARKERS[i % len(_MARKERS)])
     return styles
 
 
 def _draw(ax, table: ScoreTable, tasks: Sequence[str], styles: dict[str, Style]) -> None:
-    for policy, points in sorted(_curves(table, tasks).items(), key=lambda kv: (is_reference(kv[0]), kv[0])):
+    for policy, points in sorted(_curves(table, tasks).items(),
+                                 key=lambda kv: (table.points[kv[0]].is_reference, kv[0])):
         xs, ys = zip(*points, strict=True)
         color, linestyle, marker = styles[policy]
         ax.plot(xs, ys, marker=marker, markersize=4, label=policy, color=color, linestyle=linestyle, linewidth=1.2)
@@ -80,7 +83,8 @@ def _prepare(results: Iterable[CellResult]) -> tuple[ScoreTable, list[str], dict
     if not table:
         raise ValueError("no results to plot")
     tasks = sorted({task for by_task in table.values() for task in by_task})
-    styles = line_styles({p for by_task in table.values() for row in by_task.values() for p in row} - {FULL_CACHE})
+    names = {p for by_task in table.values() for row in by_task.values() for p in row} - {FULL_CACHE}
+    styles = line_styles(table.points[p] for p in names)
     return table, tasks, styles, str(model), requests(rows)
 
 
@@ -154,7 +158,7 @@ def task_panels_figure(results: Iterable[CellResult], ncols: int = 3):
             handles.setdefault(label, handle)
     fig.suptitle(f"{model}: score by task, n = {n} requests")
     fig.tight_layout()
-    labels = display_order(handles)
+    labels = display_order(table.points[label] for label in handles)
     fig.legend([handles[label] for label in labels], labels, loc="center left", bbox_to_anchor=(1.0, 0.5),
                fontsize="small", ncol=_legend_columns(len(labels)))
     return fig

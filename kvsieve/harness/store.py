@@ -9,6 +9,15 @@ The file uses WAL journaling, so readers (reports, dashboards) never block the w
 Each row records its provenance (``harness/provenance.py``: machine, threads, dtype, versions, code revision)
 in the ``provenance`` column; stores written before that column existed gain it on their first write, and
 their old rows read back with ``provenance=None`` (unknown). Reading never changes a store.
+
+Each row keeps its point (:class:`~kvsieve.policies.label.Point`) in structured form beside its key (schema 2):
+``spec`` (the policy spec, without the mode), ``chunk_size`` and ``evict_every`` (the mode; 0 and 1 for prefill)
+and ``recall`` (its :class:`~kvsieve.recall.Recall`'s fields as a JSON object, NULL without one); with the
+``ratio`` and ``question_aware`` columns they are the point, and every key read back carries it
+(:attr:`CellKey.point`), so no report reads a label's text. The ``policy`` column still holds the stored label: the
+key rows are matched by. A store written before (schema 1) gets its rows' points derived once from their labels,
+by :meth:`ResultsStore.store_points` (``python -m kvsieve.harness.migrate``, or its first write); until then it is
+read by deriving them in memory, the same way.
 """
 
 from __future__ import annotations
@@ -17,20 +26,25 @@ import json
 import sqlite3
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from kvsieve.harness.provenance import current as current_provenance
-from kvsieve.policies.label import Point
+from kvsieve.policies.label import Mode, Point
+from kvsieve.recall import Recall
 
-__all__ = ["SCHEMA_VERSION", "TIMING_CONFIG_KEYS", "CellKey", "CellResult", "FailedCell", "ResultsStore",
-           "SchemaVersionError", "read_stores"]
+__all__ = ["POINT_COLUMNS", "SCHEMA_VERSION", "TIMING_CONFIG_KEYS", "CellKey", "CellResult", "FailedCell",
+           "ResultsStore", "SchemaVersionError", "read_stores"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: each row's point in structured form (POINT_COLUMNS)
 RATIO_DECIMALS = 6
 
 KEY_COLUMNS = ("model", "task", "length", "sample_id", "policy", "ratio", "question_aware")
+# a row's point besides its ratio and question-awareness (key columns): the spec and the mode (Point, Mode, Recall)
+POINT_COLUMNS = ("spec", "chunk_size", "evict_every", "recall")
+_POINT_TYPES = {"spec": "TEXT", "chunk_size": "INTEGER", "evict_every": "INTEGER", "recall": "TEXT"}
 # timings a shared-grid cell records in its config, beside the prefill/decode columns: the prefill its
 # sample's cells share and the cell's own compression, both timed in one process (the headline's overhead)
 TIMING_CONFIG_KEYS = ("prefill_only_seconds", "compress_seconds")
@@ -44,6 +58,8 @@ _KEY_DDL = """    model TEXT NOT NULL,
     ratio REAL NOT NULL,
     question_aware INTEGER NOT NULL,
 """
+# both tables' point columns (nullable: a store written before them gains them by ALTER TABLE, then filled)
+_POINT_DDL = "".join(f"    {col} {_POINT_TYPES[col]},\n" for col in POINT_COLUMNS)
 
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS schema_version (
@@ -51,7 +67,7 @@ CREATE TABLE IF NOT EXISTS schema_version (
 );
 CREATE TABLE IF NOT EXISTS cells (
     id INTEGER PRIMARY KEY,
-{_KEY_DDL}    prediction TEXT NOT NULL,
+{_KEY_DDL}{_POINT_DDL}    prediction TEXT NOT NULL,
     score REAL NOT NULL,
     answers TEXT NOT NULL,
     kept_tokens INTEGER NOT NULL,
@@ -69,8 +85,8 @@ CREATE INDEX IF NOT EXISTS cells_policy ON cells (policy, ratio);
 
 _VALUE_COLUMNS = ("prediction", "score", "answers", "kept_tokens", "cache_bytes", "cache_bytes_full",
                   "prefill_seconds", "decode_seconds", "config", "created_at", "provenance")
-_INSERT = (f"INSERT OR IGNORE INTO cells ({', '.join(KEY_COLUMNS + _VALUE_COLUMNS)}) "
-           f"VALUES ({', '.join('?' * (len(KEY_COLUMNS) + len(_VALUE_COLUMNS)))})")
+_INSERT = (f"INSERT OR IGNORE INTO cells ({', '.join(KEY_COLUMNS + POINT_COLUMNS + _VALUE_COLUMNS)}) "
+           f"VALUES ({', '.join('?' * (len(KEY_COLUMNS) + len(POINT_COLUMNS) + len(_VALUE_COLUMNS)))})")
 _MATCH_KEY = " AND ".join(f"c.{col} = k.{col}" for col in KEY_COLUMNS)
 
 
@@ -78,13 +94,39 @@ class SchemaVersionError(ValueError):
     """The store was written by a newer (or unknown) version of kvsieve."""
 
 
+@lru_cache(maxsize=65536)
+def _point_of_label(policy: str, ratio: float, question_aware: bool) -> Point:
+    """A stored key's label, ratio and question-awareness read as a point: the one place a row's label is read as
+    text, for the migration of a store written before rows kept their point (:meth:`ResultsStore.store_points`), for
+    such a store read before it is migrated (in memory: reading never changes a store), and for a key written by hand
+    from its text (``CellKey("m", "t", 1024, "s0", "tova@decode64", 0.5, False)``)."""
+    return Point(policy, ratio, question_aware)
+
+
+@lru_cache(maxsize=65536)
+def _stored_point(spec: str, ratio: float, question_aware: bool, chunk_size: int, evict_every: int,
+                  recall: str | None) -> Point:
+    """A row's point from its structured columns (no label is read)."""
+    mode = Mode(int(chunk_size), int(evict_every), Recall(**json.loads(recall)) if recall else None)
+    return Point(spec, ratio, question_aware, mode)
+
+
+def _point_columns(point: Point) -> tuple:
+    """``point`` as its row keeps it (:data:`POINT_COLUMNS`)."""
+    recall = point.mode.recall
+    return (point.spec, point.chunk_size, point.evict_every,
+            json.dumps(asdict(recall), sort_keys=True) if recall is not None else None)
+
+
 @dataclass(frozen=True)
 class CellKey:
     """Identifies one evaluated cell. Hashable, so it can live in sets and dict keys.
 
-    ``policy`` is a canonical policy spec string such as ``snapkv`` or ``snapkv(window=32)``;
+    ``policy`` is the point's stored label such as ``snapkv``, ``snapkv(window=32)`` or ``tova@decode64``;
     ``ratio`` is the compression ratio (fraction of the cache removed; ``0`` for the full cache) and is
-    compared after rounding to 6 decimals.
+    compared after rounding to 6 decimals. ``point`` is the cell's :class:`Point`: given by :meth:`of`, built from
+    the row's structured columns when read back from a store (what reports use: they never read the label's text);
+    a key written with its label alone gets its point read from the label. Keys are equal by the columns above.
     """
 
     model: str
@@ -94,12 +136,24 @@ class CellKey:
     policy: str
     ratio: float
     question_aware: bool
+    point: Point = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        point = self.point
+        if point is None:
+            object.__setattr__(self, "point", _point_of_label(str(self.policy), float(self.ratio),
+                                                              bool(self.question_aware)))
+        elif not isinstance(point, Point) or (point.stored, point.question_aware) != (self.policy,
+                                                                                      bool(self.question_aware)) \
+                or round(point.ratio, RATIO_DECIMALS) != round(float(self.ratio), RATIO_DECIMALS):
+            raise ValueError(f"cell key {self.policy!r} at ratio {self.ratio!r} (question-aware: "
+                             f"{self.question_aware!r}) was given another point: {point!r}")
 
     @classmethod
     def of(cls, model: str, task: str, length: int, sample_id: str, point: Point) -> CellKey:
         """The key of ``point`` evaluated on one sample: its stored label, ratio and question-awareness (the
         one place a key is built from a point; a key read back from a row is built from its columns)."""
-        return cls(model, task, length, sample_id, point.stored, point.ratio, point.question_aware)
+        return cls(model, task, length, sample_id, point.stored, point.ratio, point.question_aware, point)
 
     def as_row(self) -> tuple:
         """The key as stored: ratio rounded, booleans as integers."""
@@ -142,7 +196,7 @@ class FailedCell:
 _FAILED_SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS failed_cells (
     id INTEGER PRIMARY KEY,
-{_KEY_DDL}    reason TEXT NOT NULL,
+{_KEY_DDL}{_POINT_DDL}    reason TEXT NOT NULL,
     config TEXT NOT NULL,
     created_at REAL NOT NULL,
     UNIQUE ({", ".join(KEY_COLUMNS)})
@@ -157,16 +211,28 @@ def _result_row(result: CellResult) -> tuple:
         provenance = json.dumps(result.provenance or current_provenance(result.config.get("dtype")), sort_keys=True)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"config of cell {result.key} is not JSON serialisable: {exc}") from exc
-    return result.key.as_row() + (
+    return result.key.as_row() + _point_columns(result.key.point) + (
         str(result.prediction), float(result.score), answers, int(result.kept_tokens), int(result.cache_bytes),
         int(result.cache_bytes_full), float(result.prefill_seconds), float(result.decode_seconds), config,
         time.time(), provenance,
     )
 
 
-def _from_row(row: sqlite3.Row) -> CellResult:
-    key = CellKey(model=row["model"], task=row["task"], length=row["length"], sample_id=row["sample_id"],
-                  policy=row["policy"], ratio=row["ratio"], question_aware=bool(row["question_aware"]))
+def _key_of(row: sqlite3.Row, structured: bool) -> CellKey:
+    """A row's key with its point: from its point columns (``structured``), or from its label (a store not migrated,
+    read in memory)."""
+    question_aware = bool(row["question_aware"])
+    if structured:
+        point = _stored_point(row["spec"], row["ratio"], question_aware, row["chunk_size"], row["evict_every"],
+                              row["recall"])
+    else:
+        point = _point_of_label(row["policy"], row["ratio"], question_aware)
+    return CellKey(row["model"], row["task"], row["length"], row["sample_id"], row["policy"], row["ratio"],
+                   question_aware, point)
+
+
+def _from_row(row: sqlite3.Row, structured: bool) -> CellResult:
+    key = _key_of(row, structured)
     return CellResult(key=key, prediction=row["prediction"], score=row["score"], answers=json.loads(row["answers"]),
                       kept_tokens=row["kept_tokens"], cache_bytes=row["cache_bytes"],
                       cache_bytes_full=row["cache_bytes_full"], prefill_seconds=row["prefill_seconds"],
@@ -242,7 +308,9 @@ class ResultsStore:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
-        self._has_provenance = "provenance" in {r[1] for r in conn.execute("PRAGMA table_info(cells)")}
+        columns = {r[1] for r in conn.execute("PRAGMA table_info(cells)")}
+        self._has_provenance = "provenance" in columns
+        self._has_points = set(POINT_COLUMNS) <= columns
 
     def _add_provenance_column(self) -> None:
         """Migrate a store written before rows recorded provenance: the column, NULL (unknown) for old rows.
@@ -254,6 +322,68 @@ class ResultsStore:
                 if "duplicate column" not in str(exc):
                     raise
             self._has_provenance = True
+
+    @property
+    def points_stored(self) -> bool:
+        """Whether the rows keep their points in structured form (schema 2); False: a store written before, read by
+        deriving each row's point from its label until :meth:`store_points` migrates it."""
+        return self._has_points
+
+    def _tables(self) -> list[str]:
+        found = {r[0] for r in self.conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        return [t for t in ("cells", "failed_cells") if t in found]
+
+    def unstored_points(self) -> int:
+        """Rows and failed cells whose point the store does not yet keep in structured form (0 once migrated)."""
+        total = 0
+        for table in self._tables():
+            columns = {r[1] for r in self.conn.execute(f"PRAGMA table_info({table})")}
+            where = " WHERE spec IS NULL" if "spec" in columns else ""
+            total += self.conn.execute(f"SELECT COUNT(*) FROM {table}{where}").fetchone()[0]
+        return total
+
+    def store_points(self) -> int:
+        """Migrate a store written before rows kept their point (schema 1): add the point columns and fill them, each
+        distinct label, ratio and question-awareness read once from its text (the one place a stored label is
+        parsed), then mark the store schema 2; all in one transaction. A label that does not read as a point stops
+        it, naming the label, with nothing changed. Done by ``python -m kvsieve.harness.migrate`` and by the first
+        write; a no-op on a migrated store. Returns the rows and failed cells given their point."""
+        conn = self.conn
+        conn.execute("BEGIN IMMEDIATE")
+        filled = 0
+        try:
+            for table in self._tables():  # looked at under the write lock: another writer may have migrated it
+                columns = {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}
+                for col in POINT_COLUMNS:
+                    if col not in columns:
+                        conn.execute(f"ALTER TABLE {table} ADD COLUMN {col} {_POINT_TYPES[col]}")
+                labels = conn.execute(f"SELECT DISTINCT policy, ratio, question_aware FROM {table} "
+                                      "WHERE spec IS NULL").fetchall()
+                for policy, ratio, question_aware in labels:
+                    try:
+                        point = _point_of_label(policy, ratio, bool(question_aware))
+                    except ValueError as err:
+                        raise ValueError(f"results store {self.path}: the label {policy!r} at ratio {ratio!r} "
+                                         f"({table}) does not read as a point ({err}); nothing was migrated") from None
+                    filled += conn.execute(
+                        f"UPDATE {table} SET {', '.join(f'{col} = ?' for col in POINT_COLUMNS)} WHERE policy = ? "
+                        "AND ratio = ? AND question_aware = ? AND spec IS NULL",
+                        _point_columns(point) + (policy, ratio, question_aware)).rowcount
+            if (conn.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0) < SCHEMA_VERSION:
+                conn.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        self._has_points = True
+        return filled
+
+    def _migrate_on_write(self) -> None:
+        """What a write needs of a store written before: the provenance column, the rows' points."""
+        self._add_provenance_column()
+        if not self._has_points:
+            self.store_points()
 
     # -- connection management -------------------------------------------------------------------------
 
@@ -286,14 +416,14 @@ class ResultsStore:
 
     def add(self, result: CellResult) -> bool:
         """Insert one cell and commit. Returns ``False`` (and changes nothing) if the key is already stored."""
-        self._add_provenance_column()
+        self._migrate_on_write()
         cursor = self.conn.execute(_INSERT, _result_row(result))
         return cursor.rowcount == 1
 
     def add_many(self, results: Iterable[CellResult]) -> int:
         """Insert many cells in one transaction; keys already stored are skipped. Returns the number inserted."""
         rows = [_result_row(r) for r in results]
-        self._add_provenance_column()
+        self._migrate_on_write()
         conn = self.conn
         before = conn.total_changes
         conn.execute("BEGIN IMMEDIATE")
@@ -308,16 +438,18 @@ class ResultsStore:
 
     def add_failed(self, failures: Iterable[FailedCell]) -> int:
         """Record failed cells (one transaction; a key failed before gets the newer reason). Returns how many."""
-        rows = [f.key.as_row() + (str(f.reason), json.dumps(f.config, sort_keys=True, default=str), time.time())
-                for f in failures]
+        rows = [f.key.as_row() + _point_columns(f.key.point)
+                + (str(f.reason), json.dumps(f.config, sort_keys=True, default=str), time.time()) for f in failures]
         if not rows:
             return 0
+        self._migrate_on_write()  # an old failed_cells table gains its points before this one is (not) made
         conn = self.conn
         conn.execute(_FAILED_SCHEMA)
         conn.execute("BEGIN IMMEDIATE")
         try:
-            conn.executemany(f"INSERT OR REPLACE INTO failed_cells ({', '.join(KEY_COLUMNS)}, reason, config, "
-                             f"created_at) VALUES ({', '.join('?' * (len(KEY_COLUMNS) + 3))})", rows)
+            columns = KEY_COLUMNS + POINT_COLUMNS
+            conn.executemany(f"INSERT OR REPLACE INTO failed_cells ({', '.join(columns)}, reason, config, "
+                             f"created_at) VALUES ({', '.join('?' * (len(columns) + 3))})", rows)
             conn.execute("COMMIT")
         except BaseException:
             if conn.in_transaction:
@@ -328,8 +460,9 @@ class ResultsStore:
     def rename_policies(self, renames: dict[str, str]) -> int:
         """Store the rows and failed cells of each label ``old`` of ``renames`` under its ``new`` label, all in one
         transaction (a migration of keys, ``kvsieve/harness/migrate.py``); each row's config records its point under
-        the new label and the key it had (``renamed_from``). Returns the rows renamed. ``ValueError``, changing
-        nothing, when a cell would be stored twice under a new label."""
+        the new label and the key it had (``renamed_from``), and its stored point the new label's spec. Returns the rows
+        renamed. ``ValueError``, changing nothing, when a cell would be stored twice under a new label."""
+        self._migrate_on_write()
         conn = self.conn
         failed = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'failed_cells'").fetchone()
         same = " AND ".join(f"c.{col} = k.{col}" for col in KEY_COLUMNS if col != "policy")
@@ -337,15 +470,17 @@ class ResultsStore:
         conn.execute("BEGIN IMMEDIATE")
         try:
             for old, new in renames.items():
+                old_spec, new_spec = Point(old).spec, Point(new).spec  # labels a migration was given, read as text
                 conn.execute("UPDATE cells SET config = json_set(config, '$.cell.policy', ?) "
                              "WHERE policy = ? AND json_extract(config, '$.cell.policy') = ?",
-                             (Point(new).spec, old, Point(old).spec))
-                renamed += conn.execute("UPDATE cells SET policy = ?, config = json_set(config, '$.renamed_from', ?) "
-                                        "WHERE policy = ?", (new, old, old)).rowcount
+                             (new_spec, old, old_spec))
+                renamed += conn.execute("UPDATE cells SET policy = ?, spec = ?, "
+                                        "config = json_set(config, '$.renamed_from', ?) WHERE policy = ?",
+                                        (new, new_spec, old, old)).rowcount
                 if failed is not None:  # a cell failed under both labels: the new label's failure stays
                     conn.execute(f"DELETE FROM failed_cells AS k WHERE k.policy = ? AND EXISTS "
                                  f"(SELECT 1 FROM failed_cells AS c WHERE c.policy = ? AND {same})", (old, new))
-                    conn.execute("UPDATE failed_cells SET policy = ? WHERE policy = ?", (new, old))
+                    conn.execute("UPDATE failed_cells SET policy = ?, spec = ? WHERE policy = ?", (new, new_spec, old))
             conn.execute("COMMIT")
         except sqlite3.IntegrityError as exc:
             conn.execute("ROLLBACK")
@@ -369,9 +504,7 @@ class ResultsStore:
         where = (where + " AND" if where else " WHERE") + f" NOT EXISTS (SELECT 1 FROM cells AS c WHERE {scored})"
         out = []
         for r in self.conn.execute(f"SELECT * FROM failed_cells AS k{where} ORDER BY id", params):
-            key = CellKey(model=r["model"], task=r["task"], length=r["length"], sample_id=r["sample_id"],
-                          policy=r["policy"], ratio=r["ratio"], question_aware=bool(r["question_aware"]))
-            out.append(FailedCell(key, r["reason"], json.loads(r["config"])))
+            out.append(FailedCell(_key_of(r, self._has_points), r["reason"], json.loads(r["config"])))
         return out
 
     def has(self, key: CellKey) -> bool:
@@ -424,14 +557,15 @@ class ResultsStore:
         (``model=``, ``task=``, ``length=``, ``sample_id=``, ``policy=``, ``ratio=``, ``question_aware=``);
         a list / tuple / set value matches any of its elements."""
         where, params = self._where(filters)
-        return [_from_row(r) for r in self.conn.execute(f"SELECT * FROM cells{where} ORDER BY id", params)]
+        return [_from_row(r, self._has_points)
+                for r in self.conn.execute(f"SELECT * FROM cells{where} ORDER BY id", params)]
 
     def keys(self, **filters: Any) -> list[CellKey]:
         """Stored keys in insertion order, with the same filters as :meth:`rows`."""
         where, params = self._where(filters)
-        sql = f"SELECT {', '.join(KEY_COLUMNS)} FROM cells{where} ORDER BY id"
-        return [CellKey(model=r[0], task=r[1], length=r[2], sample_id=r[3], policy=r[4], ratio=r[5],
-                        question_aware=bool(r[6])) for r in self.conn.execute(sql, params)]
+        columns = KEY_COLUMNS + (POINT_COLUMNS if self._has_points else ())
+        sql = f"SELECT {', '.join(columns)} FROM cells{where} ORDER BY id"
+        return [_key_of(r, self._has_points) for r in self.conn.execute(sql, params)]
 
     def dtypes(self, **filters: Any) -> set[str]:
         """The dtypes the stored cells were computed in (their config's ``dtype``), with the same filters as

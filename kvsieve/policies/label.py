@@ -13,11 +13,13 @@ decode-time eviction (the context read in chunks of N tokens), ``SPEC@decodeNeE`
 evicted every E > 1 of them. Display form (tables, plots, comparisons): the stored form with ``+qa`` appended
 for a question-aware row (the question kept out of compression; the store keeps that in its own column).
 
-:meth:`Point.parse` and :attr:`Point.stored` / :attr:`Point.display` are the one parser and formatter of both
-forms: nothing else in kvsieve splits or builds a label. The stored text forms are unchanged, so every store,
-contract and config written before still reads. Reading a point opens no file: a store holds labels of program files
-and checkpoints that may no longer exist, and its tables must still be drawn. A family that is no longer registered
-(rows of an older kvsieve) reads as an ordinary compressing policy, not a reference.
+:meth:`Point.parse` and :attr:`Point.stored` / :attr:`Point.display` are the one parser and formatter of both forms:
+nothing else in kvsieve splits or builds a label. A label is read as text only where text comes in: a user's flag
+(``--policies``, ``--compare``), a contract file, and the migration of a results store written before the store kept
+each row's point in structured form (``harness/store.py``); reports take the points the store hands back. The stored
+text forms are unchanged, so every store, contract and config written before still reads. Reading a point opens no file:
+a store holds labels of program files and checkpoints that may no longer exist, and its tables must still be drawn. A
+family that is no longer registered (rows of an older kvsieve) reads as an ordinary compressing policy, not a reference.
 """
 
 from __future__ import annotations
@@ -330,6 +332,8 @@ class Point:
         return not self.is_full, self.is_reference, self.display
 
 
-def display_order(labels: Iterable[str]) -> list[str]:
-    """Labels (display or stored form), once each, in :attr:`Point.sort_key` order: every table and legend's order."""
-    return sorted(set(labels), key=lambda text: Point.parse(text).sort_key)
+def display_order(points: Iterable[Point]) -> list[str]:
+    """The display labels of ``points``, once each, in :attr:`Point.sort_key` order: every table and legend's order.
+    It takes points, not labels: a report knows each label's point from its rows (the store keeps it), so no label's
+    text is read back here."""
+    return [p.display for p in sorted({p.display: p for p in points}.values(), key=lambda p: p.sort_key)]

@@ -13,7 +13,7 @@ sinks, window and question kept on top of the ratio's budget, so it is above ``1
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import InitVar, asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -78,13 +78,16 @@ class CandidateResult:
     certified: bool
     kept_fraction: float  # mean cache bytes kept / full
     setting: str = ""  # Point.setting: query-agnostic / question-aware prefill, or decode-time eviction
+    point: InitVar[Point | None] = None  # the candidate, given by certify; not a field: a contract keeps the above
 
-    def __post_init__(self) -> None:
-        self.setting = self.setting or self.candidate.setting  # contracts written before it: derived
+    def __post_init__(self, point: Point | None) -> None:
+        # a contract read back gives the candidate's stored label: read once, here (the contract file's form)
+        self._candidate = point if point is not None else Point.parse(self.policy, self.ratio, self.question_aware)
+        self.setting = self.setting or self._candidate.setting  # contracts written before it: derived
 
     @property
     def candidate(self) -> Point:
-        return Point.parse(self.policy, self.ratio, self.question_aware)
+        return self._candidate
 
 
 @dataclass
@@ -228,7 +231,7 @@ def certify(table: LossTable, contract: Contract, seed: int = 0) -> Certificatio
         counts = chains_rejected([[pvals[c] for c in chain] for chain in chains], contract.delta, contract.correction)
         certified = {c for chain, k in zip(chains, counts) for c in chain[:k]}
     results = [CandidateResult(c.policy, c.ratio, c.question_aware, risks[c], pvals[c], c in certified,
-                               table.kept_fraction.get(c, c.retention), c.setting) for c in candidates]
+                               table.kept_fraction.get(c, c.retention), c.setting, point=c) for c in candidates]
     chosen = _least_cache(sorted(certified), table)
     reason = "" if chosen else "no candidate certified: falling back to full KV"
     return Certification(contract.alpha, contract.delta, contract.epsilon, contract.loss, contract.correction, n,

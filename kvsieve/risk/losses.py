@@ -43,7 +43,8 @@ def candidates_for(policies: list[str], ratios: list[float], question_aware: boo
     Full-KV labels (``full``, ``full@decodeN``) are the reference, not candidates, and are dropped. Each candidate
     is a :class:`Point`, which refuses a ratio outside [0, 1) or a question-aware decode-time label, before any store
     is read. A file given by the path of a named program's or checkpoint's bytes is given by the name, as its rows
-    are stored (:func:`kvsieve.policies.registry.parse`).
+    are stored (:func:`kvsieve.policies.registry.parse`). ``policies`` are a user's labels (``--policies``): read as
+    text here, once, as input; the rows are then found by each point's stored key.
     """
     compressing = [_as_stored(p) for p in map(Point.parse, policies) if p.compresses]
     if not compressing or not ratios:

@@ -15,10 +15,11 @@ from kvsieve.config import load_config
 from kvsieve.harness.content import check_store
 from kvsieve.harness.grid import GridConfig, cells_for
 from kvsieve.harness.headline import headline_report
-from kvsieve.harness.migrate import migrate
+from kvsieve.harness.migrate import migrate, store_points
 from kvsieve.harness.store import CellKey, CellResult, ResultsStore
 from kvsieve.language.shipped_programs import PROGRAM_DIR, PROGRAMS
 from kvsieve.policies import parse
+from kvsieve.policies.label import Mode, Point
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "program:smollm2-pick"
@@ -79,6 +80,8 @@ def test_a_migrated_store_is_read_by_the_name_with_every_figure_unchanged(stored
         assert store.count(policy=NAME) == counts[old] and store.count(policy=kept) == counts[kept]
         row = store.rows(policy=NAME)[0]
         assert row.config["cell"]["policy"] == NAME and row.config["renamed_from"] == old
+        assert row.key.point.spec == NAME  # its stored point renamed with it
+        assert store.rows(policy=f"{NAME}@decode128")[0].key.point == Point(NAME, 0.75, mode=Mode(128))
     # the same report, the label aside; asked by the old path, the rows are found by its name
     after = headline_report([path], compare_pairs=pairs, resamples=500)
     assert after == before.replace(old, NAME)
@@ -112,14 +115,16 @@ def test_a_rename_onto_rows_already_under_the_name_refuses_a_cell_stored_twice(s
 
 
 def test_the_tracked_stores_are_migrated(monkeypatch):
-    """Every results store under results/ keys its rows of named programs and checkpoints by name (the labels of
-    files since removed, and rows of older bytes, are left as they are)."""
+    """Every results store under results/ keeps each row's point in structured form and keys its rows of named
+    programs and checkpoints by name (the labels of files since removed, and rows of older bytes, are left as they
+    are)."""
     monkeypatch.chdir(ROOT)  # stored paths are relative to the repository
     stores = sorted((ROOT / "results").glob("*.sqlite"))
     assert stores
     for path in stores:
         pending = [r for r in migrate(path, apply=False) if r.new]
         assert not pending, f"{path.name}: {pending}"
+        assert store_points(path, apply=False) == 0, path.name
     with ResultsStore(ROOT / "results/lmeval-ruler-qwen-4k-fresh.sqlite") as store:
         assert store.count(policy="program:qwen-pick-floor-high") == 204
     # the declared configs, by name or (as they were run) by path, find every one of their cells' labels stored

@@ -15,6 +15,7 @@ from kvsieve.harness.report_plots import (
     write_plots,
 )
 from kvsieve.harness.store import CellKey, CellResult, ResultsStore
+from kvsieve.policies.label import Point
 
 
 def cell(task: str, policy: str, ratio: float, score: float, sample: str = "s0", qa: bool = False,
@@ -46,7 +47,8 @@ def results() -> list[CellResult]:
 
 
 def test_reference_lines_are_dashed_and_an_unregistered_family_is_an_ordinary_line():
-    styles = line_styles(["snapkv", "snapkv+qa", "oracle", "oracle(window=16)", "gone_family(x=1)", "full"])
+    labels = ["snapkv", "snapkv+qa", "oracle", "oracle(window=16)", "gone_family(x=1)", "full"]
+    styles = line_styles(map(Point.parse, labels))
     assert {p for p, (_, linestyle, _) in styles.items() if linestyle == "--"} == {"snapkv+qa", "oracle",
                                                                                   "oracle(window=16)"}
     assert list(styles)[0] == "full"  # the full cache first, the references last
@@ -194,7 +196,7 @@ def many_policies(count: int = 31) -> list:
 
 
 def test_31_lines_have_distinct_styles_and_the_legend_is_outside():
-    styles = line_styles(f"p{i}" for i in range(70))
+    styles = line_styles(Point(f"p{i}") for i in range(70))
     assert len(set(styles.values())) == 70
     assert len({(c, m) for c, _, m in styles.values()}) == 70  # colour x marker alone tells them apart
 
@@ -231,10 +233,10 @@ def test_one_lookup_of_a_labels_full_cache_rows():
     from kvsieve.harness.store import CellKey, CellResult
 
     keys = {("full", 0.5), ("full", 0.25), ("snapkv", 0.5), ("full@decode64", 0.5), ("full@decode64", 0.0)}
-    assert reference_key(keys, "snapkv") == ("full", 0.25)
-    assert reference_key(keys, "snapkv+qa") == ("full", 0.25)
-    assert reference_key(keys, "tova@decode64") == ("full@decode64", 0.0)
-    assert reference_key(keys, "tova@decode32") is None
+    assert reference_key(keys, Point("snapkv")) == ("full", 0.25)
+    assert reference_key(keys, Point("snapkv", 0.5, True)) == ("full", 0.25)
+    assert reference_key(keys, Point.parse("tova@decode64")) == ("full@decode64", 0.0)
+    assert reference_key(keys, Point.parse("tova@decode32")) is None
 
     def row(policy, ratio, score):
         return CellResult(CellKey("m", "t", 1, "0", policy, ratio, False), "", score, ["a"], 1, 1, 1, 0.0, 0.0, {})

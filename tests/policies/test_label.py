@@ -224,6 +224,6 @@ def test_one_order_of_labels_for_every_table_and_legend():
     from kvsieve.policies.label import display_order
 
     names = ["snapkv", "oracle", "tova+qa", "full@decode64", "knorm", "full", "snapkv", "unregistered_family"]
-    assert display_order(names) == ["full", "full@decode64", "knorm", "snapkv", "unregistered_family", "oracle",
-                                    "tova+qa"]
+    assert display_order(map(Point.parse, names)) == ["full", "full@decode64", "knorm", "snapkv", "unregistered_family",
+                                                      "oracle", "tova+qa"]
     assert Point.parse("oracle").sort_key == (True, True, "oracle")
