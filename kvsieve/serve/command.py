@@ -22,11 +22,10 @@ from kvsieve.risk.runtime import CertifiedPolicy
 from kvsieve.serve.app import create_app
 from kvsieve.serve.arguments import add_arguments
 from kvsieve.serve.contexts import ContextCache
-from kvsieve.serve.decode_prefill import Scheduler  # decode-time points read by DecodePrefill
 from kvsieve.serve.errors import quoted
 from kvsieve.serve.points import PointSource
 from kvsieve.serve.reading import DEFAULT_READ_TIMEOUT, head_deadline_protocol
-from kvsieve.serve.scheduler import DEFAULT_PREFILL_CHUNK, Draining
+from kvsieve.serve.scheduler import DEFAULT_PREFILL_CHUNK, Draining, Scheduler
 from kvsieve.serve.server_metrics import Metrics
 from kvsieve.serve.state import ServerState
 

@@ -18,8 +18,7 @@ So a request at a decode-time point keeps, generates and answers what ``kvsieve 
 (``tests/serve/test_serve_decode_eviction.py`` compares the two bit for bit). A policy that fails while the prompt
 is read is answered at full KV with the reason, as a prefill point's is.
 
-:func:`prefill_for` picks the prefill a request's point needs. Until the scheduler calls it, :class:`Scheduler`
-(what ``build_state`` builds) swaps the prefill of each decode-time job it admits for a :class:`DecodePrefill`.
+:func:`prefill_for` picks the prefill a request's point needs; the scheduler calls it for every job it admits.
 """
 
 from __future__ import annotations
@@ -32,12 +31,11 @@ from transformers.cache_utils import DynamicCache
 from kvsieve.engine.attach import open_session, resume
 from kvsieve.engine.cache import cache_bytes, full_cache_bytes, sieve_layers
 from kvsieve.prompt import Prompt
-from kvsieve.serve import scheduler
 from kvsieve.serve.decode_eviction import hold_room
 from kvsieve.serve.generation import CacheInfo, Prefill
 from kvsieve.serve.points import ChosenPoint
 
-__all__ = ["DecodePrefill", "Scheduler", "prefill_for"]
+__all__ = ["DecodePrefill", "prefill_for"]
 
 
 class DecodePrefill:
@@ -144,17 +142,3 @@ def prefill_for(model, prompt: Prompt, chosen: ChosenPoint, max_tokens: int, *ar
     if setting.mode.is_decode and setting.compresses:
         return DecodePrefill(model, prompt, chosen, max_tokens)
     return Prefill(model, prompt, chosen, max_tokens, *args, **kwargs)
-
-
-class Scheduler(scheduler.Scheduler):
-    """The server's scheduler, each decode-time job it admits read by a :class:`DecodePrefill`.
-
-    Transitional: ``scheduler.Scheduler._admit`` builds every job's ``Prefill`` itself; once it calls
-    :func:`prefill_for` instead, this subclass goes and ``build_state`` builds ``scheduler.Scheduler``."""
-
-    def _admit(self) -> None:
-        super()._admit()
-        for job in self._prefilling:  # admitted in this call: nothing read yet
-            setting = job.chosen.setting
-            if setting.mode.is_decode and setting.compresses and isinstance(job.prefill, Prefill):
-                job.prefill = DecodePrefill(self.model, job.prompt, job.chosen, job.max_tokens)

@@ -6,8 +6,9 @@
    the next one's fit the budget;
 2. at most ``prefill_chunk`` prompt tokens of prefill, taken from the admitted requests still being prefilled, oldest
    first (:class:`~kvsieve.serve.generation.Prefill`: chunks read under the request's own ``kvsieve.attach``, the
-   compression at its point once its context is read, then its question); a request whose prefill ends joins the
-   running decode batch (``stack_caches``);
+   compression at its point once its context is read, then its question; a decode-time point's
+   :class:`~kvsieve.serve.decode_prefill.DecodePrefill` evicts after each chunk as the grid did); a request whose
+   prefill ends joins the running decode batch (``stack_caches``);
 3. one decode step: every running row's next token, one batched forward of all of them under
    ``attach(model, FullCache())`` (nothing is compressed then; kvsieve's attention reads the ragged rows), each row at
    its own position. A finished or cancelled row leaves the batch (``batch_select_indices``) and its bytes return to
@@ -61,6 +62,7 @@ from kvsieve.policy import FullCache
 from kvsieve.prompt import Prompt
 from kvsieve.serve.contexts import ContextCache, StoredContext
 from kvsieve.serve.decode_eviction import BudgetViolation, RowCap, evict_rows, hold_room, row_cap, stack_rows
+from kvsieve.serve.decode_prefill import DecodePrefill, prefill_for
 from kvsieve.serve.generation import CacheInfo, Cancelled, Completion, Prefill, bytes_per_token
 from kvsieve.serve.points import ChosenPoint
 from kvsieve.serve.server_metrics import Metrics
@@ -103,7 +105,7 @@ class Job:
     charge: int = 0  # bytes charged now
     started_at: float | None = None  # admitted
     # prefill and decoding state
-    prefill: Prefill | None = None
+    prefill: Prefill | DecodePrefill | None = None
     tokens: list[int] = field(default_factory=list)
     position: int = 0
     info: CacheInfo | None = None
@@ -264,12 +266,16 @@ class Scheduler:
                 self._set_charge(job, job.need)
                 job.started_at = time.perf_counter()
                 scope = job.scope if self._may_store(job.chosen) else None
-                job.prefill = Prefill(self.model, job.prompt, job.chosen, job.max_tokens, context, scope)
+                job.prefill = prefill_for(self.model, job.prompt, job.chosen, job.max_tokens, context, scope)
                 self._prefilling.append(job)
 
     def _may_store(self, chosen: ChosenPoint) -> bool:
-        """Whether a request at ``chosen`` reuses and stores contexts: a query-agnostic one's, with a context cache."""
-        return self.contexts is not None and not chosen.setting.protects_question
+        """Whether a request at ``chosen`` reuses and stores contexts, with a context cache: a query-agnostic prefill
+        point's (a question-aware one compresses with its question; a decode-time one reads its prompt under
+        eviction, which a stored context would skip)."""
+        setting = chosen.setting
+        return (self.contexts is not None and not setting.protects_question
+                and not (setting.mode.is_decode and setting.compresses))
 
     def _stored_context(self, job: Job) -> StoredContext | None:
         if not self._may_store(job.chosen):
