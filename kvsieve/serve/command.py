@@ -29,8 +29,8 @@ from kvsieve.serve.scheduler import DEFAULT_PREFILL_CHUNK, Draining, Scheduler
 from kvsieve.serve.server_metrics import Metrics
 from kvsieve.serve.state import ServerState
 
-__all__ = ["add_arguments", "run", "point_source", "build_state", "parse_budget", "free_memory", "total_memory",
-           "serve"]
+__all__ = ["add_arguments", "run", "point_source", "build_state", "checked_points", "parse_budget", "free_memory",
+           "state_from_args", "total_memory", "serve"]
 
 
 def point_source(model: str, contract: str | None = None, policy: str | None = None, ratio: float | None = None,
@@ -194,30 +194,43 @@ def serve(state: ServerState, host: str = "127.0.0.1", port: int = 8000, sock: s
     return server
 
 
+def checked_points(args: argparse.Namespace) -> PointSource:
+    """The server's points, and every check of ``kvsieve serve``'s flags that needs no model: made before the model
+    loads (and before Ray starts a replica); raises ValueError or FileNotFoundError naming the bad flag."""
+    points = point_source(args.model, args.contract, args.policy, args.ratio, args.question_aware,
+                          args.allow_override, args.evict_every, args.recall)
+    if not str(args.kv_budget).strip().endswith("%"):
+        parse_budget(args.kv_budget)  # a budget in bytes is checked before the model loads
+    if args.context_cache and not str(args.cold_budget).strip().endswith("%"):
+        parse_budget(args.cold_budget, None, "--cold-budget", 0)
+    if args.drain_timeout is not None and not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):
+        raise ValueError(f"--drain-timeout must be a finite number of seconds >= 0, got {args.drain_timeout!r}")
+    if not (math.isfinite(args.read_timeout) and args.read_timeout > 0):
+        raise ValueError(f"--read-timeout must be a finite number of seconds > 0, got {args.read_timeout!r}")
+    if args.prefill_chunk < 1:
+        raise ValueError(f"--prefill-chunk must be a positive number of tokens, got {args.prefill_chunk}")
+    return points
+
+
+def state_from_args(args: argparse.Namespace, model, tokenizer, points: PointSource) -> ServerState:
+    """``build_state`` with ``kvsieve serve``'s flags: one server's, or one replica's."""
+    return build_state(model, tokenizer, canonical_name(args.model), points, args.max_queue, None,
+                       args.max_tokens_limit, args.default_max_tokens, args.kv_budget,
+                       int(args.max_body_mb * (1 << 20)), args.prefill_chunk,
+                       args.cold_budget if args.context_cache else None, args.context_scope,
+                       read_timeout=args.read_timeout)
+
+
 def run(args) -> int:
     try:
-        points = point_source(args.model, args.contract, args.policy, args.ratio, args.question_aware,
-                              args.allow_override, args.evict_every, args.recall)
-        if not str(args.kv_budget).strip().endswith("%"):
-            parse_budget(args.kv_budget)  # a budget in bytes is checked before the model loads
-        if args.context_cache and not str(args.cold_budget).strip().endswith("%"):
-            parse_budget(args.cold_budget, None, "--cold-budget", 0)
-        if args.drain_timeout is not None and not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):
-            raise ValueError(f"--drain-timeout must be a finite number of seconds >= 0, got {args.drain_timeout!r}")
-        if not (math.isfinite(args.read_timeout) and args.read_timeout > 0):
-            raise ValueError(f"--read-timeout must be a finite number of seconds > 0, got {args.read_timeout!r}")
-        if args.prefill_chunk < 1:
-            raise ValueError(f"--prefill-chunk must be a positive number of tokens, got {args.prefill_chunk}")
+        points = checked_points(args)
     except (ValueError, FileNotFoundError) as err:
         print(f"kvsieve serve: error: {err}", file=sys.stderr)
         return 2
     name = canonical_name(args.model)
     model, tokenizer = load(args.model, args.dtype)  # once: every request shares it
     try:
-        state = build_state(model, tokenizer, name, points, args.max_queue, None, args.max_tokens_limit,
-                            args.default_max_tokens, args.kv_budget, int(args.max_body_mb * (1 << 20)),
-                            args.prefill_chunk, args.cold_budget if args.context_cache else None, args.context_scope,
-                            read_timeout=args.read_timeout)
+        state = state_from_args(args, model, tokenizer, points)
     except ValueError as err:  # a point that cannot run on this model, a budget that cannot be read
         print(f"kvsieve serve: error: {err}", file=sys.stderr)
         return 2

@@ -25,7 +25,6 @@ module (the CLI picks it).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import random
 import signal
@@ -48,7 +47,7 @@ from kvsieve.models import load
 from kvsieve.serve import asgi_call
 from kvsieve.serve.app import create_app
 from kvsieve.serve.asgi_call import HttpRequest
-from kvsieve.serve.command import build_state, parse_budget, point_source
+from kvsieve.serve.command import checked_points, state_from_args
 from kvsieve.serve.errors import error_body
 from kvsieve.serve.routing import ROUTINGS, context_key, rank
 
@@ -93,13 +92,9 @@ class Replica:
         if os.path.isdir(settings.cwd):
             os.chdir(settings.cwd)
         args = settings.args
-        points = point_source(args.model, args.contract, args.policy, args.ratio, args.question_aware,
-                              args.allow_override, args.evict_every, args.recall)
+        points = checked_points(args)
         model, tokenizer = load(args.model, args.dtype)
-        self.state = build_state(model, tokenizer, canonical_name(args.model), points, args.max_queue, None,
-                                 args.max_tokens_limit, args.default_max_tokens, args.kv_budget,
-                                 int(args.max_body_mb * (1 << 20)), args.prefill_chunk,
-                                 args.cold_budget if args.context_cache else None, args.context_scope)
+        self.state = state_from_args(args, model, tokenizer, points)
         self.app = create_app(self.state)
         self.name = serve.get_replica_context().replica_id.unique_id
 
@@ -209,16 +204,7 @@ def check(args: argparse.Namespace) -> ReplicaSettings:
         raise ValueError(f"--replicas {args.replicas}: give a positive number of replicas")
     if args.routing not in ROUTINGS:
         raise ValueError(f"--routing {args.routing!r}: give one of {', '.join(ROUTINGS)}")
-    point_source(args.model, args.contract, args.policy, args.ratio, args.question_aware, args.allow_override,
-                 args.evict_every, args.recall)  # refuses a bad contract or point before any replica loads
-    if not str(args.kv_budget).strip().endswith("%"):
-        parse_budget(args.kv_budget)
-    if args.context_cache and not str(args.cold_budget).strip().endswith("%"):
-        parse_budget(args.cold_budget, None, "--cold-budget", 0)
-    if args.drain_timeout is not None and not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):
-        raise ValueError(f"--drain-timeout must be a finite number of seconds >= 0, got {args.drain_timeout!r}")
-    if args.prefill_chunk < 1:
-        raise ValueError(f"--prefill-chunk must be a positive number of tokens, got {args.prefill_chunk}")
+    checked_points(args)  # refuses a bad contract, point or flag before any replica loads
     return ReplicaSettings.of(args)
 
 
