@@ -63,7 +63,6 @@ class StoredContext:
     bytes_full: int  # what the context would take at full KV
     hot: DynamicCache | None = None
     tiers: TieredContext | None = None
-    hits: int = 0
     hot_bytes: int = field(init=False)
     cold_bytes: int = field(init=False)
 
@@ -123,7 +122,6 @@ class ContextCache:
             self.metrics.inc("kvsieve_context_cache_misses_total")
             return
         self._entries.move_to_end(entry.key)
-        entry.hits += 1
         self.metrics.inc("kvsieve_context_cache_hits_total")
 
     def make_room(self, hot_room: int, keep: StoredContext | None = None) -> bool:
