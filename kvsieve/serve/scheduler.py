@@ -241,8 +241,9 @@ class Scheduler:
 
     # -- the model thread -------------------------------------------------------------------------------
     def _admit(self) -> None:
-        """Drop cancelled waiting jobs; admit waiting jobs, first come first served, while they fit and the prefills
-        admitted already leave room in this step's chunk (admitting more would only hold their bytes idle)."""
+        """Drop cancelled waiting jobs; admit waiting jobs, first come first served, while they fit (stored contexts
+        evicted, least recently used first, to make the room; never the one a job reuses) and the prefills admitted
+        already leave room in this step's chunk (admitting more would only hold their bytes idle)."""
         with self._cond:
             for job in [j for j in self._waiting if j.cancelled.is_set()]:
                 self._waiting.remove(job)
