@@ -76,9 +76,9 @@ class DecodePrefill:
         return sum(part.shape[1] for part in self.parts[self.part:]) - self.read
 
     @property
-    def evicts(self) -> bool:
+    def evicts_while_decoding(self) -> bool:
         """Whether the row also evicts while it decodes (its room is below ``max_tokens``)."""
-        return self.full.evicts if self.full is not None else self.room < self.max_tokens
+        return self.full.evicts_while_decoding if self.full is not None else self.room < self.max_tokens
 
     @torch.no_grad()
     def advance(self, tokens: int) -> int:

@@ -177,7 +177,7 @@ class Prefill:
             cache, hot = tiers.question_cache(), tiers.hot_nbytes()
             self.armed = list(tiers.armed)
         else:  # a row evicting while it decodes keeps an intrinsic policy's scores with the entries
-            cache, _ = read.pruned(chosen.point.policy, budget, remember_scores=self.evicts)
+            cache, _ = read.pruned(chosen.point.policy, budget, remember_scores=self.evicts_while_decoding)
             hot = cache_bytes(cache)
         kept = [layer.physical_length for _, layer in sieve_layers(cache)]
         self.info = CacheInfo(n, n + m, full_cache_bytes(cache), hot, kept, 0.0, self.chosen,
@@ -218,7 +218,7 @@ class Prefill:
         self.question = PromptReader(self.model, rest, self.capture, cache)
 
     @property
-    def evicts(self) -> bool:
+    def evicts_while_decoding(self) -> bool:
         """Whether the request's row also evicts while it decodes (its room is below ``max_tokens``)."""
         return self.room < self.max_tokens
 

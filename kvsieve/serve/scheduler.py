@@ -355,7 +355,7 @@ class Scheduler:
         exactly what its cache allocates, or its cap when it evicts while it decodes."""
         prefill, (cache, logits, info) = job.prefill, job.prefill.finished()
         job.prefill = None
-        if prefill.evicts:
+        if prefill.evicts_while_decoding:
             job.cap = row_cap(cache, info.chosen.point.policy, prefill.room)
             if job.cap.charge > job.need:  # a prompt shorter than the policy's protected entries: grow instead
                 job.cap = None

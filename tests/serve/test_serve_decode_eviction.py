@@ -97,7 +97,7 @@ def served_alone(model, prompt, chosen: ChosenPoint, max_tokens: int, step_token
         prefill.advance(step_tokens)
     cache, logits, info = prefill.finished()
     policy = chosen.point.policy
-    cap = row_cap(cache, policy, prefill.room) if prefill.evicts else None
+    cap = row_cap(cache, policy, prefill.room) if prefill.evicts_while_decoding else None
     batch, position, fed, tokens, logits = stack_rows(None, cache), info.prompt_tokens, 0, [], logits[None]
     while True:
         tokens.append(int(logits.argmax(-1)))
