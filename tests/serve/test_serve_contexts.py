@@ -169,3 +169,17 @@ def test_smollm2_answers_two_questions_about_one_document_from_its_compressed_co
         reply = raw.parse()
         assert reply.choices[0].message.content == want.text
         assert reply.usage.kv_cache["bytes_moved"] == want.moved_bytes > 0
+
+
+def test_the_cold_budget_is_read_as_a_budget_named_for_its_flag_and_may_be_zero(capsys, monkeypatch):
+    from kvsieve.serve import command
+
+    assert command.parse_budget("0B", None, "--cold-budget", 0) == 0
+    assert command.parse_budget("2GiB", None, "--cold-budget", 0) == 2 << 30
+    with pytest.raises(ValueError, match=r"--kv-budget '0B' is 0 bytes: give at least 1"):
+        command.parse_budget("0B")
+    monkeypatch.setattr(command, "load", lambda *_a: pytest.fail("the model was loaded"))
+    assert command.main(["--cold-budget", "64"]) == 2
+    assert "--cold-budget '64' has no unit" in capsys.readouterr().err
+    assert command.main(["--no-context-cache", "--cold-budget", "64", "--kv-budget", "lots"]) == 2  # not read then
+    assert "--cold-budget" not in capsys.readouterr().err
